@@ -1,0 +1,52 @@
+"""One registry: backend name -> the set of (autograd-aware) operations the model delegates.
+
+The model never imports a backend; it receives a `KernelOps` from `get_ops(backend)`.
+Backends that cannot run on this machine raise `KernelUnavailableError` at start-up
+instead of silently falling back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fused_kernels import reference
+
+
+class KernelUnavailableError(RuntimeError):
+    """The requested fused-kernel backend cannot run here; the message says why and what to use."""
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """The operations a GPT-2 block delegates. Signatures follow `fused_kernels.reference`."""
+
+    name: str
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, bool], torch.Tensor]
+    add_layernorm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    lm_cross_entropy: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+REFERENCE_OPS = KernelOps(
+    name="none",
+    linear=reference.linear,
+    add_layernorm=reference.add_layernorm,
+    lm_cross_entropy=reference.lm_cross_entropy,
+)
+
+_BACKENDS: dict[str, Callable[[], KernelOps]] = {"none": lambda: REFERENCE_OPS}
+
+
+def register_backend(name: str, factory: Callable[[], KernelOps]) -> None:
+    _BACKENDS[name] = factory
+
+
+def get_ops(backend: str) -> KernelOps:
+    """The ops of `backend` ("none", "triton", "cuda"); raises KernelUnavailableError if unusable."""
+    if backend not in _BACKENDS:
+        raise KernelUnavailableError(
+            f"fused-kernel backend {backend!r} is not available in this version; "
+            f"choose one of {sorted(_BACKENDS)}")
+    return _BACKENDS[backend]()

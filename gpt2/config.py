@@ -1,0 +1,310 @@
+"""Typed configuration: GPT-2 presets, training, data, parallel layout and logging, plus the CLI.
+
+The command line is the single source of truth. `parse_args()` turns argv into a `RunConfig`,
+and `validate()` rejects bad input with an error that names the fix, before any heavy work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+GPT2_VOCAB_SIZE = 50257
+VOCAB_PAD_MULTIPLE = 128  # 50257 -> 50304: tensor-core friendly LM-head GEMMs
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error; the message says how to fix it."""
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    n_positions: int = 1024  # learned position table size (GPT-2: 1024)
+    vocab_size: int = GPT2_VOCAB_SIZE
+    pad_vocab: bool = True  # pad the embedding/LM head to a multiple of 128; padded logits are masked
+    dropout: float = 0.0
+    layer_norm_eps: float = 1e-5
+
+    @property
+    def padded_vocab_size(self) -> int:
+        if not self.pad_vocab:
+            return self.vocab_size
+        return math.ceil(self.vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "gpt2-tiny": dict(n_layer=2, n_head=4, n_embd=64, n_positions=256),
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+}
+
+Mode = Literal["single", "baseline", "hybrid"]
+Precision = Literal["bf16", "fp16", "fp32"]
+
+
+@dataclass
+class DataConfig:
+    data: str = "wikitext"  # "wikitext" (WikiText-103 via `datasets`) or "synthetic"
+    data_path: str | None = None  # local text file(s) or a folder with train/validation files
+    tokenizer: str = "gpt2"  # hub name, tokenizer.json path or tokenizer folder
+    max_samples: int | None = None  # cap on training blocks
+    cache_dir: str = ".cache/tokens"
+    num_proc: int = 4  # tokenisation processes
+    eval_batches: int = 20
+
+
+@dataclass
+class ParallelConfig:
+    tp_size: int = 1
+    sequence_parallel: bool = False
+    tp_overlap: bool = True
+    zero_stage: int = 3
+    ds_config: str | None = None
+
+
+@dataclass
+class LogConfig:
+    out_dir: str = "runs"
+    run_name: str | None = None
+    wandb: Literal["online", "offline", "disabled"] | None = None  # None: online iff credentials
+    wandb_project: str = "gpt2-hybrid-parallel"
+    wandb_group: str | None = None
+    wandb_tags: list[str] = field(default_factory=list)
+    log_interval: int = 10
+    peak_tflops: float | None = None
+
+
+@dataclass
+class TrainConfig:
+    mode: Mode = "single"
+    model: str = "gpt2-tiny"
+    init_from: str | None = None
+    batch_size: int = 8  # micro-batch per GPU (per data-parallel replica)
+    grad_accum: int = 1
+    global_batch_size: int | None = None  # if set, grad_accum is derived from it per world size
+    seq_len: int = 256
+    max_steps: int = 50
+    warmup_steps: int = 10  # LR warm-up
+    throughput_warmup_steps: int = 3  # steps excluded from tokens/s and MFU
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    precision: Precision = "bf16"
+    seed: int = 1337
+    activation_checkpointing: bool = False
+    compile: bool = False
+    eval_interval: int = 0  # 0: evaluate only at the end
+    fused_kernels: Literal["none", "triton", "cuda"] = "none"
+    attn: Literal["sdpa", "flash"] = "sdpa"
+    device: str | None = None  # None: cuda if available else cpu
+
+
+@dataclass
+class RunConfig:
+    train: TrainConfig
+    model: ModelConfig
+    data: DataConfig
+    parallel: ParallelConfig
+    log: LogConfig
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="train.py",
+        description="Train GPT-2 with single-device, DDP or DeepSpeed ZeRO-3 (+ tensor parallel).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("mode and model")
+    g.add_argument("--mode", choices=["single", "baseline", "hybrid"], default="single")
+    g.add_argument("--model", choices=sorted(MODEL_PRESETS), default="gpt2-tiny")
+    g.add_argument("--n-layer", type=_positive_int, help="override the preset's layer count")
+    g.add_argument("--n-embd", type=_positive_int, help="override the preset's width")
+    g.add_argument("--n-head", type=_positive_int, help="override the preset's head count")
+    g.add_argument("--dropout", type=float, default=0.0)
+    g.add_argument("--no-pad-vocab", action="store_true", help="keep vocab at 50257 (no padding to 128)")
+    g.add_argument("--init-from", help="gpt2 | gpt2-medium | gpt2-large | gpt2-xl | local HF folder")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data", choices=["wikitext", "synthetic"], default="wikitext")
+    g.add_argument("--data-path", help="text file(s) or a folder with train/validation files")
+    g.add_argument("--tokenizer", default="gpt2", help="hub name, tokenizer.json or tokenizer folder")
+    g.add_argument("--max-samples", type=_positive_int, help="cap on training sequences")
+    g.add_argument("--cache-dir", default=".cache/tokens", help="tokenised-stream cache")
+    g.add_argument("--num-proc", type=_positive_int, default=4, help="tokenisation processes")
+    g.add_argument("--eval-batches", type=_positive_int, default=20)
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--batch-size", type=_positive_int, default=8, help="micro-batch per data-parallel rank")
+    g.add_argument("--grad-accum", type=_positive_int, default=1)
+    g.add_argument("--global-batch-size", type=_positive_int,
+                   help="sequences per optimizer step; sets --grad-accum to it / (batch-size x dp-size)")
+    g.add_argument("--seq-len", type=_positive_int, default=256)
+    g.add_argument("--max-steps", type=_positive_int, default=50)
+    g.add_argument("--warmup-steps", type=_non_negative_int, default=10)
+    g.add_argument("--throughput-warmup-steps", type=_non_negative_int, default=3)
+    g.add_argument("--lr", type=_positive_float, default=6e-4)
+    g.add_argument("--min-lr", type=float, default=6e-5)
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--grad-clip", type=float, default=1.0, help="0 disables clipping")
+    g.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16",
+                   help="autocast dtype on GPU; CPU runs always use fp32")
+    g.add_argument("--seed", type=int, default=1337)
+    g.add_argument("--activation-checkpointing", action="store_true")
+    g.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    g.add_argument("--eval-interval", type=_non_negative_int, default=0, help="0: evaluate at the end only")
+    g.add_argument("--device", help="cpu | cuda (default: cuda when available)")
+
+    g = p.add_argument_group("kernels")
+    g.add_argument("--fused-kernels", choices=["none", "triton", "cuda"], default="none")
+    g.add_argument("--use-fused-kernel", action="store_true", help="alias of --fused-kernels cuda")
+    g.add_argument("--attn", choices=["sdpa", "flash"], default="sdpa")
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tp-size", type=_positive_int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--no-tp-overlap", action="store_true")
+    g.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=3)
+    g.add_argument("--ds-config", help="DeepSpeed JSON config (hybrid mode)")
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--out-dir", default="runs", help="parent folder of run folders")
+    g.add_argument("--run-name", help="run folder name (default: mode-model-timestamp)")
+    g.add_argument("--wandb", choices=["online", "offline", "disabled"],
+                   help="default: online with credentials, else offline")
+    g.add_argument("--wandb-project", default="gpt2-hybrid-parallel")
+    g.add_argument("--wandb-group")
+    g.add_argument("--wandb-tags", nargs="*", default=[])
+    g.add_argument("--log-interval", type=_positive_int, default=10)
+    g.add_argument("--peak-tflops", type=_positive_float,
+                   help="device peak dense TFLOP/s for MFU (overrides the table)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    preset = dict(MODEL_PRESETS[args.model])
+    for key in ("n_layer", "n_embd", "n_head"):
+        if getattr(args, key) is not None:
+            preset[key] = getattr(args, key)
+    model = ModelConfig(**preset, dropout=args.dropout, pad_vocab=not args.no_pad_vocab)
+    train = TrainConfig(
+        mode=args.mode, model=args.model, init_from=args.init_from, batch_size=args.batch_size,
+        grad_accum=args.grad_accum, global_batch_size=args.global_batch_size,
+        seq_len=args.seq_len, max_steps=args.max_steps,
+        warmup_steps=args.warmup_steps, throughput_warmup_steps=args.throughput_warmup_steps,
+        lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+        precision=args.precision, seed=args.seed,
+        activation_checkpointing=args.activation_checkpointing, compile=args.compile,
+        eval_interval=args.eval_interval,
+        fused_kernels="cuda" if args.use_fused_kernel else args.fused_kernels,
+        attn=args.attn, device=args.device,
+    )
+    if args.use_fused_kernel and args.fused_kernels not in ("none", "cuda"):
+        raise ConfigError("--use-fused-kernel means --fused-kernels cuda; drop one of the two flags")
+    data = DataConfig(
+        data=args.data, data_path=args.data_path, tokenizer=args.tokenizer,
+        max_samples=args.max_samples, cache_dir=args.cache_dir, num_proc=args.num_proc,
+        eval_batches=args.eval_batches,
+    )
+    parallel = ParallelConfig(
+        tp_size=args.tp_size, sequence_parallel=args.sequence_parallel,
+        tp_overlap=not args.no_tp_overlap, zero_stage=args.zero_stage, ds_config=args.ds_config,
+    )
+    log = LogConfig(
+        out_dir=args.out_dir, run_name=args.run_name, wandb=args.wandb,
+        wandb_project=args.wandb_project, wandb_group=args.wandb_group,
+        wandb_tags=list(args.wandb_tags), log_interval=args.log_interval,
+        peak_tflops=args.peak_tflops,
+    )
+    return RunConfig(train=train, model=model, data=data, parallel=parallel, log=log)
+
+
+def validate(cfg: RunConfig) -> None:
+    """Checks that need no process group, no data and no GPU."""
+    m, t = cfg.model, cfg.train
+    if m.n_embd % m.n_head:
+        raise ConfigError(f"--n-embd {m.n_embd} is not divisible by --n-head {m.n_head}; "
+                          f"pick a head count that divides {m.n_embd}")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"--dropout must be in [0, 1), got {m.dropout}")
+    if t.seq_len > m.n_positions:
+        raise ConfigError(f"--seq-len {t.seq_len} exceeds the model's {m.n_positions} positions "
+                          f"({t.model}); use --seq-len <= {m.n_positions}")
+    if t.min_lr > t.lr:
+        raise ConfigError(f"--min-lr {t.min_lr} is above --lr {t.lr}")
+    if t.grad_clip < 0:
+        raise ConfigError(f"--grad-clip must be >= 0 (0 disables), got {t.grad_clip}")
+    if cfg.data.data == "synthetic" and cfg.data.data_path:
+        raise ConfigError("--data synthetic ignores --data-path; drop one of the two")
+    if t.mode != "hybrid" and cfg.parallel.ds_config:
+        raise ConfigError("--ds-config only applies to --mode hybrid")
+    if cfg.parallel.tp_size > 1 or cfg.parallel.sequence_parallel:
+        raise ConfigError("tensor parallelism (--tp-size > 1, --sequence-parallel) is not yet "
+                          "available in this version; run with --tp-size 1")
+    if t.mode == "hybrid":
+        raise ConfigError("--mode hybrid (DeepSpeed ZeRO-3) is not yet available in this version; "
+                          "use --mode single or --mode baseline")
+
+
+def validate_world(cfg: RunConfig, world_size: int) -> None:
+    """Checks that need the launched world size; resolves grad_accum from --global-batch-size."""
+    t, p = cfg.train, cfg.parallel
+    if t.mode == "single" and world_size > 1:
+        raise ConfigError(f"--mode single was launched on {world_size} processes; "
+                          "use --mode baseline (DDP) or launch one process")
+    if world_size % p.tp_size:
+        raise ConfigError(f"world size {world_size} is not divisible by --tp-size {p.tp_size}")
+    dp = world_size // p.tp_size
+    if t.global_batch_size is not None:
+        per_step = t.batch_size * dp
+        if t.global_batch_size % per_step:
+            raise ConfigError(
+                f"--global-batch-size {t.global_batch_size} is not divisible by --batch-size "
+                f"{t.batch_size} x dp-size {dp} = {per_step}; use a multiple of {per_step}")
+        t.grad_accum = t.global_batch_size // per_step
+
+
+def parse_args(argv: list[str] | None = None) -> RunConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args)
+    validate(cfg)
+    return cfg
