@@ -1,0 +1,84 @@
+"""Process-group set-up: device choice, backend (NCCL on GPU, gloo on CPU), launcher checks."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from gpt2.config import ConfigError, RunConfig, validate_world
+from parallel.dims import ParallelDims
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class DistContext:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    dims: ParallelDims
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+def launched_by_launcher() -> bool:
+    return all(v in os.environ for v in LAUNCHER_VARS)
+
+
+def pick_device(requested: str | None, local_rank: int) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was requested but no CUDA GPU is visible; use --device cpu")
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
+                          "launch at most one process per GPU")
+    return torch.device("cuda", local_rank)
+
+
+def check_launch(cfg: RunConfig) -> None:
+    """Distributed modes need a launcher; cheap, so it runs before anything heavy."""
+    if cfg.train.mode in ("baseline", "hybrid") and not launched_by_launcher():
+        raise ConfigError(
+            f"--mode {cfg.train.mode} needs a distributed launcher that sets {', '.join(LAUNCHER_VARS)}: "
+            f"run `torchrun --nproc_per_node=N train.py --mode {cfg.train.mode} ...`"
+            + (" or `deepspeed --num_gpus=N train.py --mode hybrid ...`" if cfg.train.mode == "hybrid" else "")
+            + ", or use --mode single")
+
+
+def init_distributed(cfg: RunConfig) -> DistContext:
+    """Validate the launch, pick the device, create the process group and the TP/DP grid."""
+    check_launch(cfg)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    validate_world(cfg, world_size)
+    device = pick_device(cfg.train.device, local_rank)
+    dims = ParallelDims(world_size=world_size, rank=rank, tp_size=cfg.parallel.tp_size)
+    dims.validate_model(cfg.model)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if cfg.train.mode != "single":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+        dims.build_groups()
+    return DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device, dims=dims)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

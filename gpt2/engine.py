@@ -1,0 +1,140 @@
+"""Training engines: how one optimizer step is executed in each mode.
+
+- `TorchEngine`: `--mode single` (one device) and `--mode baseline` (DDP over the data-parallel
+  group; `no_sync` on all but the last micro-step of gradient accumulation).
+- The DeepSpeed engine (`--mode hybrid`) implements the same interface.
+
+Build order (torchtitan's): model on the target device from the seed -> weights from --init-from ->
+activation checkpointing -> torch.compile per block -> data-parallel wrapper -> optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from fused_kernels import get_ops
+from fused_kernels.attention import get_attention
+from gpt2.config import RunConfig, TrainConfig
+from gpt2.distributed import DistContext
+from gpt2.model import GPT
+
+
+def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for fp32. CPU runs are always fp32."""
+    if device.type != "cuda" or cfg.precision == "fp32":
+        return None
+    return torch.bfloat16 if cfg.precision == "bf16" else torch.float16
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to lr over warmup_steps, then cosine decay to min_lr at max_steps (0-based step)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    decay_steps = max(1, cfg.max_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices and embeddings (dim >= 2), none on biases and LayerNorm gains."""
+    params = {id(p): p for p in model.parameters() if p.requires_grad}.values()  # tied weights once
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_model(cfg: RunConfig, device: torch.device) -> GPT:
+    """The parallel-unaware GPT-2, initialised from the seed (identical on every rank) or --init-from."""
+    ops = get_ops(cfg.train.fused_kernels)
+    attention = get_attention(cfg.train.attn)
+    torch.manual_seed(cfg.train.seed)
+    with torch.device(device):
+        model = GPT(cfg.model, ops=ops, attention=attention)
+    if cfg.train.init_from:
+        from gpt2.hf_weights import load_hf_state_dict
+
+        model.load_state_dict(load_hf_state_dict(cfg.train.init_from, cfg.model))
+    return model
+
+
+class TorchEngine:
+    """Single-device or DDP training with autocast, GradScaler (fp16), clipping and fused AdamW."""
+
+    def __init__(self, cfg: RunConfig, ctx: DistContext):
+        self.cfg = cfg
+        self.ctx = ctx
+        t = cfg.train
+        model = build_model(cfg, ctx.device)
+        model.activation_checkpointing = t.activation_checkpointing
+        if t.compile:
+            for block in model.blocks:
+                block.compile()
+        self.module = model
+        if t.mode == "baseline":
+            self.model: nn.Module = DistributedDataParallel(
+                model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                process_group=ctx.dims.dp_group, gradient_as_bucket_view=True)
+        else:
+            self.model = model
+        self.dtype = autocast_dtype(t, ctx.device)
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.dtype == torch.float16)
+        self.optimizer = torch.optim.AdamW(
+            param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
+            fused=ctx.device.type == "cuda")
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_at(s, t) / t.lr)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.ctx.device.type, dtype=self.dtype)
+
+    def forward_backward(
+        self, x: torch.Tensor, y: torch.Tensor, last_micro_step: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-step; returns the (detached, unscaled) mean loss and the correct-token count."""
+        sync = last_micro_step or not isinstance(self.model, DistributedDataParallel)
+        with contextlib.nullcontext() if sync else self.model.no_sync():
+            with self.autocast():
+                loss, correct = self.model(x, y)
+            self.scaler.scale(loss / self.cfg.train.grad_accum).backward()
+        return loss.detach(), correct.detach()
+
+    def optimizer_step(self) -> torch.Tensor:
+        """Clip, step, schedule; returns the pre-clip global gradient norm (a device tensor)."""
+        self.scaler.unscale_(self.optimizer)
+        clip = self.cfg.train.grad_clip
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return norm
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """Mean loss and top-1 accuracy over `batches`, averaged over the data-parallel group."""
+        self.model.eval()
+        totals = torch.zeros(3, device=self.ctx.device, dtype=torch.float64)  # loss*tokens, correct, tokens
+        for x, y in batches:
+            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            with self.autocast():
+                loss, correct = self.module(x, y)
+            totals[0] += loss.double() * y.numel()
+            totals[1] += correct.double()
+            totals[2] += y.numel()
+        self.model.train()
+        if self.ctx.distributed:
+            dist.all_reduce(totals, group=self.ctx.dims.dp_group)
+        return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()

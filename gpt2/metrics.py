@@ -1,0 +1,181 @@
+"""Throughput accounting: FLOPs per token, device peak table, MFU/HFU, memory and tokens/s.
+
+All numbers a run reports come from here, so the formulas live in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from gpt2.config import ModelConfig
+
+_log = logging.getLogger("gpt2")
+
+# Dense bf16 tensor-core peak, TFLOP/s per GPU (no sparsity), from the vendors' datasheets.
+# Matched against torch.cuda.get_device_name() by substring, most specific first.
+PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),  # SXM / HBM3
+    ("H800", 989.0),
+    ("GH200", 989.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+]
+
+
+def non_embedding_block_params(cfg: ModelConfig) -> int:
+    """Parameters of one transformer block: 12 d^2 + 13 d (QKV, out-proj, MLP up/down, 2 LayerNorms)."""
+    d = cfg.n_embd
+    return 12 * d * d + 13 * d
+
+
+def model_params_for_flops(cfg: ModelConfig) -> int:
+    """N in the FLOPs formula: all blocks + final LayerNorm + the (tied) token embedding, unpadded.
+
+    The tied token embedding is counted once, because it is the LM-head matmul (V x d per token,
+    forward and backward). Position embeddings are excluded: a lookup does no matmul FLOPs.
+    Vocab padding rows are excluded: they are not part of the model's function.
+    """
+    return cfg.n_layer * non_embedding_block_params(cfg) + 2 * cfg.n_embd + cfg.vocab_size * cfg.n_embd
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward), PaLM / nanoGPT convention:
+
+        6 N + 12 L d T
+
+    N from `model_params_for_flops` (matmul weights incl. the tied LM head, 2 FLOPs per
+    multiply-add, x3 for forward + backward), and 12 L d T for the attention score and value
+    matmuls (QK^T and AV over the full T x T square; causal masking is not discounted).
+    """
+    return 6.0 * model_params_for_flops(cfg) + 12.0 * cfg.n_layer * cfg.n_embd * seq_len
+
+
+def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, activation_checkpointing: bool) -> float:
+    """FLOPs the hardware executes: full activation checkpointing re-runs the forward (+1/3)."""
+    base = flops_per_token(cfg, seq_len)
+    return base * 4.0 / 3.0 if activation_checkpointing else base
+
+
+def device_peak_tflops(device: torch.device, override: float | None = None) -> float | None:
+    """Peak dense bf16 TFLOP/s of one device; `override` wins. Unknown devices warn loudly, return None."""
+    if override is not None:
+        return override
+    if device.type != "cuda":
+        _log.warning("no peak FLOP/s is known for device type %r: MFU is not reported. "
+                     "Pass --peak-tflops to set one.", device.type)
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_BF16_TFLOPS:
+        if key in name:
+            return tflops
+    _log.warning("!!! unknown GPU %r: MFU is not reported. Pass --peak-tflops <dense bf16 TFLOP/s>. !!!", name)
+    return None
+
+
+@dataclass
+class MemoryStats:
+    peak_allocated_gib: float
+    peak_reserved_gib: float
+    alloc_retries: int
+
+    def as_dict(self) -> dict[str, float]:
+        return {"mem/peak_allocated_gib": self.peak_allocated_gib,
+                "mem/peak_reserved_gib": self.peak_reserved_gib,
+                "mem/alloc_retries": self.alloc_retries}
+
+
+def memory_stats(device: torch.device) -> MemoryStats:
+    """Peak memory since start. CUDA: allocator peaks and retries. CPU: process peak RSS for both."""
+    gib = 1024**3
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        return MemoryStats(torch.cuda.max_memory_allocated(device) / gib,
+                           torch.cuda.max_memory_reserved(device) / gib,
+                           int(stats.get("num_alloc_retries", 0)))
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    rss = rss_kib if sys.platform == "darwin" else rss_kib * 1024
+    return MemoryStats(rss / gib, rss / gib, 0)
+
+
+class ThroughputMeter:
+    """Tokens/s, MFU and HFU over the steps after `warmup_steps` (compilation, allocator warm-up).
+
+    Tokens per step are counted per data-parallel replica: dp_size x micro_batch x grad_accum x seq_len
+    (ranks of one tensor-parallel group process the same tokens). MFU = achieved model FLOP/s /
+    (n_gpus x peak), with n_gpus the whole world (all TP and DP ranks).
+    """
+
+    def __init__(self, *, tokens_per_step: int, flops_per_token: float, hw_flops_per_token: float,
+                 n_devices: int, peak_tflops: float | None, warmup_steps: int):
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.hw_flops_per_token = hw_flops_per_token
+        self.n_devices = n_devices
+        self.peak_tflops = peak_tflops
+        self.warmup_steps = warmup_steps
+        self.measured_steps = 0
+        self.measured_time = 0.0
+        self.last_step_time = 0.0
+
+    def record(self, step: int, step_time: float) -> None:
+        """Record one optimizer step (1-based `step`) that took `step_time` seconds."""
+        self.last_step_time = step_time
+        if step > self.warmup_steps:
+            self.measured_steps += 1
+            self.measured_time += step_time
+
+    def _rates(self, seconds_per_step: float) -> dict[str, float | None]:
+        tok_s = self.tokens_per_step / seconds_per_step
+        out: dict[str, float | None] = {
+            "tokens_per_s": tok_s,
+            "tokens_per_s_per_gpu": tok_s / self.n_devices,
+            "mfu": None, "hfu": None,
+        }
+        if self.peak_tflops:
+            peak = self.n_devices * self.peak_tflops * 1e12
+            out["mfu"] = tok_s * self.flops_per_token / peak
+            out["hfu"] = tok_s * self.hw_flops_per_token / peak
+        return out
+
+    def current(self) -> dict[str, float | None]:
+        """Rates of the last step alone (for the progress line)."""
+        return self._rates(max(self.last_step_time, 1e-12))
+
+    def summary(self) -> dict[str, float | None]:
+        """Rates averaged over all measured (post-warm-up) steps; None-valued if none were measured."""
+        if self.measured_steps == 0:
+            return {"tokens_per_s": None, "tokens_per_s_per_gpu": None, "mfu": None, "hfu": None,
+                    "step_time_s": None, "measured_steps": 0}
+        per_step = self.measured_time / self.measured_steps
+        return {**self._rates(per_step), "step_time_s": per_step, "measured_steps": self.measured_steps}
+
+
+class StepTimer:
+    """Wall time of a region, synchronising the device first so asynchronous GPU work is counted."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._start = 0.0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        self._sync()
+        self._start = time.perf_counter()
+
+    def stop(self) -> float:
+        self._sync()
+        return time.perf_counter() - self._start

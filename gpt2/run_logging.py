@@ -1,0 +1,105 @@
+"""Run folder, console log, JSONL metrics and Weights & Biases: what a run leaves behind.
+
+Only rank 0 writes. A run folder is never reused: an existing name gets a numeric suffix.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from gpt2.config import RunConfig
+
+log = logging.getLogger("gpt2")
+
+
+def make_run_dir(cfg: RunConfig) -> Path:
+    """Create a fresh run folder under --out-dir; never returns an existing folder."""
+    name = cfg.log.run_name or f"{cfg.train.mode}-{cfg.train.model}-{time.strftime('%Y%m%d-%H%M%S')}"
+    root = Path(cfg.log.out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    candidate, n = root / name, 1
+    while True:
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            candidate, n = root / f"{name}-{n}", n + 1
+
+
+def setup_console(run_dir: Path | None, is_main: bool) -> None:
+    """Log to the console and (rank 0) to run_dir/console.log; other ranks only log warnings."""
+    log.handlers.clear()
+    log.propagate = False
+    log.setLevel(logging.INFO if is_main else logging.WARNING)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+    stream = logging.StreamHandler()
+    stream.setFormatter(fmt)
+    log.addHandler(stream)
+    if run_dir is not None:
+        file = logging.FileHandler(run_dir / "console.log")
+        file.setFormatter(fmt)
+        log.addHandler(file)
+    logging.captureWarnings(True)
+    logging.getLogger("py.warnings").handlers = log.handlers
+
+
+def _clean(record: dict[str, Any]) -> dict[str, Any]:
+    """JSON-safe: NaN/inf become null (standard JSON has neither)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+
+
+def wandb_mode(requested: str | None) -> str:
+    """online iff credentials are present (env or ~/.netrc), else offline; an explicit choice wins."""
+    if requested:
+        return requested
+    netrc = Path.home() / ".netrc"
+    has_key = bool(os.environ.get("WANDB_API_KEY")) or (netrc.exists() and "api.wandb.ai" in netrc.read_text())
+    return "online" if has_key else "offline"
+
+
+class MetricsLogger:
+    """JSONL (one record per log step + one summary record) and wandb, with the same metric names."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path):
+        self.run_dir = run_dir
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 (closed in close())
+        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        self._wandb = None
+        mode = wandb_mode(cfg.log.wandb)
+        if mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(
+                project=cfg.log.wandb_project, group=cfg.log.wandb_group, name=run_dir.name,
+                tags=cfg.log.wandb_tags, job_type=cfg.train.mode, config=cfg.to_dict(),
+                dir=str(run_dir), mode=mode,
+            )
+            log.info("wandb: %s mode, run %s", mode, run_dir.name)
+            if mode == "offline":
+                log.info("wandb: upload later with `wandb sync %s/wandb/offline-run-*`", run_dir)
+
+    def log_step(self, step: int, metrics: dict[str, Any]) -> None:
+        record = _clean({"type": "step", "step": step, **metrics})
+        self._jsonl.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+
+    def log_summary(self, summary: dict[str, Any]) -> None:
+        record = _clean({"type": "summary", **summary})
+        self._jsonl.write(json.dumps(record) + "\n")
+        (self.run_dir / "summary.json").write_text(json.dumps(record, indent=2))
+        if self._wandb is not None:
+            for k, v in summary.items():
+                if v is not None:
+                    self._wandb.summary[k] = v
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._wandb is not None:
+            self._wandb.finish()

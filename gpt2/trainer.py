@@ -1,0 +1,152 @@
+"""The training loop, shared by every mode: micro-steps, optimizer step, metrics, eval, summary."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from gpt2.config import RunConfig
+from gpt2.data import DataBundle
+from gpt2.distributed import DistContext
+from gpt2.metrics import (
+    StepTimer,
+    ThroughputMeter,
+    device_peak_tflops,
+    flops_per_token,
+    hardware_flops_per_token,
+    memory_stats,
+    model_params_for_flops,
+)
+from gpt2.run_logging import MetricsLogger, log
+
+
+class Engine(Protocol):
+    def forward_backward(
+        self, x: torch.Tensor, y: torch.Tensor, last_micro_step: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def optimizer_step(self) -> torch.Tensor: ...
+    def evaluate(self, batches) -> tuple[float, float]: ...
+    @property
+    def lr(self) -> float: ...
+
+
+def _dp_mean(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    if ctx.distributed and ctx.dims.dp_size > 1:
+        values = values.clone()
+        dist.all_reduce(values, group=ctx.dims.dp_group)
+        values /= ctx.dims.dp_size
+    return values
+
+
+def _world_max(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    if ctx.distributed:
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values
+
+
+def _peak_memory(ctx: DistContext) -> dict[str, float]:
+    """Peak memory per device, as the max over all ranks."""
+    mem = memory_stats(ctx.device)
+    peaks = _world_max(torch.tensor([mem.peak_allocated_gib, mem.peak_reserved_gib, mem.alloc_retries],
+                                    dtype=torch.float64, device=ctx.device), ctx).tolist()
+    return {"mem/peak_allocated_gib": peaks[0], "mem/peak_reserved_gib": peaks[1], "mem/alloc_retries": int(peaks[2])}
+
+
+def _device_name(ctx: DistContext) -> str:
+    return torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
+
+
+def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBundle,
+                 logger: MetricsLogger | None, start_step: int = 0) -> dict[str, Any]:
+    """Train from `start_step` to max_steps; returns the summary record (identical on every rank)."""
+    t = cfg.train
+    dp = ctx.dims.dp_size
+    tokens_per_step = dp * t.batch_size * t.grad_accum * t.seq_len
+    peak = device_peak_tflops(ctx.device, cfg.log.peak_tflops)
+    meter = ThroughputMeter(
+        tokens_per_step=tokens_per_step, flops_per_token=flops_per_token(cfg.model, t.seq_len),
+        hw_flops_per_token=hardware_flops_per_token(cfg.model, t.seq_len, t.activation_checkpointing),
+        n_devices=ctx.world_size, peak_tflops=peak, warmup_steps=start_step + t.throughput_warmup_steps)
+    timer = StepTimer(ctx.device)
+    log.info("tokens/step %d (dp %d x batch %d x accum %d x seq %d); FLOPs/token %.3e; peak %s TFLOP/s",
+             tokens_per_step, dp, t.batch_size, t.grad_accum, t.seq_len, meter.flops_per_token, peak)
+
+    bar = tqdm(total=t.max_steps, initial=start_step, disable=not ctx.is_main, dynamic_ncols=True, unit="step")
+    tokens_per_micro = t.batch_size * t.seq_len
+    last: dict[str, Any] = {}
+    train_start = time.perf_counter()
+    for step in range(start_step + 1, t.max_steps + 1):
+        timer.start()
+        loss_sum = torch.zeros((), device=ctx.device)
+        correct_sum = torch.zeros((), device=ctx.device)
+        for micro in range(t.grad_accum):
+            x, y = data.train.next_batch()
+            x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+            loss, correct = engine.forward_backward(x, y, last_micro_step=micro == t.grad_accum - 1)
+            loss_sum += loss.float()
+            correct_sum += correct.float()
+        grad_norm = engine.optimizer_step()
+        meter.record(step, timer.stop())
+
+        if step % cfg.log.log_interval == 0 or step in (start_step + 1, t.max_steps):
+            loss_acc = _dp_mean(torch.stack([loss_sum / t.grad_accum,
+                                             correct_sum / (t.grad_accum * tokens_per_micro)]), ctx).tolist()
+            rates = meter.current()
+            last = {"loss": loss_acc[0], "accuracy": loss_acc[1], "grad_norm": float(grad_norm),
+                    "lr": engine.lr, "step_time_s": meter.last_step_time, **rates, **_peak_memory(ctx),
+                    "tokens_seen": step * tokens_per_step}
+            if logger:
+                logger.log_step(step, last)
+            mfu = f"{100 * rates['mfu']:.1f}%" if rates["mfu"] is not None else "n/a"
+            bar.set_postfix_str(f"loss {last['loss']:.4f} tok/s {rates['tokens_per_s']:,.0f} MFU {mfu} "
+                                f"mem {last['mem/peak_allocated_gib']:.2f}GiB")
+            log.debug("step %d %s", step, last)
+            if not math.isfinite(last["loss"]):
+                raise FloatingPointError(f"loss is {last['loss']} at step {step}; lower --lr or use bf16/fp32")
+        bar.update(1)
+
+        if t.eval_interval and step % t.eval_interval == 0 and step != t.max_steps:
+            _evaluate(cfg, ctx, engine, data, logger, step)
+    bar.close()
+    train_time = time.perf_counter() - train_start
+
+    val = _evaluate(cfg, ctx, engine, data, logger, t.max_steps)
+    summary = {
+        "mode": t.mode, "model": t.model, "n_params": model_params_for_flops(cfg.model),
+        "world_size": ctx.world_size, "tp_size": ctx.dims.tp_size, "dp_size": dp,
+        "batch_size_per_gpu": t.batch_size, "grad_accum": t.grad_accum, "seq_len": t.seq_len,
+        "tokens_per_step": tokens_per_step, "precision": t.precision if ctx.device.type == "cuda" else "fp32",
+        "fused_kernels": t.fused_kernels, "attn": t.attn, "compile": t.compile,
+        "activation_checkpointing": t.activation_checkpointing, "device": _device_name(ctx),
+        "peak_tflops_per_gpu": peak, "flops_per_token": meter.flops_per_token,
+        "steps": t.max_steps, "train_time_s": train_time, **meter.summary(), **_peak_memory(ctx),
+        "final_loss": last.get("loss"), "final_accuracy": last.get("accuracy"), **val,
+        "torch_version": torch.__version__,
+    }
+    if logger:
+        logger.log_summary(summary)
+    mfu = summary["mfu"]
+    tok_s = summary["tokens_per_s"]
+    log.info("summary: %s %s | %s tok/s | MFU %s | peak mem %.2f GiB | final loss %.4f | val loss %s",
+             t.mode, t.model, f"{tok_s:,.0f}" if tok_s else "n/a", f"{100 * mfu:.1f}%" if mfu else "n/a",
+             summary["mem/peak_allocated_gib"], summary["final_loss"], summary.get("val_loss"))
+    return summary
+
+
+def _evaluate(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBundle,
+              logger: MetricsLogger | None, step: int) -> dict[str, float]:
+    if data.val is None:
+        return {}
+    loss, acc = engine.evaluate(itertools.islice(data.val.iter_epoch(), cfg.data.eval_batches))
+    out = {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0)), "val_accuracy": acc}
+    if logger:
+        logger.log_step(step, out)
+    log.info("eval step %d: val loss %.4f ppl %.2f acc %.4f", step, loss, out["val_perplexity"], acc)
+    return out

@@ -1,0 +1,59 @@
+"""Train GPT-2: one entry point for every mode.
+
+    python train.py --mode single --model gpt2-tiny --data synthetic          # one device (CPU works)
+    torchrun --nproc_per_node=4 train.py --mode baseline --model gpt2-large   # DDP
+    deepspeed --num_gpus=4 train.py --mode hybrid --tp-size 2                 # ZeRO-3 (+ TP)
+
+config -> process groups -> data (sharded by data-parallel rank) -> engine -> loop -> logs.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from gpt2.config import ConfigError, parse_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse_args(argv)
+        # imported after argument parsing so that `--help` and bad flags answer instantly
+        from gpt2.data import build_data
+
+        from gpt2.distributed import init_distributed, shutdown_distributed
+        from gpt2.engine import TorchEngine
+        from gpt2.run_logging import MetricsLogger, log, make_run_dir, setup_console
+        from gpt2.trainer import run_training
+
+        ctx = init_distributed(cfg)
+    except ConfigError as err:
+        print(f"train.py: error: {err}", file=sys.stderr)
+        return 2
+    logger = None
+    try:
+        run_dir = make_run_dir(cfg) if ctx.is_main else None
+        setup_console(run_dir, ctx.is_main)
+        log.info("run folder: %s", run_dir)
+        data = build_data(
+            cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
+            model_vocab_size=cfg.model.vocab_size, dp_rank=ctx.dims.dp_rank, dp_size=ctx.dims.dp_size,
+            seed=cfg.train.seed, is_main=ctx.is_main, barrier=ctx.barrier)
+        log.info("data: %s", data.description)
+        engine = TorchEngine(cfg, ctx)
+        log.info("model: %s, %.1fM parameters (FLOPs count), device %s, world %d (tp %d x dp %d)",
+                 cfg.train.model, engine.module.num_params() / 1e6, ctx.device, ctx.world_size,
+                 ctx.dims.tp_size, ctx.dims.dp_size)
+        logger = MetricsLogger(cfg, run_dir) if ctx.is_main else None
+        run_training(cfg, ctx, engine, data, logger)
+    except ConfigError as err:
+        print(f"train.py: error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if logger:
+            logger.close()
+        shutdown_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
