@@ -106,7 +106,7 @@ def test_tensor_parallel_8():
     act = ops["activation all-reduce"]
     # [b=128, s=4096, h=4096] x 2 bytes = 4_294_967_296 per all-reduce; 4 per block (2 fwd, 2 bwd) x 32
     # + embedding + LM-head input = 130 calls; x 1.75 = 7_516_192_768 on the wire each,
-        # x 130 = 977_105_059_840 bytes.
+    # x 130 = 977_105_059_840 bytes.
     assert (act.message_bytes, act.calls, act.wire_bytes) == (4_294_967_296, 130, 977_105_059_840)
     ce = ops["vocab-parallel CE all-reduce"]
     assert (ce.message_bytes, ce.calls) == (128 * 4096 * 4, 3)  # 2_097_152 bytes fp32, max/sum-exp/target

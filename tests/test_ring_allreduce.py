@@ -1,0 +1,49 @@
+"""The point-to-point ring all-reduce gives dist.all_reduce's sums (gloo, 2-4 processes)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from benchmarks.ring_allreduce import ring_all_reduce
+
+SHAPES = [(1,), (3,), (7,), (64,), (1001,), (5, 3)]  # includes lengths below and not divisible by world size
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        for i, shape in enumerate(SHAPES):
+            for dtype in (torch.float64, torch.float32):
+                g = torch.Generator().manual_seed(1000 * rank + i)
+                x = torch.randn(shape, generator=g, dtype=dtype)
+                expected = x.clone()
+                dist.all_reduce(expected)
+                got = ring_all_reduce(x)
+                assert got is x
+                tol = 1e-12 if dtype == torch.float64 else 1e-5
+                torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+        if world >= 3:  # a sub-group whose ranks are not 0..n-1: peers must be mapped to global ranks
+            members = list(range(1, world))
+            sub = dist.new_group(members)
+            x = torch.full((10,), float(rank), dtype=torch.float64)
+            if rank in members:
+                ring_all_reduce(x, sub)
+                assert torch.equal(x, torch.full((10,), float(sum(members)), dtype=torch.float64))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_all_reduce_matches_all_reduce(world: int):
+    mp.spawn(_worker, args=(world, free_port()), nprocs=world, join=True)
