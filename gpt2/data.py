@@ -1,0 +1,403 @@
+"""Data pipeline: text -> GPT-2 tokens -> on-disk token cache -> packed blocks -> DP-sharded batches.
+
+Interface (what the engine calls)::
+
+    bundle = build_data(cfg.data, seq_len=T, batch_size=B, model_vocab_size=cfg.model.vocab_size,
+                        dp_rank=dims.dp_rank, dp_size=dims.dp_size, seed=cfg.train.seed,
+                        is_main=<one process per cache filesystem>, barrier=<all ranks>)
+    x, y = bundle.train.next_batch()          # int64 [B, T] each, CPU; rolls over epochs
+    for x, y in bundle.val.iter_epoch(cfg.data.eval_batches): ...   # fixed order, sharded
+    ckpt["data"] = bundle.train.state_dict(); bundle.train.load_state_dict(ckpt["data"])
+
+`build_data` calls `barrier()` exactly once on every rank, after the main process has written any
+missing token cache. Pass the global rank 0 as `is_main` when `cache_dir` is on a shared filesystem
+(local rank 0 of each node otherwise). Tokenising WikiText-103 takes minutes on the main process, so
+the barrier's process group needs a timeout longer than that (or pre-build the cache with
+`python -m gpt2.data <train.py flags>`).
+
+Sources (`--data`, `--data-path`):
+  * `wikitext` (default): WikiText-103 raw from the hub, `load_dataset("wikitext", "wikitext-103-raw-v1")`,
+    splits train / validation.
+  * `--data-path FILE`: that file is the training text; its last 5% of tokens are the validation split.
+  * `--data-path FOLDER`: text files (.txt, .raw, .tokens) named by role: `train*` -> train,
+    `valid*` / `val*` / `dev*` -> validation, `test*` -> validation when there is no valid file.
+    Without a train file, the valid files are the training text and the test files the validation
+    (so `wikitext-2/` with valid.txt + test.txt trains on valid.txt and validates on test.txt). A single
+    role-less set of files is the training text with a 5% tail for validation.
+  * `synthetic`: uniform random tokens in [0, model_vocab_size), deterministic per seed (throughput runs).
+Local files go through the `datasets` "text" builder so that they follow the hub data's path.
+
+Documents: WikiText has one row per line; an article starts at a top-level heading row ` = Title = `
+(not ` = = Section = = `). Rows are tokenised independently (batched, `num_proc` processes, like HF's
+run_clm) and `<|endoftext|>` is inserted before every top-level heading, so every article starts with
+EOT. Text without such headings is one continuous document per split.
+
+Cache: each split's flat token stream is stored under `cache_dir` as a raw uint16 array (uint32 when
+the vocab exceeds 65536 tokens) plus a JSON sidecar, keyed by sha256 of (source identity: hub
+name+config+split, or resolved path+size+mtime of each file; tokenizer fingerprint; EOT id; format
+version). Written to a temporary file and renamed, sidecar last; never depends on seq_len.
+
+Blocks and batches: block i is tokens[i*T : i*T + T + 1], x = block[:-1], y = block[1:] (consecutive
+blocks share one boundary token, so every token is a target once). `--max-samples` keeps the first N
+blocks. Each epoch of the training loader permutes the blocks with a generator seeded by (seed, epoch);
+global batch b is perm[b*B*dp : (b+1)*B*dp] and DP rank r takes its r-th slice of B blocks. So ranks are
+disjoint, every rank yields the same number of batches (the ragged tail is dropped), TP ranks with the
+same DP rank get identical batches, and the global batch sequence depends on B*dp only: single-device
+B=8 sees the same global batches as two DP ranks with B=4. Validation uses the same layout without
+shuffling.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpt2.config import DataConfig
+from gpt2.tokenizer import (
+    DataError,
+    eot_token_id,
+    hub_cache_only,
+    hub_reachable,
+    load_tokenizer,
+    offline_message,
+    tokenizer_fingerprint,
+)
+
+__all__ = ["BatchLoader", "DataBundle", "DataError", "build_data", "resolve_splits"]
+
+CACHE_FORMAT_VERSION = 1
+HUB_DATASET = ("wikitext", "wikitext-103-raw-v1")
+TEXT_SUFFIXES = (".txt", ".raw", ".tokens")
+VAL_TAIL_FRACTION = 0.05  # validation share of a split-less corpus (a single file)
+SYNTHETIC_TRAIN_BLOCKS = 4096
+_TITLE = re.compile(r"^= [^=](.*[^=])? =$")  # " = Title = " after strip(); " = = Section = = " excluded
+_ROLE_WORDS = {"train": ("train",), "valid": ("valid", "validation", "val", "dev"), "test": ("test",)}
+
+
+# ----------------------------------------------------------------------------------------------
+# sources
+
+
+@dataclass(frozen=True)
+class TextSplit:
+    """One split of text: a hub dataset split or local files, with the identity that keys its cache."""
+
+    name: str  # "train" | "validation"
+    label: str  # for logs
+    files: tuple[Path, ...] = ()
+    hub: tuple[str, str, str] | None = None  # (dataset, config, split)
+
+    def identity(self) -> dict:
+        if self.hub is not None:
+            return {"hub": list(self.hub)}
+        return {"files": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in self.files]}
+
+
+def _role(path: Path) -> str | None:
+    """train / valid / test from the file name's words (valid.txt, wiki.train.raw, test_00.txt), else None."""
+    words = set(re.split(r"[^a-z]+", path.name.lower()))
+    return next((role for role, names in _ROLE_WORDS.items() if words & set(names)), None)
+
+
+def resolve_splits(cfg: DataConfig) -> tuple[TextSplit, TextSplit | None]:
+    """(train, validation) text; validation None means "the tail of train" (see module docstring)."""
+    if not cfg.data_path:
+        name, config = HUB_DATASET
+        return (TextSplit("train", f"{name}/{config}:train (hub)", hub=(name, config, "train")),
+                TextSplit("validation", f"{name}/{config}:validation (hub)", hub=(name, config, "validation")))
+    root = Path(cfg.data_path).expanduser().resolve()
+    if not root.exists():
+        raise DataError(f"--data-path {cfg.data_path}: no such file or folder")
+    if root.is_file():
+        files = [root]
+    else:
+        files = sorted(p for p in root.iterdir() if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+        if not files:
+            raise DataError(f"--data-path {cfg.data_path}: the folder holds no text files ({', '.join(TEXT_SUFFIXES)})")
+    if not any(f.stat().st_size for f in files):
+        raise DataError(f"--data-path {cfg.data_path}: the text files are empty")
+    by_role: dict[str | None, list[Path]] = {}
+    for f in files:
+        by_role.setdefault(_role(f), []).append(f)
+    train_files = by_role.get("train") or by_role.get("valid") or by_role.get("test") or by_role.get(None)
+    if by_role.get("train"):
+        val_files = by_role.get("valid") or by_role.get("test")
+    elif by_role.get("valid"):
+        val_files = by_role.get("test")
+    else:
+        val_files = None
+
+    def split(name: str, fs: list[Path]) -> TextSplit:
+        return TextSplit(name, ", ".join(str(f) for f in fs), files=tuple(fs))
+
+    return split("train", train_files), (split("validation", val_files) if val_files else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenisation and the token cache
+
+
+def _tokenize_rows(batch: dict[str, list[str]], tokenizer, eot: int) -> dict[str, list]:
+    """Batched `datasets.map` function: token ids per row, EOT before each top-level heading."""
+    texts = batch["text"]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    out = [[eot, *row] if _TITLE.match(text.strip()) else row for text, row in zip(texts, ids)]
+    return {"ids": out, "has_text": [bool(t.strip()) for t in texts]}
+
+
+def _load_rows(split: TextSplit, hf_cache: Path):
+    """A `datasets.Dataset` with a "text" column, one row per line."""
+    import datasets
+
+    if split.hub is None:
+        return datasets.load_dataset("text", data_files=[str(f) for f in split.files], split="train",
+                                     keep_linebreaks=True, cache_dir=str(hf_cache))
+    name, config, hub_split = split.hub
+    what = f"dataset {name}/{config} (--data {name})"
+    if hub_reachable():
+        return datasets.load_dataset(name, config, split=hub_split)
+    try:
+        with hub_cache_only():
+            return datasets.load_dataset(name, config, split=hub_split)
+    except (ConnectionError, FileNotFoundError, ValueError) as e:
+        raise DataError(offline_message(what)) from e
+
+
+def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _build_cache(split: TextSplit, bin_path: Path, meta: dict, tokenizer, eot: int, num_proc: int) -> None:
+    """Tokenise one split and write its flat stream (raw array) then its JSON sidecar."""
+    import datasets
+    import pyarrow.compute as pc
+
+    rows = _load_rows(split, bin_path.parent / "hf-datasets")
+    num_proc = max(1, min(num_proc, len(rows) // 1000 or 1))  # worker start-up dominates tiny inputs
+    features = datasets.Features({"ids": datasets.Sequence(datasets.Value("int32")),
+                                  "has_text": datasets.Value("bool")})
+    tokens = rows.map(_tokenize_rows, batched=True, num_proc=num_proc if num_proc > 1 else None,
+                      remove_columns=rows.column_names, features=features,
+                      fn_kwargs={"tokenizer": tokenizer, "eot": eot}, desc=f"tokenising {split.name}")
+    table = tokens.with_format("arrow")
+    n_tokens = sum(int(pc.sum(pc.list_value_length(b["ids"])).as_py() or 0) for b in table.iter(batch_size=65536))
+    n_text_rows = sum(int(pc.sum(b["has_text"]).as_py() or 0) for b in table.iter(batch_size=65536))
+    dtype = np.dtype(meta["dtype"])
+
+    def write_tokens(tmp: Path) -> None:
+        if n_tokens == 0:
+            tmp.write_bytes(b"")
+            return
+        out = np.memmap(tmp, dtype=dtype, mode="w+", shape=(n_tokens,))
+        pos = 0
+        for b in table.iter(batch_size=65536):
+            flat = pc.list_flatten(b["ids"]).to_numpy()
+            out[pos:pos + len(flat)] = flat
+            pos += len(flat)
+        out.flush()
+        del out
+
+    _write_atomic(bin_path, write_tokens)
+    meta = {**meta, "n_tokens": n_tokens, "n_text_rows": n_text_rows, "n_rows": len(rows)}
+    _write_atomic(bin_path.with_suffix(".json"), lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
+
+
+def _cache_paths(split: TextSplit, key_material: dict, cache_dir: Path) -> tuple[Path, dict]:
+    material = {"version": CACHE_FORMAT_VERSION, "source": split.identity(), **key_material}
+    key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+    return cache_dir / f"{split.name}-{key[:20]}.bin", material
+
+
+def _open_cache(bin_path: Path, split: TextSplit, data_path: str | None) -> np.ndarray:
+    meta_path = bin_path.with_suffix(".json")
+    if not meta_path.exists():
+        raise DataError(f"token cache {bin_path} is missing after the main process built it; put --cache-dir on a "
+                        "filesystem every rank can see, or make one process per node the main process")
+    meta = json.loads(meta_path.read_text())
+    where = f"--data-path {data_path}" if data_path else split.label
+    if meta["n_text_rows"] == 0 or meta["n_tokens"] == 0:
+        raise DataError(f"{where}: the {split.name} text ({split.label}) holds no text")
+    return np.memmap(bin_path, dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["n_tokens"],))
+
+
+# ----------------------------------------------------------------------------------------------
+# batches
+
+
+class BatchLoader:
+    """DP-sharded batches of packed blocks from a flat token stream (see the module docstring)."""
+
+    def __init__(self, tokens: np.ndarray, *, seq_len: int, batch_size: int, dp_rank: int, dp_size: int,
+                 seed: int, shuffle: bool, max_blocks: int | None = None, name: str = "train") -> None:
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
+        self.tokens = tokens
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.seed, self.shuffle, self.name = seed, shuffle, name
+        n_blocks = max(len(tokens) - 1, 0) // seq_len
+        self.num_blocks = min(n_blocks, max_blocks) if max_blocks is not None else n_blocks
+        self.epoch = 0
+        self.position = 0  # batches of `epoch` already returned by next_batch()
+        self._order_cache: tuple[int, np.ndarray] | None = None
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.dp_size
+
+    def __len__(self) -> int:
+        """Batches per epoch on each rank."""
+        return self.num_blocks // self.global_batch
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_blocks)
+        if self._order_cache is None or self._order_cache[0] != epoch:
+            rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
+            self._order_cache = (epoch, rng.permutation(self.num_blocks))
+        return self._order_cache[1]
+
+    def batch(self, epoch: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch `index` of `epoch` on this rank: x, y int64 [B, T]."""
+        start = index * self.global_batch + self.dp_rank * self.batch_size
+        blocks = self._order(epoch)[start:start + self.batch_size]
+        T = self.seq_len
+        rows = np.stack([self.tokens[b * T:b * T + T + 1] for b in blocks]).astype(np.int64)  # [B, T+1]
+        t = torch.from_numpy(rows)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()  # [B, T], [B, T]
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.position >= len(self):
+            self.epoch, self.position = self.epoch + 1, 0
+        x, y = self.batch(self.epoch, self.position)
+        self.position += 1
+        return x, y
+
+    def iter_epoch(self, max_batches: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches of the current epoch from the start (at most `max_batches`); leaves the position alone."""
+        n = len(self) if max_batches is None else min(len(self), max_batches)
+        for i in range(n):
+            yield self.batch(self.epoch, i)
+
+    def state_dict(self) -> dict:
+        """Rank-independent: any rank's copy resumes every rank."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "num_blocks": self.num_blocks, "global_batch": self.global_batch, "seq_len": self.seq_len}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "num_blocks", "global_batch", "seq_len"):
+            if state[key] != getattr(self, key):
+                raise DataError(f"cannot resume the {self.name} data order: the checkpoint has {key}={state[key]}, "
+                                f"this run has {getattr(self, key)}; resume with the same data, --seed, --seq-len, "
+                                "--max-samples and batch-size x dp-size")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+# ----------------------------------------------------------------------------------------------
+# entry point
+
+
+@dataclass
+class DataBundle:
+    train: BatchLoader
+    val: BatchLoader
+    vocab_size: int  # tokenizer vocab (synthetic: the model's)
+    description: str  # one line for logs
+    cache_hit: bool  # True when no tokenisation ran in this process (always True for synthetic)
+
+
+def _check_batches(loader: BatchLoader, n_tokens: int, what: str) -> None:
+    if len(loader) == 0:
+        raise DataError(
+            f"the {what} split has {n_tokens:,} tokens = {loader.num_blocks} blocks of --seq-len {loader.seq_len} "
+            f"(+1), fewer than one batch of batch-size {loader.batch_size} x dp-size {loader.dp_size} = "
+            f"{loader.global_batch} blocks; use a smaller --seq-len or --batch-size"
+            + (", or a larger --max-samples" if what == "training" else ", or more validation text"))
+
+
+def _synthetic(cfg: DataConfig, seq_len: int, batch_size: int, vocab: int, dp_size: int, seed: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    n_train = cfg.max_samples or max(SYNTHETIC_TRAIN_BLOCKS, batch_size * dp_size)
+    n_val = cfg.eval_batches * batch_size * dp_size
+    dtype = np.uint16 if vocab <= 2**16 else np.uint32
+    train = np.random.Generator(np.random.PCG64([seed, 0])).integers(0, vocab, n_train * seq_len + 1, dtype=dtype)
+    val = np.random.Generator(np.random.PCG64([seed, 1])).integers(0, vocab, n_val * seq_len + 1, dtype=dtype)
+    return train, val
+
+
+def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, model_vocab_size: int, dp_rank: int,
+               dp_size: int, seed: int, is_main: bool, barrier: Callable[[], None]) -> DataBundle:
+    """Tokenise (main process, once per cache key), wait at `barrier`, and return sharded loaders."""
+    cache_hit = True
+    if cfg.data == "synthetic":
+        barrier()
+        train_tokens, val_tokens = _synthetic(cfg, seq_len, batch_size, model_vocab_size, dp_size, seed)
+        vocab, source = model_vocab_size, f"synthetic (uniform tokens < {model_vocab_size}, seed {seed})"
+    else:
+        train_split, val_split = resolve_splits(cfg)
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        vocab = len(tokenizer)
+        if vocab > model_vocab_size:
+            raise DataError(f"--tokenizer {cfg.tokenizer} has {vocab} tokens but the model's vocab_size is "
+                            f"{model_vocab_size}; use a tokenizer with at most {model_vocab_size} tokens")
+        eot = eot_token_id(tokenizer)
+        key_material = {"tokenizer": tokenizer_fingerprint(tokenizer), "eot": eot,
+                        "dtype": "uint16" if vocab <= 2**16 else "uint32"}
+        cache_dir = Path(cfg.cache_dir).expanduser()
+        splits = [s for s in (train_split, val_split) if s is not None]
+        paths = [_cache_paths(s, key_material, cache_dir) for s in splits]
+        if is_main:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            for split, (bin_path, material) in zip(splits, paths):
+                if not bin_path.with_suffix(".json").exists():
+                    cache_hit = False
+                    _build_cache(split, bin_path, material, tokenizer, eot, cfg.num_proc)
+        barrier()
+        streams = [_open_cache(p, s, cfg.data_path) for s, (p, _) in zip(splits, paths)]
+        if val_split is None:
+            full = streams[0]
+            n_val = int(len(full) * VAL_TAIL_FRACTION)
+            train_tokens, val_tokens = full[:len(full) - n_val], full[len(full) - n_val:]
+            val_label = f"last {VAL_TAIL_FRACTION:.0%} of train"
+        else:
+            train_tokens, val_tokens = streams
+            val_label = val_split.label
+        source = f"train: {train_split.label} | val: {val_label} | tokenizer {cfg.tokenizer} ({vocab} tokens)"
+    train = BatchLoader(train_tokens, seq_len=seq_len, batch_size=batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                        seed=seed, shuffle=True, max_blocks=cfg.max_samples, name="train")
+    val = BatchLoader(val_tokens, seq_len=seq_len, batch_size=batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                      seed=seed, shuffle=False, name="validation")
+    _check_batches(train, len(train_tokens), "training")
+    _check_batches(val, len(val_tokens), "validation")
+    description = (f"{source} | train {len(train_tokens):,} tokens, {train.num_blocks:,} blocks, {len(train)} "
+                   f"batches/epoch/rank | val {len(val_tokens):,} tokens, {val.num_blocks:,} blocks, {len(val)} "
+                   f"batches | cache {'hit' if cache_hit else 'built'}")
+    return DataBundle(train=train, val=val, vocab_size=vocab, description=description, cache_hit=cache_hit)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Pre-build the token cache with train.py's flags: `python -m gpt2.data --data-path ... --seq-len ...`."""
+    from gpt2.config import parse_args
+
+    cfg = parse_args(argv)
+    bundle = build_data(cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
+                        model_vocab_size=cfg.model.vocab_size, dp_rank=0, dp_size=1, seed=cfg.train.seed,
+                        is_main=True, barrier=lambda: None)
+    print(bundle.description)
+
+
+if __name__ == "__main__":
+    main()
