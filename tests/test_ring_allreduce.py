@@ -47,3 +47,30 @@ def _worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_all_reduce_matches_all_reduce(world: int):
     mp.spawn(_worker, args=(world, free_port()), nprocs=world, join=True)
+
+
+def _collectives_worker(rank: int, world: int, port: int, out: str) -> None:
+    from benchmarks import collectives
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        collectives.run(collectives.parse_args(["--out", out, "--min-bytes", "4096", "--max-bytes", "16384",
+                                                "--bytes-per-point", "1"]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collectives_benchmark_on_gloo(tmp_path):
+    import csv
+
+    mp.spawn(_collectives_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    rows = list(csv.DictReader((tmp_path / "collectives_n2.csv").open()))
+    factors = {"all_reduce": 1.0, "ring_all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5,
+               "all_to_all": 0.5, "broadcast": 1.0}  # nccl-tests bus factors at n = 2
+    assert {r["op"] for r in rows} == set(factors) and len(rows) == 3 * len(factors)
+    for r in rows:
+        assert r["status"] == "ok", r
+        algbw = int(r["bytes"]) / (float(r["time_us"]) * 1e-6) / 1e9
+        assert float(r["busbw_GBps"]) == pytest.approx(algbw * factors[r["op"]], rel=0.05, abs=2e-3)
+    assert (tmp_path / "collectives_n2.png").stat().st_size > 0
+    assert "| 4 KB |" in (tmp_path / "ring_vs_nccl_n2.md").read_text()
