@@ -99,8 +99,8 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
         qkv = self.c_attn(x)  # [B, T, 3*d_local]; d_local = d / tp under tensor parallelism
+        B, T, _ = qkv.shape  # under sequence parallelism x holds T/tp positions and c_attn gathers all T
         d_local = qkv.shape[-1] // 3
         n_heads = d_local // self.head_dim
         q, k, v = (t.view(B, T, n_heads, self.head_dim).transpose(1, 2) for t in qkv.split(d_local, dim=2))

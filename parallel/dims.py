@@ -11,6 +11,7 @@ Everything that needs a group receives it from this object; there are no module-
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -70,8 +71,17 @@ class ParallelDims:
             ("4*n_embd (MLP width)", 4 * cfg.n_embd, "--n-embd"),
             ("padded vocab", cfg.padded_vocab_size, "vocab padding (drop --no-pad-vocab)"),
         ]
+        common = math.gcd(*(value for _, value, _ in checks))
+        usable = [d for d in range(1, min(common, 64) + 1) if common % d == 0]  # divide every split shape
         for what, value, knob in checks:
             if value % tp:
-                divisors = [d for d in range(1, value + 1) if value % d == 0 and d <= 64]
                 raise ConfigError(f"--tp-size {tp} does not divide {what} = {value}; choose --tp-size "
-                                  f"from {divisors} or change {knob}")
+                                  f"from {usable} (they divide n_head, 4*n_embd and the padded vocab) "
+                                  f"or change {knob}")
+
+    def validate_sequence(self, seq_len: int, sequence_parallel: bool) -> None:
+        """Sequence parallelism shards the sequence into tp_size equal blocks."""
+        if sequence_parallel and self.tp_size > 1 and seq_len % self.tp_size:
+            raise ConfigError(f"--sequence-parallel needs --seq-len divisible by --tp-size {self.tp_size}, "
+                              f"got {seq_len}; use --seq-len {seq_len - seq_len % self.tp_size} or drop "
+                              f"--sequence-parallel")
