@@ -75,6 +75,15 @@ class ParallelConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    save_dir: str | None = None  # parent of step-XXXXXX folders; None: no checkpoints
+    save_interval: int = 0  # also save every N steps (0: only at the end)
+    resume: str | None = None  # "auto" (latest in save_dir, if any) or a step folder / save dir
+    keep_last: int | None = None  # delete all but the newest K checkpoints
+    resumed_from: str | None = None  # set at start-up: the step folder this run resumed from
+
+
+@dataclass
 class LogConfig:
     out_dir: str = "runs"
     run_name: str | None = None
@@ -121,6 +130,7 @@ class RunConfig:
     data: DataConfig
     parallel: ParallelConfig
     log: LogConfig
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -205,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=3)
     g.add_argument("--ds-config", help="DeepSpeed JSON config (hybrid mode)")
 
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--save-dir", help="folder of step-XXXXXX checkpoints (enables saving)")
+    g.add_argument("--save-interval", type=_non_negative_int, default=0,
+                   help="save every N steps as well as at the end (0: only at the end)")
+    g.add_argument("--resume", help="auto (latest checkpoint in --save-dir, if any) | a step folder | a save dir")
+    g.add_argument("--keep-last", type=_positive_int, help="keep only the newest K checkpoints")
+
     g = p.add_argument_group("logging")
     g.add_argument("--out-dir", default="runs", help="parent folder of run folders")
     g.add_argument("--run-name", help="run folder name (default: mode-model-timestamp)")
@@ -254,7 +271,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         wandb_tags=list(args.wandb_tags), log_interval=args.log_interval,
         peak_tflops=args.peak_tflops,
     )
-    return RunConfig(train=train, model=model, data=data, parallel=parallel, log=log)
+    checkpoint = CheckpointConfig(save_dir=args.save_dir, save_interval=args.save_interval, resume=args.resume,
+                                  keep_last=args.keep_last)
+    return RunConfig(train=train, model=model, data=data, parallel=parallel, log=log, checkpoint=checkpoint)
 
 
 def validate(cfg: RunConfig) -> None:
@@ -279,9 +298,11 @@ def validate(cfg: RunConfig) -> None:
     if cfg.parallel.tp_size > 1 or cfg.parallel.sequence_parallel:
         raise ConfigError("tensor parallelism (--tp-size > 1, --sequence-parallel) is not yet "
                           "available in this version; run with --tp-size 1")
-    if t.mode == "hybrid":
-        raise ConfigError("--mode hybrid (DeepSpeed ZeRO-3) is not yet available in this version; "
-                          "use --mode single or --mode baseline")
+    if cfg.checkpoint.resume == "auto" and not cfg.checkpoint.save_dir:
+        raise ConfigError("--resume auto looks for the latest checkpoint in --save-dir; pass --save-dir "
+                          "or --resume <checkpoint folder>")
+    if (cfg.checkpoint.save_interval or cfg.checkpoint.keep_last) and not cfg.checkpoint.save_dir:
+        raise ConfigError("--save-interval / --keep-last need --save-dir")
 
 
 def validate_world(cfg: RunConfig, world_size: int) -> None:
