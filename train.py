@@ -19,7 +19,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_args(argv)
         # imported after argument parsing so that `--help` and bad flags answer instantly
         from gpt2.data import build_data
-
         from gpt2.distributed import init_distributed, shutdown_distributed
         from gpt2.engine import TorchEngine
         from gpt2.run_logging import MetricsLogger, log, make_run_dir, setup_console
@@ -31,13 +30,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logger = None
     try:
-        run_dir = make_run_dir(cfg) if ctx.is_main else None
-        setup_console(run_dir, ctx.is_main)
-        log.info("run folder: %s", run_dir)
+        setup_console(None, ctx.is_main)
+        # data first: a bad --data-path or tokenizer fails before a run folder or a model exists
         data = build_data(
             cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
             model_vocab_size=cfg.model.vocab_size, dp_rank=ctx.dims.dp_rank, dp_size=ctx.dims.dp_size,
             seed=cfg.train.seed, is_main=ctx.is_main, barrier=ctx.barrier)
+        run_dir = make_run_dir(cfg) if ctx.is_main else None
+        setup_console(run_dir, ctx.is_main)
+        log.info("run folder: %s", run_dir)
         log.info("data: %s", data.description)
         engine = TorchEngine(cfg, ctx)
         log.info("model: %s, %.1fM parameters (FLOPs count), device %s, world %d (tp %d x dp %d)",

@@ -1,0 +1,104 @@
+"""Bad input fails early, with a message that names the fix, before any model or data work."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import train
+from gpt2.config import ConfigError, ModelConfig, parse_args, validate_world
+from parallel.dims import ParallelDims
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _error_of(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--mode", "pipeline"], "invalid choice: 'pipeline'"),
+        (["--model", "gpt5"], "invalid choice: 'gpt5'"),
+        (["--batch-size", "0"], "must be a positive integer"),
+        (["--seq-len", "-4"], "must be a positive integer"),
+        (["--max-steps", "0"], "must be a positive integer"),
+        (["--lr", "0"], "must be > 0"),
+    ],
+)
+def test_argparse_rejects(argv: list[str], needle: str, capsys: pytest.CaptureFixture) -> None:
+    assert needle in _error_of(argv, capsys)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--model", "gpt2-tiny", "--seq-len", "512"], "--seq-len 512 exceeds the model's 256 positions"),
+        (["--n-embd", "100", "--n-head", "3"], "not divisible by --n-head 3"),
+        (["--min-lr", "1", "--lr", "0.1"], "--min-lr 1.0 is above --lr 0.1"),
+        (["--data", "synthetic", "--data-path", "x"], "drop one of the two"),
+        (["--ds-config", "ds_configs/zero3.json"], "--ds-config only applies to --mode hybrid"),
+        (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+    ],
+)
+def test_validate_rejects(argv: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError, match=None) as exc:
+        parse_args(argv)
+    assert needle in str(exc.value)
+
+
+def test_global_batch_must_divide() -> None:
+    cfg = parse_args(["--mode", "baseline", "--batch-size", "8", "--global-batch-size", "20"])
+    with pytest.raises(ConfigError, match="not divisible by --batch-size 8 x dp-size 2 = 16; use a multiple of 16"):
+        validate_world(cfg, world_size=2)
+    cfg = parse_args(["--mode", "baseline", "--batch-size", "8", "--global-batch-size", "64"])
+    validate_world(cfg, world_size=2)
+    assert cfg.train.grad_accum == 4
+
+
+def test_single_mode_on_many_processes_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="use --mode baseline"):
+        validate_world(parse_args([]), world_size=4)
+
+
+def test_tp_size_must_divide_heads_and_names_the_fix() -> None:
+    large = ModelConfig(n_layer=36, n_head=20, n_embd=1280)
+    fix = r"--tp-size 3 does not divide n_head = 20; choose --tp-size from \[1, 2, 4, 5"
+    with pytest.raises(ConfigError, match=fix):
+        ParallelDims(world_size=6, rank=0, tp_size=3).validate_model(large)
+    with pytest.raises(ConfigError, match="world size 4 is not divisible by --tp-size 3"):
+        ParallelDims(world_size=4, rank=0, tp_size=3)
+
+
+def test_ddp_without_launcher_fails_fast(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    assert train.main(["--mode", "baseline", "--data", "synthetic"]) == 2
+    err = capsys.readouterr().err
+    assert "torchrun --nproc_per_node=N train.py --mode baseline" in err
+
+
+def test_missing_data_path_fails_before_model_build(tmp_path: Path) -> None:
+    """A subprocess, timed: the error arrives in seconds and no run folder is left behind."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--data-path", str(tmp_path / "nope"), "--tokenizer",
+         str(tmp_path / "tok.json"), "--out-dir", str(tmp_path / "runs"), "--wandb", "disabled"],
+        capture_output=True, text=True, env=env, timeout=120)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 2, proc.stderr
+    assert str(tmp_path / "nope") in proc.stderr
+    assert elapsed < 60
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

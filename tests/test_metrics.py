@@ -1,0 +1,66 @@
+"""FLOPs/token, MFU and token accounting on known configurations, computed by hand here."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from gpt2.config import MODEL_PRESETS, ModelConfig
+from gpt2.metrics import ThroughputMeter, device_peak_tflops, flops_per_token, model_params_for_flops
+from gpt2.model import GPT
+
+
+def test_gpt2_large_flops_per_token_by_hand() -> None:
+    cfg = ModelConfig(**MODEL_PRESETS["gpt2-large"])
+    L, d, V, T = 36, 1280, 50257, 1024
+    per_block = 4 * d * d + 4 * d + 8 * d * d + 5 * d + 4 * d  # attn (qkv+proj), mlp (up+down), 2 LNs
+    n = L * per_block + 2 * d + V * d  # + ln_f + tied token embedding (the LM head), no wpe
+    assert model_params_for_flops(cfg) == n == 772_719_360
+    assert flops_per_token(cfg, T) == 6 * n + 12 * L * d * T
+    # the issue's target: 55% MFU on 4 x 989 TFLOP/s is ~418k tokens/s
+    tok_s = 0.55 * 4 * 989e12 / flops_per_token(cfg, T)
+    assert 418_000 < tok_s < 418_500
+
+
+def test_flops_parameter_count_matches_real_model() -> None:
+    cfg = ModelConfig(n_layer=3, n_head=4, n_embd=96, n_positions=128)
+    model = GPT(cfg)
+    padding_rows = cfg.padded_vocab_size - cfg.vocab_size
+    counted = model.num_params() - model.wpe.weight.numel() - padding_rows * cfg.n_embd
+    assert counted == model_params_for_flops(cfg)
+
+
+def test_meter_excludes_warmup_and_counts_dp_replicas_only() -> None:
+    # tp=2 x dp=2 on 4 GPUs: tokens per step counts the 2 replicas, MFU divides by all 4 GPUs
+    cfg = ModelConfig(**MODEL_PRESETS["gpt2-large"])
+    fpt = flops_per_token(cfg, 1024)
+    tokens_per_step = 2 * 8 * 1 * 1024
+    meter = ThroughputMeter(tokens_per_step=tokens_per_step, flops_per_token=fpt, hw_flops_per_token=fpt * 4 / 3,
+                            n_devices=4, peak_tflops=989.0, warmup_steps=2)
+    for step, seconds in enumerate([9.0, 9.0, 0.5, 0.5, 0.5], start=1):
+        meter.record(step, seconds)
+    s = meter.summary()
+    assert s["measured_steps"] == 3
+    assert s["tokens_per_s"] == pytest.approx(tokens_per_step / 0.5)
+    assert s["tokens_per_s_per_gpu"] == pytest.approx(tokens_per_step / 0.5 / 4)
+    assert s["mfu"] == pytest.approx(tokens_per_step / 0.5 * fpt / (4 * 989e12))
+    assert s["hfu"] == pytest.approx(s["mfu"] * 4 / 3)
+
+
+def test_meter_without_measured_steps_reports_none() -> None:
+    meter = ThroughputMeter(tokens_per_step=10, flops_per_token=1.0, hw_flops_per_token=1.0, n_devices=1,
+                            peak_tflops=None, warmup_steps=5)
+    meter.record(1, 1.0)
+    assert meter.summary()["tokens_per_s"] is None
+
+
+def test_peak_table_override_and_unknown_device_warning(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(logging.getLogger("gpt2"), "propagate", True)  # a run's console set-up may disable it
+    assert device_peak_tflops(torch.device("cpu"), override=123.0) == 123.0
+    with caplog.at_level("WARNING", logger="gpt2"):
+        assert device_peak_tflops(torch.device("cpu")) is None
+    assert "--peak-tflops" in caplog.text
