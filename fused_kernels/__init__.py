@@ -7,6 +7,7 @@ instead of silently falling back.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,3 +51,21 @@ def get_ops(backend: str) -> KernelOps:
             f"fused-kernel backend {backend!r} is not available in this version; "
             f"choose one of {sorted(_BACKENDS)}")
     return _BACKENDS[backend]()
+
+
+def _lazy_backend(module: str, factory: str) -> Callable[[], KernelOps]:
+    """A factory that imports its backend only when asked for: importing the registry never imports
+    Triton or builds CUDA code."""
+
+    def load() -> KernelOps:
+        try:
+            backend = importlib.import_module(module)
+        except ImportError as e:
+            raise KernelUnavailableError(f"{module} cannot be imported here ({e}); use --fused-kernels none") from e
+        return getattr(backend, factory)()
+
+    return load
+
+
+register_backend("triton", _lazy_backend("fused_kernels.triton", "triton_ops"))
+register_backend("cuda", _lazy_backend("fused_kernels.cuda", "cuda_ops"))

@@ -1,0 +1,83 @@
+"""The `cuda` backend: the MLP up-projection's epilogue is our CUDA C++ bias+GELU kernel.
+
+linear(x, W, b, gelu=True) = bias_gelu(x @ W^T) with the matmul by cuBLAS (no bias) and bias + GELU
+fused in one elementwise pass; every other op comes from `fused_kernels.reference`.
+The extension is JIT-built on first use by torch.utils.cpp_extension.load for sm_80 and sm_90, and
+cached under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so later runs only load it.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from fused_kernels import KernelOps, KernelUnavailableError, reference
+
+SOURCE_DIR = Path(__file__).resolve().parent
+SOURCES = [SOURCE_DIR / "bias_gelu.cpp", SOURCE_DIR / "bias_gelu.cu"]
+NVCC_FLAGS = [
+    "-O3", "--use_fast_math",
+    "-gencode=arch=compute_80,code=sm_80",  # A100
+    "-gencode=arch=compute_90,code=sm_90",  # H100 / H200
+]
+
+
+@functools.cache
+def load_extension() -> ModuleType:
+    """Build (or load the cached build of) the bias+GELU extension; KernelUnavailableError on failure."""
+    if not torch.cuda.is_available():
+        raise KernelUnavailableError("--fused-kernels cuda needs a CUDA GPU; use --fused-kernels none (or triton)")
+    from torch.utils.cpp_extension import load
+
+    try:
+        return load(
+            name="gpt2_bias_gelu",
+            sources=[str(s) for s in SOURCES],
+            extra_include_paths=[str(SOURCE_DIR)],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=NVCC_FLAGS,
+        )
+    except (RuntimeError, OSError, ImportError) as e:  # no nvcc / ninja, compile or link error
+        raise KernelUnavailableError(
+            f"--fused-kernels cuda: building the bias+GELU CUDA extension failed ({e}); it needs nvcc and "
+            "ninja matching PyTorch's CUDA version. Use --fused-kernels triton or none instead") from e
+
+
+class BiasGeluCuda(torch.autograd.Function):
+    """y = gelu_tanh(x + b); saves x (pre-bias) and b, recomputes gelu' in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        ctx.save_for_backward(x, bias)
+        return load_extension().forward(x, bias)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, bias = ctx.saved_tensors
+        dx = load_extension().backward(dy.contiguous(), x, bias)  # [..., N]
+        db = dx.reshape(-1, dx.shape[-1]).sum(0, dtype=torch.float32).to(bias.dtype)  # [N]
+        return dx, db
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(x + bias) by the CUDA kernel; bias is cast to x's dtype."""
+    return BiasGeluCuda.apply(x, bias.to(x.dtype))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool) -> torch.Tensor:
+    """cuBLAS matmul, then the fused CUDA bias+GELU epilogue when `gelu` (else plain F.linear)."""
+    if not gelu or bias is None:
+        return reference.linear(x, weight, bias, gelu)
+    return bias_gelu(F.linear(x, weight), bias)  # F.linear follows autocast; bias follows its output dtype
+
+
+def cuda_ops() -> KernelOps:
+    """The cuda backend's ops; builds the extension now so a failure is reported at start-up."""
+    load_extension()
+    return KernelOps(
+        name="cuda", linear=linear, add_layernorm=reference.add_layernorm, lm_cross_entropy=reference.lm_cross_entropy)

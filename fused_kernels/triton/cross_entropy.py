@@ -1,0 +1,124 @@
+"""LM-head cross-entropy without materialising the [N, V] logits: chunked over rows, Liger-style.
+
+For each chunk of rows (all in the input/autocast dtype except the softmax statistics):
+    logits = h_c W^T                                   [C, Vp]   (cuBLAS)
+    lse = logsumexp(logits[:, :V]),  loss_i = lse - logits[i, t_i]        (Triton, fp32)
+    dlogits = (softmax(logits) - onehot(t)) / n_valid, written over logits in place; 0 for padded
+              columns (>= V) and for ignored rows (t = -100)
+    grad_h[c] = dlogits W,   grad_W += dlogits^T h_c  (fp32 accumulator)
+The gradients are computed during forward (the loss is the last op of the graph) and only scaled by
+the incoming gradient in backward, so peak memory is one [C, Vp] chunk plus grad_W, not [N, V] fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+IGNORE_INDEX = -100
+INTERPRETING = triton.knobs.runtime.interpret  # read when the kernel below is decorated
+CHUNK_ELEMENTS = 1 << 25  # logits elements per chunk: 64 MiB in bf16
+
+
+@triton.jit
+def ce_chunk_kernel(
+    logits_ptr, targets_ptr, inv_n_ptr, loss_ptr, correct_ptr, stride_row,
+    V: tl.constexpr, V_PADDED: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """One row per program. V/V_PADDED are constexpr: fixed per model, and the interpreter (numpy >= 2)
+    cannot use runtime scalars as range bounds."""
+    row = tl.program_id(0).to(tl.int64)
+    ptr = logits_ptr + row * stride_row
+    target = tl.load(targets_ptr + row)
+    valid = target != IGNORE_INDEX
+
+    # pass 1: online max / sum-exp and first-occurrence argmax over the real vocabulary
+    m = -float("inf")
+    s = 0.0
+    best = -float("inf")
+    best_idx = 0
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(ptr + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+        block_max = tl.max(x, axis=0)
+        block_arg = tl.argmax(x, axis=0)
+        best_idx = tl.where(block_max > best, start + block_arg, best_idx)
+        best = tl.maximum(best, block_max)
+        m_new = tl.maximum(m, block_max)
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+    safe_target = tl.where(valid, target, 0)
+    target_logit = tl.load(ptr + safe_target).to(tl.float32)
+    tl.store(loss_ptr + row, tl.where(valid, lse - target_logit, 0.0))
+    tl.store(correct_ptr + row, (best_idx == target).to(tl.int32))
+
+    # pass 2: dlogits = (softmax - onehot) / n_valid over the real vocabulary, 0 on padding / ignored rows
+    if COMPUTE_GRAD:
+        scale = tl.where(valid, tl.load(inv_n_ptr), 0.0)
+        for start in range(0, V_PADDED, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            x = tl.load(ptr + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+            g = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
+            tl.store(ptr + cols, (g * scale).to(logits_ptr.dtype.element_ty), mask=cols < V_PADDED)
+
+
+def _chunk_rows(n_rows: int, v_padded: int) -> int:
+    return max(1, min(n_rows, CHUNK_ELEMENTS // v_padded))
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, vocab_size: int, compute_dtype: torch.dtype,
+                need_grad: bool, chunk_rows: int):
+        N = hidden.shape[0]
+        v_padded = weight.shape[0]
+        h = hidden.to(compute_dtype)  # [N, d]
+        w = weight.to(compute_dtype)  # [Vp, d]
+        inv_n = 1.0 / (targets != IGNORE_INDEX).sum().to(torch.float32)  # [] on device: no host sync
+        loss_rows = torch.empty(N, dtype=torch.float32, device=h.device)
+        correct_rows = torch.empty(N, dtype=torch.int32, device=h.device)
+        grad_h = torch.empty_like(h) if need_grad else None  # [N, d]
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=h.device) if need_grad else None  # [Vp, d]
+        block_v = 128 if INTERPRETING else 4096
+        for s in range(0, N, chunk_rows):
+            e = min(s + chunk_rows, N)
+            logits = h[s:e] @ w.t()  # [C, Vp]
+            ce_chunk_kernel[(e - s,)](
+                logits, targets[s:e], inv_n, loss_rows[s:e], correct_rows[s:e], logits.stride(0),
+                V=vocab_size, V_PADDED=v_padded, COMPUTE_GRAD=need_grad, BLOCK_V=block_v, num_warps=8)
+            if need_grad:  # logits now holds dlogits
+                torch.mm(logits, w, out=grad_h[s:e])  # [C, d]
+                grad_w += logits.t() @ h[s:e]  # [Vp, d]
+        if need_grad:
+            ctx.save_for_backward(grad_h, grad_w)
+            ctx.dtypes = (hidden.dtype, weight.dtype)
+        correct = correct_rows.sum(dtype=torch.int64)
+        ctx.mark_non_differentiable(correct)
+        return loss_rows.sum() * inv_n, correct
+
+    @staticmethod
+    def backward(ctx, dloss, _dcorrect):
+        grad_h, grad_w = ctx.saved_tensors
+        h_dtype, w_dtype = ctx.dtypes
+        return (grad_h * dloss).to(h_dtype), (grad_w * dloss).to(w_dtype), None, None, None, None, None
+
+
+def lm_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `fused_kernels.reference.lm_cross_entropy`: (mean loss, n_correct).
+
+    hidden [N, d], weight [Vp, d], targets [N] (-100 ignored); logits columns >= vocab_size excluded.
+    Logits are computed in the autocast dtype when autocast is on (as F.linear would), else in hidden's.
+    """
+    device_type = hidden.device.type
+    autocast = torch.is_autocast_enabled(device_type)
+    compute_dtype = torch.get_autocast_dtype(device_type) if autocast else hidden.dtype
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    rows = chunk_rows or _chunk_rows(hidden.shape[0], weight.shape[0])
+    with torch.autocast(device_type, enabled=False):
+        return LinearCrossEntropy.apply(
+            hidden, weight, targets.contiguous(), vocab_size, compute_dtype, need_grad, rows)

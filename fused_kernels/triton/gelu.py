@@ -1,0 +1,53 @@
+"""GPT-2's tanh GELU and its derivative as Triton device functions, plus the elementwise kernels.
+
+    gelu(x)  = 0.5 x (1 + tanh(u)),  u = k (x + c x^3),  k = sqrt(2/pi), c = 0.044715
+             = x * s,                s = sigmoid(2u)      (since 0.5 (1 + tanh(u)) = sigmoid(2u))
+    gelu'(x) = s + x s (1 - s) * 2k (1 + 3 c x^2)
+The sigmoid form avoids tanh, which Triton's core language (and its interpreter) lacks.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+GELU_C = tl.constexpr(0.044715)
+
+
+@triton.jit
+def gelu_fwd(x):
+    """x: fp32 block -> gelu(x), fp32."""
+    u = SQRT_2_OVER_PI * (x + GELU_C * x * x * x)
+    return x * tl.sigmoid(2.0 * u)
+
+
+@triton.jit
+def gelu_grad(x):
+    """x: fp32 block -> d gelu / dx, fp32."""
+    u = SQRT_2_OVER_PI * (x + GELU_C * x * x * x)
+    s = tl.sigmoid(2.0 * u)
+    return s + x * s * (1.0 - s) * (2.0 * SQRT_2_OVER_PI) * (1.0 + 3.0 * GELU_C * x * x)
+
+
+@triton.jit
+def bias_gelu_fwd_kernel(x_ptr, b_ptr, y_ptr, n_elements, N, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """y = gelu(x + b) over a contiguous [M, N] tensor viewed flat; b broadcast along rows."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        x += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, gelu_fwd(x).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def bias_gelu_bwd_kernel(dy_ptr, x_ptr, b_ptr, dx_ptr, n_elements, N, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """dx = dy * gelu'(x + b): the gradient w.r.t. the pre-activation (and, summed over rows, w.r.t. b)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        x += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dx_ptr + offs, (dy * gelu_grad(x)).to(dx_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,135 @@
+"""y = GELU_tanh(x @ W^T + b) in one tiled Triton kernel (the MLP up-projection), with backward.
+
+Forward: a grouped-order tiled matmul that accumulates in fp32 and applies bias + GELU in the
+epilogue, so the pre-activation never makes a round trip through memory before the GELU. When a
+gradient is needed the epilogue also stores pre = x W^T + b (in x's dtype), which backward needs:
+    dpre = dy * gelu'(pre)        (one elementwise Triton kernel)
+    dx = dpre @ W,  dW = dpre^T @ x,  db = sum_rows dpre     (cuBLAS / torch)
+Saving pre costs one extra store of [M, N]; recomputing it would cost a third more backward FLOPs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fused_kernels.triton.bias_gelu import bias_gelu_backward
+from fused_kernels.triton.gelu import gelu_fwd
+
+INTERPRETING = triton.knobs.runtime.interpret  # read when the kernels below are decorated
+
+
+def _configs() -> list[triton.Config]:
+    """Autotune space; a single small config under the interpreter so CPU tests stay fast."""
+    if INTERPRETING:
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4, num_stages=1)]
+    shapes = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+        (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
+        (128, 256, 32, 8, 4), (64, 256, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
+        (128, 128, 32, 4, 5), (64, 64, 64, 4, 5),
+    ]
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=w, num_stages=s)
+        for m, n, k, w, s in shapes
+    ]
+
+
+# K is a constexpr: the K loop's trip count is then known to the compiler, and Triton's interpreter
+# (numpy >= 2) cannot use a runtime scalar as a Python range bound.
+@triton.autotune(configs=_configs(), key=["M", "N", "K", "STORE_PRE"])
+@triton.jit
+def matmul_bias_gelu_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, pre_ptr, M, N, K: tl.constexpr,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+    HAS_BIAS: tl.constexpr, STORE_PRE: tl.constexpr, FP32_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # grouped ordering: GROUP_M row-tiles share each column tile, so W tiles stay in L2
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * num_n
+    first_m = (pid // group_size) * GROUP_M
+    group_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % group_m
+    pid_n = (pid % group_size) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
+    w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :].to(tl.int64) * stride_wn  # [BK, BN] = W^T tile
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_left = K - k
+        a = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        if DOT_IN_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=FP32_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    out_offs = offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
+    out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if STORE_PRE:
+        tl.store(pre_ptr + out_offs, acc.to(pre_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(y_ptr + out_offs, gelu_fwd(acc).to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+def matmul_bias_gelu_forward(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store_pre: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [M, K], weight [N, K], bias [N] -> (gelu(x W^T + b) [M, N], pre [M, N] or None)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    pre = torch.empty_like(y) if store_pre else None
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    matmul_bias_gelu_kernel[grid](
+        x, weight, bias, y, pre, M, N, K,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
+        HAS_BIAS=bias is not None, STORE_PRE=store_pre,
+        FP32_PRECISION="tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee",
+        DOT_IN_FP32=INTERPRETING)  # Triton 3.6's interpreter gets bf16/fp16 tl.dot wrong; it is exact in fp32
+    return y, pre
+
+
+class MatmulBiasGelu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        needs_grad = any(ctx.needs_input_grad)
+        y, pre = matmul_bias_gelu_forward(x, weight, bias, store_pre=needs_grad)
+        if needs_grad:
+            ctx.save_for_backward(x, weight, pre)
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight, pre = ctx.saved_tensors
+        dpre = bias_gelu_backward(dy, pre, None)  # [M, N] = dy * gelu'(pre)
+        dx = dpre @ weight if ctx.needs_input_grad[0] else None  # [M, K]
+        dw = dpre.t() @ x if ctx.needs_input_grad[1] else None  # [N, K]
+        db = dpre.sum(0, dtype=torch.float32).to(dpre.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db
+
+
+def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """GELU_tanh(x @ weight.T + bias) for x [..., K]; under autocast, inputs are cast like F.linear's."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    with torch.autocast(x.device.type, enabled=False):
+        y = MatmulBiasGelu.apply(x2, weight, bias)  # [M, N]
+    return y.view(*lead, weight.shape[0])
