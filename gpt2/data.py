@@ -270,10 +270,14 @@ class BatchLoader:
             self._order_cache = (epoch, rng.permutation(self.num_blocks))
         return self._order_cache[1]
 
+    def block_indices(self, epoch: int, index: int) -> np.ndarray:
+        """The B block numbers of batch `index` of `epoch` on this rank."""
+        start = index * self.global_batch + self.dp_rank * self.batch_size
+        return self._order(epoch)[start:start + self.batch_size]
+
     def batch(self, epoch: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch `index` of `epoch` on this rank: x, y int64 [B, T]."""
-        start = index * self.global_batch + self.dp_rank * self.batch_size
-        blocks = self._order(epoch)[start:start + self.batch_size]
+        blocks = self.block_indices(epoch, index)
         T = self.seq_len
         rows = np.stack([self.tokens[b * T:b * T + T + 1] for b in blocks]).astype(np.int64)  # [B, T+1]
         t = torch.from_numpy(rows)

@@ -2,11 +2,12 @@
 
 `--tokenizer` is one of:
   * a `tokenizer.json` file          -> `PreTrainedTokenizerFast(tokenizer_file=...)`
-  * a tokenizer folder               -> `AutoTokenizer.from_pretrained(folder)`
-  * a hub name (`gpt2`, `org/name`)  -> the local hub cache first, then the hub.
+  * a folder with tokenizer.json or tokenizer_config.json -> `AutoTokenizer.from_pretrained(folder)`
+  * otherwise a hub name (`gpt2`, `org/name`) -> its tokenizer files from the local hub cache, else
+    downloaded, then `AutoTokenizer.from_pretrained(snapshot folder)`.
 
 Without a route to the hub, `huggingface_hub` retries for ~50 s before it gives up. We therefore
-probe the hub with a short TCP connect (`hub_reachable`, 3 s, through HTTPS_PROXY when set;
+probe the hub with one short HTTP request (`hub_reachable`, 3 s, through HTTPS_PROXY when set;
 HF_HUB_OFFLINE=1 / HF_DATASETS_OFFLINE=1 mean "unreachable" without probing) and raise a
 `DataError` that lists the offline options instead of waiting.
 """
@@ -16,16 +17,19 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import socket
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from gpt2.config import ConfigError
 
 EOT_TOKEN = "<|endoftext|>"
 HUB_PROBE_TIMEOUT_S = 3.0
+TOKENIZER_FOLDER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
+HUB_TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                       "merges.txt", "config.json"]
 
 
 class DataError(ConfigError):
@@ -48,9 +52,11 @@ def _hub_offline_flag() -> bool:
 
 
 def hub_reachable(endpoint: str | None = None, timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
-    """True when a TCP connection to the hub (or the HTTPS proxy) opens within `timeout` seconds.
+    """True when the hub answers an HTTP HEAD (any status) within `timeout` seconds.
 
-    The connect runs in a daemon thread so that a stalled DNS lookup cannot block us either.
+    An HTTP answer, not a bare TCP connect, because some networks accept every connect and then stall.
+    `urllib` honours HTTPS_PROXY; the request runs in a daemon thread so a stalled DNS lookup or TLS
+    handshake cannot block us beyond `timeout` either.
     """
     if endpoint is None:
         if _hub_offline_flag():
@@ -58,16 +64,16 @@ def hub_reachable(endpoint: str | None = None, timeout: float = HUB_PROBE_TIMEOU
         from huggingface_hub import constants
 
         endpoint = constants.ENDPOINT
-    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
-    url = urlsplit(proxy or endpoint)
-    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
-    if not host:
-        return False
     ok: list[bool] = []
 
     def probe() -> None:
-        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=timeout):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout):
+                ok.append(True)
+        except urllib.error.HTTPError:  # an HTTP status: the server is there
             ok.append(True)
+        except (OSError, ValueError):
+            pass
 
     thread = threading.Thread(target=probe, daemon=True)
     thread.start()
@@ -101,29 +107,33 @@ def load_tokenizer(spec: str):
     try:
         if path.is_file():
             tok = PreTrainedTokenizerFast(tokenizer_file=str(path))
-        elif path.is_dir():
+        elif path.is_dir() and any((path / f).exists() for f in TOKENIZER_FOLDER_MARKERS):
             tok = AutoTokenizer.from_pretrained(str(path))
-        elif spec.endswith(".json") or spec.startswith((".", "/", "~")):
-            raise DataError(f"--tokenizer {spec}: no such file or folder")
+        elif path.is_absolute() or spec.startswith(("./", "../", "~")) or spec.endswith(".json"):
+            raise FileNotFoundError("no such tokenizer file, or a folder without tokenizer.json/tokenizer_config.json")
         else:
-            tok = _load_hub_tokenizer(spec)
+            # a hub name; resolved to its snapshot folder so that a same-named local folder (e.g. this
+            # repo's `gpt2/` package) is never mistaken for it
+            tok = AutoTokenizer.from_pretrained(_hub_tokenizer_folder(spec))
+    except DataError:
+        raise
     except (OSError, ValueError) as e:
-        if isinstance(e, DataError):
-            raise
         raise DataError(f"--tokenizer {spec}: could not load it ({e})") from e
     if not tok.is_fast:
         raise DataError(f"--tokenizer {spec}: a fast (tokenizer.json) tokenizer is required")
     return tok
 
 
-def _load_hub_tokenizer(name: str):
-    from transformers import AutoTokenizer
+def _hub_tokenizer_folder(name: str) -> str:
+    """The local snapshot folder of a hub tokenizer: the hub cache first, then a download."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
-    with contextlib.suppress(OSError, ValueError):
-        return AutoTokenizer.from_pretrained(name, local_files_only=True)
+    with contextlib.suppress(LocalEntryNotFoundError):
+        return snapshot_download(name, allow_patterns=HUB_TOKENIZER_FILES, local_files_only=True)
     if not hub_reachable():
         raise DataError(offline_message(f"tokenizer {name!r} (--tokenizer)"))
-    return AutoTokenizer.from_pretrained(name)
+    return snapshot_download(name, allow_patterns=HUB_TOKENIZER_FILES)
 
 
 def eot_token_id(tok) -> int:

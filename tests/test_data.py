@@ -1,0 +1,403 @@
+"""Data pipeline: packing, DP sharding, determinism, resume, token cache, sources, bad input, offline errors.
+
+Always-run tests build tiny WikiText-like corpora and a tiny byte-level BPE in tmp_path; the tests that
+need the real GPT-2 tokenizer / WikiText-2 read ../shared/data and skip when it is absent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gpt2.config import ConfigError, DataConfig
+from gpt2.data import BatchLoader, DataError, build_data, resolve_splits
+from gpt2.tokenizer import hub_reachable, load_tokenizer
+from parallel.dims import ParallelDims
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+GPT2_TOKENIZER = SHARED / "gpt2-tokenizer" / "tokenizer.json"
+WIKITEXT2 = SHARED / "wikitext-2"
+needs_shared = pytest.mark.skipif(not GPT2_TOKENIZER.exists() or not WIKITEXT2.exists(),
+                                  reason=f"{SHARED} (offline GPT-2 tokenizer + WikiText-2) is absent")
+EOT = "<|endoftext|>"
+WORDS = ["the", "a", "lobster", "sea", "claw", "blue", "red", "year", "larva", "species", "food", "pot", "river",
+         "city", "war", "game", "album", "song"]
+
+
+def wiki_lines(n_articles: int, seed: int) -> list[str]:
+    """WikiText-raw-like lines: blank rows, top-level titles, section headings, paragraphs."""
+    rng = np.random.default_rng(seed)
+    lines: list[str] = []
+    for a in range(n_articles):
+        lines += [" \n", f" = Article {a} {WORDS[a % len(WORDS)]} = \n", " \n"]
+        for s in range(2):
+            para = " ".join(rng.choice(WORDS, size=int(rng.integers(5, 30))))
+            lines += [f" {para} . \n", " \n", f" = = Section {s} = = \n", " \n"]
+    return lines
+
+
+def write(path: Path, lines: list[str]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(lines))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory) -> Path:
+    """A byte-level BPE (~300 tokens, <|endoftext|> = 0) trained on the corpus style, as tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(wiki_lines(20, seed=0), trainer)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def reference_stream(tokenizer_file: Path, lines: list[str]) -> np.ndarray:
+    """Independent tokenisation: the raw `tokenizers` library, one line at a time, EOT before titles."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    eot = tok.token_to_id(EOT)
+    out: list[int] = []
+    for line in lines:
+        if line.startswith(" = ") and not line.startswith(" = = "):
+            out.append(eot)
+        out += tok.encode(line, add_special_tokens=False).ids
+    return np.array(out, dtype=np.int64)
+
+
+def build(cfg: DataConfig, **kw):
+    args = dict(seq_len=16, batch_size=2, model_vocab_size=50257, dp_rank=0, dp_size=1, seed=0,
+                is_main=True, barrier=lambda: None)
+    return build_data(cfg, **{**args, **kw})
+
+
+def stream(n: int) -> np.ndarray:
+    return np.arange(n, dtype=np.int64).astype(np.uint16)
+
+
+def stream_blocks(loader: BatchLoader) -> list[int]:
+    """Block numbers read off the batches of one epoch over an arange stream (first token / T)."""
+    return [int(v) // loader.seq_len for x, _ in loader.iter_epoch() for v in x[:, 0]]
+
+
+def epoch_blocks(loader: BatchLoader) -> list[int]:
+    """Block numbers of one epoch as the loader reports them."""
+    return [int(b) for i in range(len(loader)) for b in loader.block_indices(loader.epoch, i)]
+
+
+# ---------------------------------------------------------------------------------------------- loader
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_packing_blocks_and_shift(shuffle):
+    T, n = 8, 8 * 50 + 5
+    loader = BatchLoader(stream(n), seq_len=T, batch_size=3, dp_rank=0, dp_size=1, seed=1, shuffle=shuffle)
+    assert loader.num_blocks == (n - 1) // T and len(loader) == loader.num_blocks // 3
+    for x, y in loader.iter_epoch():
+        assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (3, T)
+        assert torch.equal(x[:, 0] % T, torch.zeros(3, dtype=torch.int64))  # blocks start at multiples of T
+        assert torch.equal(x, x[:, :1] + torch.arange(T))  # contiguous tokens of the stream
+        assert torch.equal(y, x + 1)  # y is x shifted by one token
+    if not shuffle:
+        assert stream_blocks(loader) == list(range(len(loader) * 3))
+    assert stream_blocks(loader) == epoch_blocks(loader)
+
+
+def test_sharding_disjoint_equal_and_tp_ranks_agree():
+    T, B, tp, dp = 4, 2, 2, 3
+    tokens = stream(4 * 61 + 1)  # 61 blocks: ragged tail of 61 % 6 = 1
+    per_dp: dict[int, list[int]] = {}
+    for rank in range(tp * dp):
+        dims = ParallelDims(world_size=tp * dp, rank=rank, tp_size=tp)
+        loader = BatchLoader(tokens, seq_len=T, batch_size=B, dp_rank=dims.dp_rank, dp_size=dims.dp_size,
+                             seed=7, shuffle=True)
+        blocks = stream_blocks(loader)
+        if dims.dp_rank in per_dp:
+            assert blocks == per_dp[dims.dp_rank]  # TP peers see the same batches
+        per_dp[dims.dp_rank] = blocks
+    counts = {len(b) for b in per_dp.values()}
+    assert counts == {61 // (B * dp) * B}  # equal counts, ragged tail dropped
+    union = [b for blocks in per_dp.values() for b in blocks]
+    assert len(set(union)) == len(union) == 60 and set(union) <= set(range(61))
+
+
+def test_global_batches_depend_on_batch_times_dp_only():
+    tokens = stream(4 * 64 + 1)
+    single = BatchLoader(tokens, seq_len=4, batch_size=4, dp_rank=0, dp_size=1, seed=3, shuffle=True)
+    ranks = [BatchLoader(tokens, seq_len=4, batch_size=2, dp_rank=r, dp_size=2, seed=3, shuffle=True) for r in (0, 1)]
+    for _ in range(len(single) + 3):  # across an epoch boundary
+        x, y = single.next_batch()
+        parts = [loader.next_batch() for loader in ranks]
+        assert torch.equal(x, torch.cat([p[0] for p in parts])) and torch.equal(y, torch.cat([p[1] for p in parts]))
+
+
+def test_order_deterministic_per_seed_and_epoch():
+    tokens = stream(4 * 40 + 1)
+
+    def make(seed):
+        return BatchLoader(tokens, seq_len=4, batch_size=2, dp_rank=0, dp_size=1, seed=seed, shuffle=True)
+
+    a, b, c = make(5), make(5), make(6)
+    epoch0 = [a.next_batch()[0] for _ in range(len(a))]
+    assert all(torch.equal(x, b.next_batch()[0]) for x in epoch0)
+    epoch1 = [a.next_batch()[0] for _ in range(len(a))]
+    assert a.epoch == 1
+    assert not torch.equal(torch.cat(epoch0), torch.cat(epoch1))  # new permutation per epoch
+    assert sorted(torch.cat(epoch0)[:, 0].tolist()) == sorted(torch.cat(epoch1)[:, 0].tolist())
+    assert not torch.equal(torch.cat(epoch0), torch.cat([c.next_batch()[0] for _ in range(len(c))]))
+
+
+def test_state_dict_resume_continues_exactly():
+    tokens = stream(4 * 30 + 1)
+    kw = dict(seq_len=4, batch_size=3, dp_rank=1, dp_size=2, seed=11, shuffle=True)
+    ref = BatchLoader(tokens, **kw)
+    expected = [ref.next_batch() for _ in range(12)]  # 5 batches per epoch: crosses two epoch boundaries
+    run = BatchLoader(tokens, **kw)
+    for _ in range(7):
+        run.next_batch()
+    state = run.state_dict()
+    resumed = BatchLoader(tokens, **kw)
+    resumed.load_state_dict(state)
+    for x, y in expected[7:]:
+        rx, ry = resumed.next_batch()
+        assert torch.equal(rx, x) and torch.equal(ry, y)
+    other = BatchLoader(tokens, **{**kw, "seed": 12})
+    with pytest.raises(DataError, match="seed"):
+        other.load_state_dict(state)
+
+
+# ---------------------------------------------------------------------------------------------- sources
+
+
+@pytest.mark.parametrize("names, train, val", [
+    (["train.txt", "valid.txt", "test.txt"], ["train.txt"], ["valid.txt"]),
+    (["train.txt", "test.txt"], ["train.txt"], ["test.txt"]),
+    (["valid.txt", "test.txt"], ["valid.txt"], ["test.txt"]),  # the WikiText-2 layout in ../shared/data
+    (["wiki.train.raw", "wiki.valid.raw", "wiki.test.raw"], ["wiki.train.raw"], ["wiki.valid.raw"]),
+    (["train_00.txt", "train_01.txt", "dev.txt", "notes.md"], ["train_00.txt", "train_01.txt"], ["dev.txt"]),
+    (["a.txt", "b.txt"], ["a.txt", "b.txt"], None),  # no roles: all train, tail for validation
+    (["train.txt"], ["train.txt"], None),
+])
+def test_folder_rules(tmp_path, names, train, val):
+    for name in names:
+        write(tmp_path / name, ["x\n"])
+    tr, va = resolve_splits(DataConfig(data_path=str(tmp_path)))
+    assert [f.name for f in tr.files] == train
+    assert (va and [f.name for f in va.files]) == val
+
+
+def test_local_folder_stream_matches_reference_and_tail_split(tmp_path, tiny_tokenizer):
+    lines = wiki_lines(30, seed=1)
+    write(tmp_path / "corpus" / "data.txt", lines)
+    cfg = DataConfig(data_path=str(tmp_path / "corpus"), tokenizer=str(tiny_tokenizer),
+                     cache_dir=str(tmp_path / "cache"), num_proc=1)
+    bundle = build(cfg)
+    ref = reference_stream(tiny_tokenizer, lines)
+    full = np.concatenate([bundle.train.tokens, bundle.val.tokens]).astype(np.int64)
+    assert np.array_equal(full, ref)
+    assert len(bundle.val.tokens) == int(len(ref) * 0.05)  # the tail split
+    assert bundle.vocab_size == len(load_tokenizer(str(tiny_tokenizer)))
+    assert int((full == 0).sum()) == 30  # one EOT per article
+
+
+def test_multiprocess_tokenisation_and_cache_reuse(tmp_path, tiny_tokenizer, monkeypatch):
+    train_lines, val_lines = wiki_lines(250, seed=2), wiki_lines(20, seed=3)  # > 2000 rows: 2 workers
+    write(tmp_path / "corpus" / "train.txt", train_lines)
+    write(tmp_path / "corpus" / "valid.txt", val_lines)
+    cfg = DataConfig(data_path=str(tmp_path / "corpus"), tokenizer=str(tiny_tokenizer),
+                     cache_dir=str(tmp_path / "cache"), num_proc=2)
+    first = build(cfg)
+    assert not first.cache_hit and "cache built" in first.description
+    assert np.array_equal(np.asarray(first.train.tokens, dtype=np.int64), reference_stream(tiny_tokenizer, train_lines))
+    assert np.array_equal(np.asarray(first.val.tokens, dtype=np.int64), reference_stream(tiny_tokenizer, val_lines))
+    assert first.train.tokens.dtype == np.uint16
+
+    def no_tokenising(*args, **kwargs):
+        raise AssertionError("tokenised again although the cache should hit")
+
+    monkeypatch.setattr("gpt2.data._build_cache", no_tokenising)
+    start = time.perf_counter()
+    second = build(cfg, seq_len=32)  # the cache key does not depend on seq_len
+    assert second.cache_hit and time.perf_counter() - start < 5
+    assert np.array_equal(second.train.tokens, first.train.tokens)
+
+    monkeypatch.undo()
+    write(tmp_path / "corpus" / "train.txt", train_lines[:-4])  # changed source -> new key, rebuilt
+    third = build(cfg)
+    assert not third.cache_hit and len(third.train.tokens) < len(first.train.tokens)
+
+
+def test_non_main_ranks_wait_for_the_main_process(tmp_path, tiny_tokenizer):
+    write(tmp_path / "corpus.txt", wiki_lines(30, seed=4))
+    cfg = DataConfig(data_path=str(tmp_path / "corpus.txt"), tokenizer=str(tiny_tokenizer),
+                     cache_dir=str(tmp_path / "cache"), num_proc=1)
+    barrier = threading.Barrier(2, timeout=60)
+    results: dict[int, object] = {}
+
+    def rank(r: int) -> None:
+        try:
+            results[r] = build(cfg, dp_rank=r, dp_size=2, batch_size=1, is_main=r == 0, barrier=barrier.wait)
+        except Exception as e:  # noqa: BLE001 - surfaced by the assertion below
+            results[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (1, 0)]  # the non-main rank starts first
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(not isinstance(v, Exception) for v in results.values()), results
+    assert np.array_equal(results[0].train.tokens, results[1].train.tokens)
+    assert not set(epoch_blocks(results[0].train)) & set(epoch_blocks(results[1].train))
+    with pytest.raises(DataError, match="missing after the main process"):
+        build(DataConfig(data_path=str(tmp_path / "corpus.txt"), tokenizer=str(tiny_tokenizer),
+                         cache_dir=str(tmp_path / "elsewhere")), is_main=False)
+
+
+def test_max_samples_caps_training_blocks_before_sharding(tmp_path, tiny_tokenizer):
+    write(tmp_path / "corpus.txt", wiki_lines(30, seed=5))
+    cfg = DataConfig(data_path=str(tmp_path / "corpus.txt"), tokenizer=str(tiny_tokenizer),
+                     cache_dir=str(tmp_path / "cache"), num_proc=1, max_samples=12)
+    loaders = [build(cfg, dp_rank=r, dp_size=2, batch_size=2).train for r in (0, 1)]
+    assert all(lo.num_blocks == 12 and len(lo) == 3 for lo in loaders)
+    blocks = epoch_blocks(loaders[0]) + epoch_blocks(loaders[1])
+    assert sorted(blocks) == list(range(12))
+
+
+def test_synthetic_is_deterministic_per_seed(tmp_path):
+    cfg = DataConfig(data="synthetic", cache_dir=str(tmp_path / "cache"), eval_batches=2)
+    a, b = build(cfg, seed=1), build(cfg, seed=1)
+    c = build(cfg, seed=2)
+    xa, xb, xc = a.train.next_batch()[0], b.train.next_batch()[0], c.train.next_batch()[0]
+    assert torch.equal(xa, xb) and not torch.equal(xa, xc)
+    assert a.vocab_size == 50257 and int(xa.max()) < 50257 and a.cache_hit
+    assert len(a.val) == 2 and not (tmp_path / "cache").exists()
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def test_data_error_is_a_config_error():
+    assert issubclass(DataError, ConfigError)
+
+
+@pytest.mark.parametrize("layout", ["missing", "empty_folder", "no_text_files", "empty_file", "blank_file"])
+def test_bad_data_path_names_the_path(tmp_path, tiny_tokenizer, layout):
+    path = tmp_path / "data"
+    if layout == "empty_folder":
+        path.mkdir()
+    elif layout == "no_text_files":
+        write(path / "readme.md", ["hello\n"])
+    elif layout == "empty_file":
+        path = write(tmp_path / "data.txt", [])
+    elif layout == "blank_file":
+        path = write(tmp_path / "data.txt", [" \n"] * 50)
+    cfg = DataConfig(data_path=str(path), tokenizer=str(tiny_tokenizer), cache_dir=str(tmp_path / "cache"), num_proc=1)
+    with pytest.raises(DataError, match=f"--data-path {path}"):
+        build(cfg)
+
+
+def test_tokenizer_larger_than_model_vocab(tmp_path, tiny_tokenizer):
+    write(tmp_path / "corpus.txt", wiki_lines(5, seed=6))
+    n = len(load_tokenizer(str(tiny_tokenizer)))
+    cfg = DataConfig(data_path=str(tmp_path / "corpus.txt"), tokenizer=str(tiny_tokenizer),
+                     cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataError, match=rf"{n} tokens.*vocab_size is 100\b"):
+        build(cfg, model_vocab_size=100)
+
+
+def test_missing_tokenizer_file(tmp_path):
+    write(tmp_path / "corpus.txt", wiki_lines(5, seed=6))
+    with pytest.raises(DataError, match="nope.json: could not load it \\(no such tokenizer file"):
+        build(DataConfig(data_path=str(tmp_path / "corpus.txt"), tokenizer=str(tmp_path / "nope.json")))
+
+
+def test_seq_len_leaving_no_validation_block(tmp_path, tiny_tokenizer):
+    write(tmp_path / "corpus" / "train.txt", wiki_lines(40, seed=7))
+    write(tmp_path / "corpus" / "valid.txt", wiki_lines(1, seed=8))
+    cfg = DataConfig(data_path=str(tmp_path / "corpus"), tokenizer=str(tiny_tokenizer),
+                     cache_dir=str(tmp_path / "cache"), num_proc=1)
+    with pytest.raises(DataError, match=r"validation split has .* --seq-len 512"):
+        build(cfg, seq_len=512)
+
+
+# ---------------------------------------------------------------------------------------------- hub / offline
+
+
+def test_hub_probe_never_hangs(monkeypatch):
+    def stalled(*args, **kwargs):
+        time.sleep(30)  # a connect, DNS lookup or TLS handshake that never completes
+
+    monkeypatch.setattr("urllib.request.urlopen", stalled)
+    start = time.perf_counter()
+    assert not hub_reachable("https://huggingface.co", timeout=0.5)
+    assert time.perf_counter() - start < 2
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    assert not hub_reachable()
+
+
+@pytest.fixture
+def no_hub():
+    if hub_reachable():
+        pytest.skip("the Hugging Face hub is reachable from here")
+
+
+def assert_offline_message(err: DataError) -> None:
+    for option in ("--data-path", "--tokenizer <path", "--data synthetic"):
+        assert option in str(err)
+
+
+def test_hub_tokenizer_offline_fails_fast(no_hub):
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache("gpt2", "tokenizer.json"), str):
+        pytest.skip("gpt2 tokenizer is in the local hub cache")
+    start = time.perf_counter()
+    with pytest.raises(DataError) as info:
+        load_tokenizer("gpt2")
+    assert time.perf_counter() - start < 15
+    assert_offline_message(info.value)
+
+
+def test_hub_dataset_offline_fails_fast(no_hub, tmp_path, tiny_tokenizer):
+    import datasets
+
+    if any(Path(datasets.config.HF_DATASETS_CACHE).glob("wikitext*")):
+        pytest.skip("wikitext is in the local datasets cache")
+    start = time.perf_counter()
+    with pytest.raises(DataError) as info:
+        build(DataConfig(tokenizer=str(tiny_tokenizer), cache_dir=str(tmp_path / "cache")))
+    assert time.perf_counter() - start < 15
+    assert_offline_message(info.value)
+    assert "wikitext" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------- WikiText-2
+
+
+@needs_shared
+def test_wikitext2_end_to_end(tmp_path):
+    cfg = DataConfig(data_path=str(WIKITEXT2), tokenizer=str(GPT2_TOKENIZER), cache_dir=str(tmp_path / "cache"),
+                     num_proc=2)
+    bundle = build(cfg, seq_len=128, batch_size=4)
+    assert bundle.vocab_size == 50257
+    valid_lines = (WIKITEXT2 / "valid.txt").read_text().splitlines(keepends=True)
+    train = np.asarray(bundle.train.tokens, dtype=np.int64)
+    assert np.array_equal(train, reference_stream(GPT2_TOKENIZER, valid_lines))
+    n_val = len(bundle.val.tokens)
+    assert 250_000 < len(bundle.train.tokens) < 270_000 and 285_000 < n_val < 305_000  # README: ~555k together
+    x, y = bundle.train.next_batch()
+    assert x.shape == (4, 128) and torch.equal(x[:, 1:], y[:, :-1])
+    assert len(bundle.val) == (n_val - 1) // 128 // 4
+    assert int(bundle.train.tokens[2]) == 50256  # " \n" then EOT before " = Homarus gammarus = "
