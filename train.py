@@ -18,9 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         # imported after argument parsing so that `--help` and bad flags answer instantly
+        from gpt2.checkpoint import Checkpointer, load_checkpoint, prepare_resume
         from gpt2.data import build_data
         from gpt2.distributed import init_distributed, shutdown_distributed
         from gpt2.engine import TorchEngine
+        from gpt2.metrics import model_params_for_flops
         from gpt2.run_logging import MetricsLogger, log, make_run_dir, setup_console
         from gpt2.trainer import run_training
 
@@ -31,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     logger = None
     try:
         setup_console(None, ctx.is_main)
+        # a bad --resume or a colliding --save-dir fails before data, a run folder or a model exist
+        resume_from = prepare_resume(cfg, ctx)  # recorded in the new run folder's config.json
         # data first: a bad --data-path or tokenizer fails before a run folder or a model exists
         data = build_data(
             cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
@@ -40,12 +44,19 @@ def main(argv: list[str] | None = None) -> int:
         setup_console(run_dir, ctx.is_main)
         log.info("run folder: %s", run_dir)
         log.info("data: %s", data.description)
-        engine = TorchEngine(cfg, ctx)
+        if cfg.train.mode == "hybrid":
+            from gpt2.engine_deepspeed import DeepSpeedEngine
+
+            engine = DeepSpeedEngine(cfg, ctx)
+        else:
+            engine = TorchEngine(cfg, ctx)
         log.info("model: %s, %.1fM parameters (FLOPs count), device %s, world %d (tp %d x dp %d)",
-                 cfg.train.model, engine.module.num_params() / 1e6, ctx.device, ctx.world_size,
+                 cfg.train.model, model_params_for_flops(cfg.model) / 1e6, ctx.device, ctx.world_size,
                  ctx.dims.tp_size, ctx.dims.dp_size)
+        start_step = load_checkpoint(resume_from, cfg, ctx, engine, data.train) if resume_from else 0
+        checkpointer = Checkpointer(cfg, ctx, engine, data.train) if cfg.checkpoint.save_dir else None
         logger = MetricsLogger(cfg, run_dir) if ctx.is_main else None
-        run_training(cfg, ctx, engine, data, logger)
+        run_training(cfg, ctx, engine, data, logger, start_step=start_step, checkpointer=checkpointer)
     except ConfigError as err:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2

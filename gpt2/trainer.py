@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from gpt2.checkpoint import Checkpointer
 from gpt2.config import RunConfig
 from gpt2.data import DataBundle
 from gpt2.distributed import DistContext
@@ -64,8 +65,12 @@ def _device_name(ctx: DistContext) -> str:
 
 
 def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBundle,
-                 logger: MetricsLogger | None, start_step: int = 0) -> dict[str, Any]:
-    """Train from `start_step` to max_steps; returns the summary record (identical on every rank)."""
+                 logger: MetricsLogger | None, start_step: int = 0,
+                 checkpointer: Checkpointer | None = None) -> dict[str, Any]:
+    """Train from `start_step` to max_steps; returns the summary record (identical on every rank).
+
+    `checkpointer.maybe_save(step)` runs after every optimizer step (a step boundary: it may also save).
+    """
     t = cfg.train
     dp = ctx.dims.dp_size
     tokens_per_step = dp * t.batch_size * t.grad_accum * t.seq_len
@@ -111,6 +116,8 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
             if not math.isfinite(last["loss"]):
                 raise FloatingPointError(f"loss is {last['loss']} at step {step}; lower --lr or use bf16/fp32")
         bar.update(1)
+        if checkpointer:
+            checkpointer.maybe_save(step)
 
         if t.eval_interval and step % t.eval_interval == 0 and step != t.max_steps:
             _evaluate(cfg, ctx, engine, data, logger, step)

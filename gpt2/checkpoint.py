@@ -1,0 +1,327 @@
+"""Checkpoints for every mode: atomic step folders, a `latest` pointer, exact resume, errors that name the fix.
+
+Layout of `--save-dir`::
+
+    latest                  "step-000020": the newest complete checkpoint, replaced atomically after its rename
+    step-000010/
+      meta.json             model config, mode, world/tp/dp sizes, zero stage, step, versions (written last)
+      rank-00000.pt ...     per rank: RNG states (torch CPU + CUDA, numpy, python) and the train data position
+      model.pt              single/baseline: model state dict (rank 0; DDP replicas are identical)
+      optimizer.pt          single/baseline: AdamW, LR scheduler and GradScaler states (rank 0)
+      zero/                 hybrid: DeepSpeed's sharded checkpoint (engine.save_checkpoint, tag "zero")
+    step-000020.tmp/        a save in progress, or one a crash interrupted: never read, removed by the next save
+
+A save writes everything into `step-XXXXXX.tmp/`, fsyncs it, renames it to `step-XXXXXX/` and only then
+points `latest` at it, so a crash at any moment leaves the previous checkpoint as the latest. An existing
+step folder is never overwritten. Resume restores model, optimizer, scheduler, step, data position and RNG
+states, so N steps + resume + M steps give the losses of N + M uninterrupted steps.
+
+`Checkpointer.save(step)` may be called at any step boundary (the loop calls `maybe_save`; a preemption
+handler can call `save`). Every function here that touches the process group is collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import re
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from gpt2.config import CheckpointConfig, ConfigError, RunConfig
+from gpt2.data import BatchLoader
+from gpt2.distributed import DistContext
+from gpt2.run_logging import log
+
+LATEST = "latest"
+META = "meta.json"
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+# meta.json fields that must match for a resume (the parallel layout decides how state is sharded)
+_LAYOUT_KEYS = ("mode", "world_size", "tp_size", "dp_size", "zero_stage")
+
+
+class CheckpointError(ConfigError):
+    """A missing, partial, mismatched or colliding checkpoint; the message names what differs."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def list_checkpoints(save_dir: Path) -> list[tuple[int, Path]]:
+    """Complete-looking step folders (name step-XXXXXX, not .tmp), oldest first."""
+    if not save_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in save_dir.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return sorted(found)
+
+
+# ------------------------------------------------------------------------------------------------
+# metadata and validation
+
+
+def build_meta(cfg: RunConfig, ctx: DistContext, step: int) -> dict[str, Any]:
+    hybrid = cfg.train.mode == "hybrid"
+    meta = {
+        "step": step, "mode": cfg.train.mode, "model_name": cfg.train.model, "model": dataclasses.asdict(cfg.model),
+        "world_size": ctx.world_size, "tp_size": ctx.dims.tp_size, "dp_size": ctx.dims.dp_size,
+        "zero_stage": cfg.parallel.zero_stage if hybrid else None,
+        "batch_size": cfg.train.batch_size, "grad_accum": cfg.train.grad_accum, "seq_len": cfg.train.seq_len,
+        "seed": cfg.train.seed, "max_steps": cfg.train.max_steps,
+        "torch_version": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    if hybrid:
+        import deepspeed
+
+        meta["deepspeed_version"] = deepspeed.__version__
+    return meta
+
+
+def read_meta(step_dir: Path) -> dict[str, Any]:
+    """meta.json of a complete checkpoint folder; CheckpointError for a missing or partial one."""
+    if step_dir.name.endswith(".tmp"):
+        raise CheckpointError(f"{step_dir} is a partial checkpoint (a save that did not finish); resume from a "
+                              f"complete step-XXXXXX folder or from the save dir (its `latest` pointer)")
+    if not step_dir.is_dir():
+        raise CheckpointError(f"checkpoint {step_dir} does not exist")
+    meta_path = step_dir / META
+    if not meta_path.is_file():
+        raise CheckpointError(f"{step_dir} has no {META}: it is a partial or foreign checkpoint, not resumable")
+    return json.loads(meta_path.read_text())
+
+
+def check_compatible(meta: dict[str, Any], cfg: RunConfig, ctx: DistContext, where: Path) -> None:
+    """Model config and parallel layout must match the checkpoint's; the error lists every difference."""
+    ours = build_meta(cfg, ctx, step=meta["step"])
+    diffs = [f"model.{k}: checkpoint {v!r}, this run {ours['model'].get(k)!r}"
+             for k, v in meta["model"].items() if ours["model"].get(k) != v]
+    diffs += [f"{k}: checkpoint {meta.get(k)!r}, this run {ours[k]!r}" for k in _LAYOUT_KEYS if meta.get(k) != ours[k]]
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint {where} does not match this run: " + "; ".join(diffs)
+            + ". Resume with the same model, mode and parallel layout, or export its weights "
+            f"(python -m gpt2.export {where} OUT) and start a new run with --init-from OUT")
+
+
+def resolve_resume(ckpt: CheckpointConfig) -> Path | None:
+    """The step folder to resume from: --resume auto -> save_dir's latest (None if there is none yet);
+    --resume PATH -> PATH if it is a step folder, else PATH's latest."""
+    if not ckpt.resume:
+        return None
+    root = Path(ckpt.save_dir if ckpt.resume == "auto" else ckpt.resume)
+    pointer = root / LATEST
+    if pointer.is_file():
+        target = root / pointer.read_text().strip()
+        if not (target / META).is_file():
+            raise CheckpointError(f"{pointer} points at {target.name}, which is missing or incomplete")
+        return target
+    if found := list_checkpoints(root):
+        raise CheckpointError(f"{root} holds step folders but no `{LATEST}` pointer; pass --resume "
+                              f"{found[-1][1]} to choose one explicitly")
+    if ckpt.resume == "auto":
+        return None
+    read_meta(root)  # raises for missing / partial / foreign folders
+    return root
+
+
+# ------------------------------------------------------------------------------------------------
+# per-rank state: RNG and data position
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "python": random.getstate(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    random.setstate(state["python"])
+
+
+def _rank_file(folder: Path, rank: int) -> Path:
+    return folder / f"rank-{rank:05d}.pt"
+
+
+# ------------------------------------------------------------------------------------------------
+# file-system helpers
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            _fsync_path(Path(dirpath) / f)
+        _fsync_path(Path(dirpath))
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_path(path.parent)
+
+
+def _on_rank0(ctx: DistContext, fn: Callable[[], None]) -> None:
+    """Run `fn` on rank 0 and raise its CheckpointError on every rank (no rank is left waiting)."""
+    error = None
+    if ctx.is_main:
+        try:
+            fn()
+        except CheckpointError as err:
+            error = str(err)
+    if ctx.distributed:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise CheckpointError(error)
+
+
+def _is_deepspeed(engine: Any) -> bool:
+    return hasattr(engine, "save_sharded")
+
+
+# ------------------------------------------------------------------------------------------------
+# save and load
+
+
+def save_checkpoint(cfg: RunConfig, ctx: DistContext, engine: Any, train_loader: BatchLoader, step: int,
+                    keep_last: int | None = None) -> Path:
+    """Write <save_dir>/step-XXXXXX atomically and point `latest` at it (collective)."""
+    save_dir = Path(cfg.checkpoint.save_dir)
+    final = save_dir / step_dir_name(step)
+    tmp = final.with_name(final.name + ".tmp")
+
+    def prepare() -> None:
+        if final.exists():
+            raise CheckpointError(f"checkpoint {final} already exists; nothing is overwritten: resume from it, "
+                                  "or use another --save-dir")
+        save_dir.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by an interrupted save of this step
+        tmp.mkdir()
+
+    _on_rank0(ctx, prepare)
+    torch.save({"rng": _rng_state(ctx.device), "data": train_loader.state_dict(), "step": step},
+               _rank_file(tmp, ctx.rank))
+    if _is_deepspeed(engine):
+        engine.save_sharded(tmp, client_state={"step": step})
+    elif ctx.is_main:
+        torch.save(engine.module.state_dict(), tmp / "model.pt")
+        torch.save({"optimizer": engine.optimizer.state_dict(), "scheduler": engine.scheduler.state_dict(),
+                    "scaler": engine.scaler.state_dict()}, tmp / "optimizer.pt")
+    ctx.barrier()
+
+    def commit() -> None:
+        (tmp / META).write_text(json.dumps(build_meta(cfg, ctx, step), indent=2))
+        _fsync_tree(tmp)
+        os.rename(tmp, final)
+        _fsync_path(save_dir)
+        _write_text_atomic(save_dir / LATEST, final.name + "\n")
+        if keep_last:
+            for _, old in list_checkpoints(save_dir)[:-keep_last]:
+                shutil.rmtree(old)
+
+    _on_rank0(ctx, commit)
+    log.info("checkpoint: saved %s", final)
+    return final
+
+
+def load_checkpoint(step_dir: Path, cfg: RunConfig, ctx: DistContext, engine: Any,
+                    train_loader: BatchLoader) -> int:
+    """Restore everything saved in `step_dir` (collective); returns the step to continue after."""
+    meta = read_meta(step_dir)
+    check_compatible(meta, cfg, ctx, step_dir)
+    step = int(meta["step"])
+    if step >= cfg.train.max_steps:
+        raise CheckpointError(f"{step_dir} is at step {step}, not before --max-steps {cfg.train.max_steps}; "
+                              f"pass --max-steps > {step} to train further")
+    rank_path = _rank_file(step_dir, ctx.rank)
+    if not rank_path.is_file():
+        raise CheckpointError(f"{step_dir} has no {rank_path.name}: the checkpoint is incomplete")
+    rank_state = torch.load(rank_path, map_location="cpu", weights_only=True)
+    if _is_deepspeed(engine):
+        client_state = engine.load_sharded(step_dir)
+        if client_state.get("step") != step:
+            raise CheckpointError(f"{step_dir}: DeepSpeed state is from step {client_state.get('step')}, "
+                                  f"meta.json says {step}")
+    else:
+        model_state = torch.load(step_dir / "model.pt", map_location=ctx.device, weights_only=True)
+        engine.module.load_state_dict(model_state)
+        opt_state = torch.load(step_dir / "optimizer.pt", map_location=ctx.device, weights_only=True)
+        engine.optimizer.load_state_dict(opt_state["optimizer"])
+        engine.scheduler.load_state_dict(opt_state["scheduler"])
+        engine.scaler.load_state_dict(opt_state["scaler"])
+    train_loader.load_state_dict(rank_state["data"])
+    _set_rng_state(rank_state["rng"], ctx.device)
+    log.info("checkpoint: resumed from %s (step %d)", step_dir, step)
+    return step
+
+
+def _save_due(cfg: RunConfig, step: int) -> bool:
+    interval = cfg.checkpoint.save_interval
+    return step == cfg.train.max_steps or bool(interval and step % interval == 0)
+
+
+def check_save_dir(cfg: RunConfig, start_step: int) -> None:
+    """Fail before training, not after it, when a step folder this run would write already exists."""
+    if not cfg.checkpoint.save_dir:
+        return
+    ahead = [p.name for s, p in list_checkpoints(Path(cfg.checkpoint.save_dir))
+             if start_step < s <= cfg.train.max_steps and _save_due(cfg, s)]
+    if ahead:
+        raise CheckpointError(f"--save-dir {cfg.checkpoint.save_dir} already holds {', '.join(ahead)}, which this "
+                              "run would write; nothing is overwritten: use another --save-dir or resume from its "
+                              "latest checkpoint (--resume auto)")
+
+
+def prepare_resume(cfg: RunConfig, ctx: DistContext) -> Path | None:
+    """Start-up checks, cheap and before anything heavy: resolve --resume, check it matches this run, check
+    --save-dir holds nothing this run would write. Records the folder in cfg.checkpoint.resumed_from."""
+    resume_from = resolve_resume(cfg.checkpoint)
+    if resume_from:
+        check_compatible(read_meta(resume_from), cfg, ctx, resume_from)
+        cfg.checkpoint.resumed_from = str(resume_from.resolve())
+    check_save_dir(cfg, read_meta(resume_from)["step"] if resume_from else 0)
+    return resume_from
+
+
+class Checkpointer:
+    """Saves at --save-interval steps and at the end of training; `save(step)` works at any step boundary."""
+
+    def __init__(self, cfg: RunConfig, ctx: DistContext, engine: Any, train_loader: BatchLoader):
+        self.cfg, self.ctx, self.engine, self.train_loader = cfg, ctx, engine, train_loader
+
+    def maybe_save(self, step: int) -> Path | None:
+        return self.save(step) if _save_due(self.cfg, step) else None
+
+    def save(self, step: int) -> Path:
+        return save_checkpoint(self.cfg, self.ctx, self.engine, self.train_loader, step, self.cfg.checkpoint.keep_last)

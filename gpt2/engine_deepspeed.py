@@ -1,0 +1,250 @@
+"""`--mode hybrid`: DeepSpeed ZeRO (stage 3 by default; 1 and 2 for comparison) behind the engine interface.
+
+    deepspeed --num_gpus=4 train.py --mode hybrid --model gpt2-large             # ZeRO-3, ds_configs/zero3.json
+    torchrun --nproc_per_node=4 train.py --mode hybrid --zero-stage 2            # ds_configs/zero2.json
+    torchrun --nproc_per_node=4 train.py --mode hybrid --ds-config my.json --zero-stage 3
+
+Same interface as `gpt2.engine.TorchEngine` (forward_backward / optimizer_step / evaluate / lr / module),
+so the loop, metrics and logs are shared. Our CLI stays the single source of truth: batch size, gradient
+accumulation, clipping, precision and ZeRO stage are written into the DeepSpeed config, and a JSON file
+that sets one of them to another value is an error naming both. The optimizer (torch AdamW, fused on CUDA)
+and the LR schedule (LambdaLR over `gpt2.engine.lr_at`) are our objects passed to `deepspeed.initialize`,
+so no DeepSpeed op needs compiling.
+
+Under ZeRO-3 the model is built inside `deepspeed.zero.Init`: each module's parameters are partitioned
+over the data-parallel group as soon as its constructor returns, so GPT-2 Large/XL never exist whole on
+one device. Our modules initialise in their constructors (see `gpt2.model`), which zero.Init runs on the
+full tensor before partitioning it: with the same seed the weights equal those of the plain build in fp32
+(tests/test_zero.py checks it). In bf16/fp16, zero.Init creates the parameters in that dtype, so the
+initial weights are the rounded fp32 ones (DeepSpeed keeps fp32 master copies from there). The tied LM
+head is the same Parameter as `wte.weight`, registered in `LMHead` as well: ZeRO-3 gathers it in both
+modules' forward hooks and accumulates both gradient contributions.
+
+On CPU (tests): `DS_ACCELERATOR=cpu`, gloo, fp32. DeepSpeed's CPU communication backend would JIT-build a
+shared-memory all-reduce op that only its inference path uses; we mark it incompatible instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fused_kernels import get_ops
+from fused_kernels.attention import get_attention
+from gpt2.config import ConfigError, RunConfig
+from gpt2.distributed import DistContext
+from gpt2.engine import build_model, lr_at
+from gpt2.model import GPT
+from gpt2.run_logging import log
+from parallel.dims import ParallelDims
+
+DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
+CHECKPOINT_TAG = "zero"  # DeepSpeed's sub-folder inside one of our step folders
+
+
+def default_ds_config_path(zero_stage: int) -> Path:
+    return DS_CONFIG_DIR / f"zero{zero_stage}.json"
+
+
+def _harness_values(cfg: RunConfig, dp_size: int) -> list[tuple[tuple[str, ...], Any, str]]:
+    """(key path, our value, the flag that sets it) for every DeepSpeed key the CLI owns."""
+    t = cfg.train
+    return [
+        (("train_micro_batch_size_per_gpu",), t.batch_size, f"--batch-size is {t.batch_size}"),
+        (("gradient_accumulation_steps",), t.grad_accum, f"--grad-accum is {t.grad_accum}"),
+        (("train_batch_size",), t.batch_size * t.grad_accum * dp_size,
+         f"--batch-size x --grad-accum x dp-size is {t.batch_size} x {t.grad_accum} x {dp_size} = "
+         f"{t.batch_size * t.grad_accum * dp_size}"),
+        (("gradient_clipping",), float(t.grad_clip), f"--grad-clip is {t.grad_clip}"),
+        (("zero_optimization", "stage"), cfg.parallel.zero_stage, f"--zero-stage is {cfg.parallel.zero_stage}"),
+        (("bf16", "enabled"), t.precision == "bf16", f"--precision is {t.precision}"),
+        (("fp16", "enabled"), t.precision == "fp16", f"--precision is {t.precision}"),
+    ]
+
+
+def build_ds_config(cfg: RunConfig, dp_size: int, device: torch.device) -> dict[str, Any]:
+    """The DeepSpeed config: the JSON file (--ds-config, else ds_configs/zero{stage}.json) + our CLI values.
+
+    A file value that disagrees with the CLI is a ConfigError naming both; optimizer and scheduler
+    sections are rejected (we pass our own objects). CPU runs are fp32 whatever --precision says.
+    """
+    path = Path(cfg.parallel.ds_config) if cfg.parallel.ds_config else default_ds_config_path(cfg.parallel.zero_stage)
+    if not path.is_file():
+        raise ConfigError(f"DeepSpeed config {path} does not exist; pass an existing file to --ds-config")
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {err}") from err
+    for section in ("optimizer", "scheduler"):
+        if section in ds:
+            raise ConfigError(f"{path} has a {section!r} section; remove it: the optimizer (AdamW) and LR schedule "
+                              "come from the command line (--lr, --min-lr, --warmup-steps, --weight-decay)")
+    for keys, ours, flag in _harness_values(cfg, dp_size):
+        node = ds
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        if keys[-1] in node and node[keys[-1]] != ours:
+            raise ConfigError(f"{path} sets {'.'.join(keys)}={json.dumps(node[keys[-1]])} but {flag}; "
+                              "make them agree or drop the key from the file (the command line sets it)")
+        node[keys[-1]] = ours
+    if device.type != "cuda":  # CPU: fp32 (autocast_dtype's rule for the other modes)
+        ds["bf16"]["enabled"] = ds["fp16"]["enabled"] = False
+    ds["zero_allow_untested_optimizer"] = True  # torch AdamW: DeepSpeed only "tests" its own optimizers
+    return ds
+
+
+class DeepSpeedMPU:
+    """The `mpu` object DeepSpeed asks for the model-parallel (TP) and data-parallel groups."""
+
+    def __init__(self, dims: ParallelDims):
+        self.dims = dims
+
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
+        return self.dims.tp_group
+
+    def get_model_parallel_rank(self) -> int:
+        return self.dims.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.dims.tp_size
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        return self.dims.dp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dims.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dims.dp_size
+
+
+def _import_deepspeed(device: torch.device):
+    """Import DeepSpeed with the accelerator matching our device; never JIT-build an op on CPU."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator().device_name()
+    if accel != device.type:
+        raise ConfigError(f"DeepSpeed's accelerator is {accel!r} but the run uses {device.type!r}; "
+                          f"set DS_ACCELERATOR={device.type} (or drop --device)")
+    if device.type == "cpu":
+        from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+        deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False  # read by deepspeed.comm at init
+    # wraps the process group init_distributed() created; zero.Init reads the world size through it
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
+    return deepspeed
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """`gpt2.engine.param_groups` by the parameters' full shapes (ZeRO-3 partitions are 1-D)."""
+    params = {id(p): p for p in model.parameters() if p.requires_grad}.values()  # tied weights once
+    decay = [p for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2]
+    no_decay = [p for p in params if len(getattr(p, "ds_shape", p.shape)) < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _build_zero3_model(cfg: RunConfig, ds_config: dict, dims: ParallelDims, deepspeed) -> GPT:
+    """GPT-2 partitioned at construction; the seed draws the same values as `build_model` (fp32)."""
+    ops = get_ops(cfg.train.fused_kernels)
+    attention = get_attention(cfg.train.attn)
+    torch.manual_seed(cfg.train.seed)
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=DeepSpeedMPU(dims)):
+        model = GPT(cfg.model, ops=ops, attention=attention)
+    if cfg.train.init_from:
+        from gpt2.hf_weights import load_hf_state_dict
+
+        # one parameter at a time: rank 0 writes the full tensor, DeepSpeed re-partitions it on exit
+        sd = load_hf_state_dict(cfg.train.init_from, cfg.model) if dims.rank == 0 else None
+        for name, p in model.named_parameters():
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
+                if sd is not None:
+                    p.copy_(sd[name])
+    return model
+
+
+class DeepSpeedEngine:
+    """ZeRO-1/2/3 training; `engine` is the DeepSpeed engine, `module` our GPT inside it."""
+
+    def __init__(self, cfg: RunConfig, ctx: DistContext):
+        self.cfg = cfg
+        self.ctx = ctx
+        t = cfg.train
+        stage = cfg.parallel.zero_stage
+        if t.compile and stage == 3:
+            raise ConfigError("--compile is not supported with ZeRO-3 (its parameter gather hooks break per-block "
+                              "graph capture); drop --compile or use --zero-stage 1/2")
+        deepspeed = _import_deepspeed(ctx.device)
+        self.ds_config = build_ds_config(cfg, ctx.dims.dp_size, ctx.device)
+        log.info("DeepSpeed config: %s", json.dumps(self.ds_config, sort_keys=True))
+        if stage == 3:
+            model = _build_zero3_model(cfg, self.ds_config, ctx.dims, deepspeed)
+        else:
+            model = build_model(cfg, ctx.device)
+            if t.compile:
+                for block in model.blocks:
+                    block.compile()
+        model.activation_checkpointing = t.activation_checkpointing
+        optimizer = torch.optim.AdamW(_param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
+                                      fused=ctx.device.type == "cuda")
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, t) / t.lr)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
+            mpu=DeepSpeedMPU(ctx.dims), dist_init_required=False)
+        self.module: GPT = model
+
+    def forward_backward(
+        self, x: torch.Tensor, y: torch.Tensor, last_micro_step: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-step; DeepSpeed divides the loss by grad_accum and steps only at the boundary."""
+        loss, correct = self.engine(x, y)
+        self.engine.backward(loss)
+        if not last_micro_step:
+            self.engine.step()  # bookkeeping only: DeepSpeed counts micro-steps in step()
+        return loss.detach(), correct.detach()
+
+    def optimizer_step(self) -> torch.Tensor:
+        """Clip, step, schedule (all inside DeepSpeed); returns the pre-clip global gradient norm."""
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return torch.as_tensor(float("nan") if norm is None else float(norm))
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """Mean loss and top-1 accuracy over `batches`, averaged over the data-parallel group."""
+        self.engine.eval()
+        totals = torch.zeros(3, device=self.ctx.device, dtype=torch.float64)  # loss*tokens, correct, tokens
+        for x, y in batches:
+            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            loss, correct = self.engine(x, y)
+            totals[0] += loss.double() * y.numel()
+            totals[1] += correct.double()
+            totals[2] += y.numel()
+        self.engine.train()
+        dist.all_reduce(totals, group=self.ctx.dims.dp_group)
+        return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+
+    def save_sharded(self, folder: Path, client_state: dict[str, Any]) -> None:
+        """DeepSpeed's sharded checkpoint into folder/zero (collective: every rank calls it)."""
+        self.engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG, client_state=client_state, save_latest=False)
+
+    def load_sharded(self, folder: Path) -> dict[str, Any]:
+        """Load model, optimizer and scheduler shards; returns the client state."""
+        path, client_state = self.engine.load_checkpoint(
+            str(folder), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise ConfigError(f"DeepSpeed could not load the checkpoint in {folder / CHECKPOINT_TAG}")
+        return client_state
