@@ -323,12 +323,13 @@ class DataBundle:
     cache_hit: bool  # True when no tokenisation ran in this process (always True for synthetic)
 
 
-def _check_batches(loader: BatchLoader, n_tokens: int, what: str) -> None:
+def _check_batches(loader: BatchLoader, n_tokens: int, what: str, max_samples: int | None = None) -> None:
     if len(loader) == 0:
+        capped = f" (capped by --max-samples {max_samples})" if max_samples is not None else ""
         raise DataError(
-            f"the {what} split has {n_tokens:,} tokens = {loader.num_blocks} blocks of --seq-len {loader.seq_len} "
-            f"(+1), fewer than one batch of batch-size {loader.batch_size} x dp-size {loader.dp_size} = "
-            f"{loader.global_batch} blocks; use a smaller --seq-len or --batch-size"
+            f"the {what} split has {n_tokens:,} tokens = {loader.num_blocks} blocks{capped} of --seq-len "
+            f"{loader.seq_len} (+1), fewer than one batch of batch-size {loader.batch_size} x dp-size "
+            f"{loader.dp_size} = {loader.global_batch} blocks; use a smaller --seq-len or --batch-size"
             + (", or a larger --max-samples" if what == "training" else ", or more validation text"))
 
 
@@ -384,7 +385,7 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, model_vocab_si
                         seed=seed, shuffle=True, max_blocks=cfg.max_samples, name="train")
     val = BatchLoader(val_tokens, seq_len=seq_len, batch_size=batch_size, dp_rank=dp_rank, dp_size=dp_size,
                       seed=seed, shuffle=False, name="validation")
-    _check_batches(train, len(train_tokens), "training")
+    _check_batches(train, len(train_tokens), "training", cfg.max_samples)
     _check_batches(val, len(val_tokens), "validation")
     description = (f"{source} | train {len(train_tokens):,} tokens, {train.num_blocks:,} blocks, {len(train)} "
                    f"batches/epoch/rank | val {len(val_tokens):,} tokens, {val.num_blocks:,} blocks, {len(val)} "
@@ -394,12 +395,15 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, model_vocab_si
 
 def main(argv: list[str] | None = None) -> None:
     """Pre-build the token cache with train.py's flags: `python -m gpt2.data --data-path ... --seq-len ...`."""
-    from gpt2.config import parse_args
+    from gpt2.config import ConfigError, parse_args
 
-    cfg = parse_args(argv)
-    bundle = build_data(cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
-                        model_vocab_size=cfg.model.vocab_size, dp_rank=0, dp_size=1, seed=cfg.train.seed,
-                        is_main=True, barrier=lambda: None)
+    try:
+        cfg = parse_args(argv)
+        bundle = build_data(cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
+                            model_vocab_size=cfg.model.vocab_size, dp_rank=0, dp_size=1, seed=cfg.train.seed,
+                            is_main=True, barrier=lambda: None)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
     print(bundle.description)
 
 

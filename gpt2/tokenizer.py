@@ -91,12 +91,17 @@ def hub_cache_only() -> Iterator[None]:
     import datasets
     from huggingface_hub import constants
 
-    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
-    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    # older `datasets` also read their own HF_DATASETS_OFFLINE copy
+    names = [n for n in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if hasattr(datasets.config, n)]
+    flags = [(constants, "HF_HUB_OFFLINE")] + [(datasets.config, n) for n in names]
+    saved = [getattr(module, name) for module, name in flags]
+    for module, name in flags:
+        setattr(module, name, True)
     try:
         yield
     finally:
-        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
+        for (module, name), value in zip(flags, saved):
+            setattr(module, name, value)
 
 
 def load_tokenizer(spec: str):

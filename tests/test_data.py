@@ -383,13 +383,31 @@ def test_hub_dataset_offline_fails_fast(no_hub, tmp_path, tiny_tokenizer):
     assert "wikitext" in str(info.value)
 
 
+def test_hub_tokenizer_from_local_hub_cache_without_network(tmp_path, tiny_tokenizer, monkeypatch):
+    """A hub name whose files are in the hub cache loads offline (HF_HUB_OFFLINE: no probe, no download)."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--test-org--tiny-bpe"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "tokenizer.json").write_bytes(tiny_tokenizer.read_bytes())
+    (snapshot / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    tok = load_tokenizer("test-org/tiny-bpe")
+    assert len(tok) == len(load_tokenizer(str(tiny_tokenizer))) and tok.eos_token_id == 0
+    with pytest.raises(DataError, match="--data synthetic"):
+        load_tokenizer("test-org/not-cached")
+
+
 # ---------------------------------------------------------------------------------------------- WikiText-2
 
 
 @needs_shared
 def test_wikitext2_end_to_end(tmp_path):
     cfg = DataConfig(data_path=str(WIKITEXT2), tokenizer=str(GPT2_TOKENIZER), cache_dir=str(tmp_path / "cache"),
-                     num_proc=2)
+                     num_proc=1)
     bundle = build(cfg, seq_len=128, batch_size=4)
     assert bundle.vocab_size == 50257
     valid_lines = (WIKITEXT2 / "valid.txt").read_text().splitlines(keepends=True)
