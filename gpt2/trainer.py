@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from typing import Any, Protocol
@@ -124,6 +123,9 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
     bar.close()
     train_time = time.perf_counter() - train_start
 
+    if meter.measured_steps == 0:
+        log.warning("all %d steps were throughput warm-up: no tokens/s or MFU; raise --max-steps above "
+                    "--throughput-warmup-steps %d", t.max_steps - start_step, t.throughput_warmup_steps)
     val = _evaluate(cfg, ctx, engine, data, logger, t.max_steps)
     summary = {
         "mode": t.mode, "model": t.model, "n_params": model_params_for_flops(cfg.model),
@@ -151,7 +153,7 @@ def _evaluate(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBundle
               logger: MetricsLogger | None, step: int) -> dict[str, float]:
     if data.val is None:
         return {}
-    loss, acc = engine.evaluate(itertools.islice(data.val.iter_epoch(), cfg.data.eval_batches))
+    loss, acc = engine.evaluate(data.val.iter_epoch(cfg.data.eval_batches))
     out = {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0)), "val_accuracy": acc}
     if logger:
         logger.log_step(step, out)

@@ -1,0 +1,68 @@
+"""End-to-end runs of train.py: every mode trains the same function, and runs leave complete records.
+
+Tolerance: DDP vs single is compared at <= 1e-5 relative per step (fp32 on CPU; only the order of the
+gradient reduction differs).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.train_runs import SHARED_DATA, TINY_ARGS, run_train, step_losses, summary
+
+
+def test_ddp_with_accumulation_matches_single(tmp_path: Path) -> None:
+    common = TINY_ARGS + ["--data", "synthetic", "--max-steps", "10", "--seed", "5"]
+    run_train(common + ["--batch-size", "8", "--run-name", "single"], tmp_path)
+    run_train(common + ["--mode", "baseline", "--batch-size", "2", "--grad-accum", "2", "--run-name", "ddp"],
+              tmp_path, nproc=2)
+    single, ddp = step_losses(tmp_path / "single"), step_losses(tmp_path / "ddp")
+    assert len(single) == len(ddp) == 10
+    for step, (a, b) in enumerate(zip(single, ddp), start=1):
+        assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: single {a} vs ddp {b}"
+    s = summary(tmp_path / "ddp")
+    assert s["tokens_per_step"] == 2 * 2 * 2 * 32  # dp x micro-batch x accum x seq
+    assert (s["world_size"], s["dp_size"], s["tp_size"]) == (2, 2, 1)
+
+
+def test_run_folder_is_complete_and_never_reused(tmp_path: Path) -> None:
+    args = TINY_ARGS + ["--data", "synthetic", "--max-steps", "4", "--batch-size", "2", "--run-name", "demo",
+                        "--eval-interval", "2", "--eval-batches", "2"]
+    proc = run_train(args, tmp_path)
+    run_train(args, tmp_path)
+    first, second = tmp_path / "demo", tmp_path / "demo-1"
+    assert first.is_dir() and second.is_dir()
+    assert json.loads((first / "config.json").read_text())["train"]["max_steps"] == 4
+    s = summary(first)
+    for key in ("tokens_per_s", "step_time_s", "mem/peak_allocated_gib", "final_loss", "final_accuracy",
+                "val_loss", "val_perplexity", "flops_per_token"):
+        assert s[key] is not None, key
+    assert s["mfu"] is None  # CPU: no peak known and none given
+    assert "summary:" in (first / "console.log").read_text()
+    assert "summary:" in proc.stderr
+
+
+def test_wandb_offline_run_is_written(tmp_path: Path) -> None:
+    pytest.importorskip("wandb")
+    args = [a for a in TINY_ARGS if a not in ("--wandb", "disabled")]
+    run_train(args + ["--data", "synthetic", "--max-steps", "3", "--throughput-warmup-steps", "1", "--batch-size", "2",
+                      "--wandb", "offline",
+                      "--run-name", "wb", "--peak-tflops", "1"], tmp_path)
+    offline = list((tmp_path / "wb" / "wandb").glob("offline-run-*"))
+    assert offline, "no offline wandb run folder"
+    assert summary(tmp_path / "wb")["mfu"] is not None  # --peak-tflops makes MFU reportable on CPU
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "wikitext-2").is_dir(), reason="../shared/data is absent")
+def test_wikitext2_training_reduces_loss(tmp_path: Path) -> None:
+    args = TINY_ARGS + ["--data-path", str(SHARED_DATA / "wikitext-2"), "--tokenizer",
+                        str(SHARED_DATA / "gpt2-tokenizer" / "tokenizer.json"), "--cache-dir", str(tmp_path / "cache"),
+                        "--max-steps", "30", "--batch-size", "8", "--lr", "3e-3", "--num-proc", "2",
+                        "--run-name", "wt2", "--max-samples", "2000"]
+    run_train(args, tmp_path, timeout=600)
+    losses = step_losses(tmp_path / "wt2")
+    assert losses[0] > 10.0 and losses[-1] < losses[0] - 2.0
+    assert summary(tmp_path / "wt2")["val_perplexity"] < 5000
