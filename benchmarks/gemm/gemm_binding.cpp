@@ -1,0 +1,35 @@
+// Python binding of the GEMM ladder: each function fills a preallocated C (so callers can poison it).
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include "gemm_kernels.h"
+
+namespace {
+
+using Launcher = const char* (*)(const void*, const void*, void*, int, int, int, cudaStream_t);
+
+template <Launcher launch>
+void run(const torch::Tensor& A, const torch::Tensor& B, const torch::Tensor& C) {  // C: written in place
+  for (const torch::Tensor* t : {&A, &B, &C}) {
+    TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->dim() == 2,
+                "A, B, C must be contiguous 2-D bf16 CUDA tensors");
+  }
+  const auto M = A.size(0), K = A.size(1), N = B.size(1);
+  TORCH_CHECK(B.size(0) == K && C.size(0) == M && C.size(1) == N, "shapes must be A[M,K], B[K,N], C[M,N]");
+  const c10::cuda::CUDAGuard guard(A.device());
+  const char* err = launch(A.data_ptr(), B.data_ptr(), C.data_ptr(), static_cast<int>(M), static_cast<int>(N),
+                           static_cast<int>(K), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == nullptr, err);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("naive", &run<gemm_naive>, "global-memory GEMM, one thread per output");
+  m.def("smem", &run<gemm_smem>, "32x32 shared-memory tiling");
+  m.def("regblock", &run<gemm_regblock>, "128x128 tile, 8x8 register blocking, vector loads");
+  m.def("wmma", &run<gemm_wmma>, "WMMA tensor cores, 128x128 tile");
+  m.def("mma_128x128", &run<gemm_mma_128x128>, "mma.sync + ldmatrix + 4-stage cp.async, 128x128 tile");
+  m.def("mma_128x256", &run<gemm_mma_128x256>, "mma.sync + ldmatrix + 4-stage cp.async, 128x256 tile");
+}

@@ -1,0 +1,13 @@
+// Launchers of the GEMM ladder (gemm_kernels.cu): C[M,N] = A[M,K] @ B[K,N], row-major bf16, fp32 accumulation.
+// Each returns nullptr on a successful launch, else an error message.
+#pragma once
+#include <cuda_runtime.h>
+
+#define GEMM_LAUNCHER(name) const char* name(const void* A, const void* B, void* C, int M, int N, int K, cudaStream_t s)
+GEMM_LAUNCHER(gemm_naive);
+GEMM_LAUNCHER(gemm_smem);
+GEMM_LAUNCHER(gemm_regblock);
+GEMM_LAUNCHER(gemm_wmma);
+GEMM_LAUNCHER(gemm_mma_128x128);
+GEMM_LAUNCHER(gemm_mma_128x256);
+#undef GEMM_LAUNCHER
