@@ -1,6 +1,6 @@
 """Each TP collective and layer, forward and every gradient, against the plain layer on the full tensors.
 
-One spawn per world size runs every check (spawns cost seconds). Tolerances: exact where the parallel
+One process group per world size runs every check. Tolerances: exact where the parallel
 computation does the same arithmetic (lookups, gathers, splits, argmax), fp32 1e-6 where a sum is
 split over ranks.
 """

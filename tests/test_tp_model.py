@@ -1,0 +1,157 @@
+"""The whole TP GPT-2 against the single-device model built from the same seed.
+
+For every (sequence parallel, overlap) combination, on TP=2 and TP=4 (plus TP=2 x DP=2 on 4 ranks):
+logits, loss, top-1 count and every gradient (fp32, 1e-5), the state-dict shard/gather round trip,
+a few AdamW steps that must keep the losses equal, and the per-step communication bytes against the
+analytical count. One spawn per layout runs every combination.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gpt2.config import ModelConfig
+from gpt2.model import GPT
+from parallel.comm import CommStats
+from parallel.dims import ParallelDims
+from parallel.tp_plan import (
+    allreduce_sequence_parallel_grads,
+    apply_tensor_parallel,
+    gather_state_dict,
+    param_shard,
+    register_sequence_parallel_grad_hooks,
+    shard_state_dict,
+    unshard_tensor,
+)
+from tests._tp_harness import spawn
+
+CFG = ModelConfig(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=250)  # padded to 256
+B, T, SEED = 2, 16, 1234
+F32 = 4
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def build(dims: ParallelDims | None = None, **tp) -> GPT:
+    torch.manual_seed(SEED)
+    model = GPT(CFG)
+    if dims is not None:
+        apply_tensor_parallel(model, dims, **tp)
+    return model
+
+
+def batch(dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + dp_rank)  # TP ranks share a batch; DP replicas differ
+    idx = torch.randint(0, CFG.vocab_size, (B, T), generator=g)
+    targets = torch.randint(0, CFG.vocab_size, (B, T), generator=g)
+    targets[0, :3] = -100
+    return idx, targets
+
+
+def full_grads(model: GPT, dims: ParallelDims) -> dict[str, torch.Tensor]:
+    """Every gradient of the TP model in the single-device layout (all-gathered over the TP group)."""
+    out = {}
+    for name, p in model.named_parameters():
+        spec = param_shard(name)
+        if spec.dim is None:
+            out[name] = p.grad
+            continue
+        shards = [torch.empty_like(p.grad) for _ in range(dims.tp_size)]
+        dist.all_gather(shards, p.grad.contiguous(), group=dims.tp_group)
+        out[name] = unshard_tensor(shards, spec)
+    return out
+
+
+def expected_bytes(sp: bool, overlap: bool) -> dict[tuple[str, str], int]:
+    """One training forward + backward. Without SP: 4 all-reduces of B*T*d per layer, plus the embedding
+    output (fwd) and the LM-head input gradient (bwd); with SP each becomes an all-gather or a
+    reduce-scatter of the same B*T*d tensor. The vocab-parallel loss adds 3 fp32 + 1 int64 values per token."""
+    L, act, N = CFG.n_layer, B * T * CFG.n_embd * F32, B * T
+    loss = 3 * N * F32 + N * 8
+    if not sp:
+        return {("all_reduce", "fwd"): (2 * L + 1) * act + loss, ("all_reduce", "bwd"): (2 * L + 1) * act}
+    return {
+        ("all_reduce", "fwd"): loss,
+        ("reduce_scatter", "fwd"): (2 * L + 1) * act,  # attn/MLP outputs, embedding
+        ("all_gather", "fwd"): (2 * L + 1) * act,  # c_attn/c_fc inputs, LM-head input
+        ("reduce_scatter", "bwd"): (2 * L + 1) * act,
+        # row-output and embedding gradients, the position-embedding gradient [T, d], and with overlap
+        # the recomputed inputs of c_attn and the LM head (c_fc applies GELU through ops.linear instead)
+        ("all_gather", "bwd"): (2 * L + 1) * act + T * CFG.n_embd * F32 + (L + 1) * act * overlap,
+    }
+
+
+def check_mode(dims: ParallelDims, ref: GPT, ref_grads: dict, ref_logits: torch.Tensor,
+               ref_out: tuple, sp: bool, overlap: bool, hooks: bool) -> None:
+    tag = f"tp={dims.tp_size} sp={sp} overlap={overlap} hooks={hooks}"
+    stats = CommStats()
+    model = build(dims, sequence_parallel=sp, overlap=overlap, stats=stats)
+
+    # the TP layout is exactly the single-device weights, cut by the plan
+    full = gather_state_dict(model, dims)
+    assert full.keys() == ref.state_dict().keys()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=0, atol=0, msg=f"{tag} gather {k}")
+    sharded = shard_state_dict(ref.state_dict(), dims.tp_rank, dims.tp_size)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(sharded[k], v, rtol=0, atol=0, msg=f"{tag} shard {k}")
+
+    idx, targets = batch(dims.dp_rank)
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), ref_logits, **TOL, msg=f"{tag} logits")
+    stats.reset()
+    if hooks:
+        register_sequence_parallel_grad_hooks(model, dims, stats)
+    loss, correct = model(idx, targets)
+    loss.backward()
+    if not hooks:
+        allreduce_sequence_parallel_grads(model, dims, stats)
+    torch.testing.assert_close(loss, ref_out[0], **TOL, msg=f"{tag} loss")
+    assert correct.item() == ref_out[1].item(), tag
+    grads = full_grads(model, dims)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, **TOL, msg=f"{tag} grad {name}")
+
+    step_bytes = {k: v for k, v in stats.bytes.items() if k[1] != "grad"}
+    assert step_bytes == expected_bytes(sp, overlap), (tag, dict(stats.bytes))
+    sp_params = (6 * CFG.n_layer + 2) * CFG.n_embd  # ln_1, ln_2 (w, b), both row biases; ln_f (w, b)
+    assert stats.bytes[("all_reduce", "grad")] == sp_params * F32 * sp, tag
+    assert stats.calls[("all_reduce", "grad")] == (0 if not sp else 6 * CFG.n_layer + 2 if hooks else 1), tag
+
+    # a few optimizer steps on both models: the functions stay the same
+    ref_copy = build()
+    ref_copy.load_state_dict(ref.state_dict())
+    opt_ref = torch.optim.AdamW(ref_copy.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        for m, o in ((ref_copy, opt_ref), (model, opt)):
+            o.zero_grad(set_to_none=True)
+            step_loss, _ = m(idx, targets)
+            step_loss.backward()
+            if m is model and not hooks:
+                allreduce_sequence_parallel_grads(model, dims)
+            o.step()
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx, targets)[0], ref_copy(idx, targets)[0], **TOL, msg=f"{tag} steps")
+
+
+def _model_checks(dims: ParallelDims) -> None:
+    ref = build()
+    idx, targets = batch(dims.dp_rank)
+    with torch.no_grad():
+        ref_logits = ref(idx)
+    loss, correct = ref(idx, targets)
+    loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    ref.zero_grad(set_to_none=True)
+    for sp in (False, True):
+        for overlap in (False, True):
+            check_mode(dims, ref, ref_grads, ref_logits, (loss.detach(), correct), sp, overlap, hooks=False)
+    check_mode(dims, ref, ref_grads, ref_logits, (loss.detach(), correct), sp=True, overlap=True, hooks=True)
+
+
+@pytest.mark.parametrize("world,tp", [(2, 2), (4, 4), (4, 2)])
+def test_tp_gpt2_matches_single_device(world: int, tp: int):
+    spawn(_model_checks, world, tp)
