@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,9 @@ from gpt2.config import ConfigError, RunConfig, validate_world
 from parallel.dims import ParallelDims
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# Collective timeout. Rank 0 tokenises a missing token cache while the others wait at a barrier
+# (WikiText-103: minutes), so this must outlast that; `python -m gpt2.data ...` pre-builds the cache.
+COLLECTIVE_TIMEOUT = timedelta(minutes=int(os.environ.get("GPT2_COLLECTIVE_TIMEOUT_MIN", "60")))
 
 
 @dataclass
@@ -74,7 +78,8 @@ def init_distributed(cfg: RunConfig) -> DistContext:
         torch.cuda.set_device(device)
     if cfg.train.mode != "single":
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT,
+                                device_id=device if device.type == "cuda" else None)
         dims.build_groups()
     return DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device, dims=dims)
 
