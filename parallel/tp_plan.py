@@ -21,12 +21,10 @@ derives its local head count from that width.
 
 Sequence parallelism and gradients: a parameter used inside the sequence-sharded region (LayerNorm
 weights/biases, row-parallel biases) is replicated but receives only its own tokens' gradient on each
-rank. The plan marks it with `param.sequence_parallel = True`; the engine must sum those gradients over
-the TP group before the optimizer step: call `allreduce_sequence_parallel_grads(model, dims)` after
-backward (one coalesced all-reduce; DDP or single-process engines that own `.grad`), or
-`register_sequence_parallel_grad_hooks(model, dims)` once, before wrapping (the hooks reduce each
-gradient as autograd produces it, before DDP/DeepSpeed ZeRO-3 see it; use this with ZeRO-3, whose
-partitioned gradients cannot be reduced afterwards). Never both.
+rank. The plan marks it with `param.sequence_parallel = True`, and `parallel.grads` sums those
+gradients over the TP group. Sharded parameters are marked `param.tensor_model_parallel = True`
+(Megatron's name, which DeepSpeed reads), so gradient norms count them on every TP rank and the
+replicated ones once.
 """
 
 from __future__ import annotations
@@ -39,7 +37,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel import comm
 from parallel.comm import CommStats
 from parallel.dims import ParallelDims
 from parallel.layers import (
@@ -199,6 +196,9 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, *, sequence_para
             parent = model.get_submodule(parent_name)
             new = style.build(getattr(parent, child), style.params, ctx)
             setattr(parent, child, new)
+            for param_name, spec in style.params.items():
+                if spec.dim is not None:
+                    getattr(new, param_name).tensor_model_parallel = True
 
 
 def param_shard(name: str) -> Shard:
@@ -230,41 +230,3 @@ def gather_state_dict(model: nn.Module, dims: ParallelDims) -> dict[str, torch.T
         dist.all_gather(shards, local.detach().contiguous(), group=dims.tp_group)
         full[key] = unshard_tensor(shards, spec)
     return full
-
-
-def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
-    """Parameters the plan marked: replicated, but each TP rank holds only its sequence shard's gradient."""
-    return [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
-
-
-def allreduce_sequence_parallel_grads(model: nn.Module, dims: ParallelDims, stats: CommStats | None = None) -> None:
-    """Sum the marked parameters' gradients over the TP group, in one coalesced all-reduce.
-
-    Call after the last backward of a step and before clipping / the optimizer step. Gradients are
-    linear, so it commutes with DDP's data-parallel averaging and with gradient accumulation.
-    """
-    grads = [p.grad for p in sequence_parallel_params(model) if p.grad is not None]
-    if not grads or dims.tp_size == 1:
-        return
-    flat = torch._utils._flatten_dense_tensors(grads)
-    comm.all_reduce(flat, dims.tp_group, stats, "grad")
-    for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        grad.copy_(synced)
-
-
-def register_sequence_parallel_grad_hooks(model: nn.Module, dims: ParallelDims,
-                                          stats: CommStats | None = None) -> list:
-    """Alternative to `allreduce_sequence_parallel_grads`: reduce each marked gradient as backward makes it.
-
-    The tensor hook runs before gradient accumulation, so DDP and DeepSpeed ZeRO-3 (which partitions
-    gradients in their accumulation hooks) receive the summed gradient. Returns the hook handles.
-    """
-    if dims.tp_size == 1:
-        return []
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous().clone()
-        comm.all_reduce(grad, dims.tp_group, stats, "grad")
-        return grad
-
-    return [p.register_hook(hook) for p in sequence_parallel_params(model)]

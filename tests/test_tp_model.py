@@ -2,8 +2,9 @@
 
 For every (sequence parallel, overlap) combination, on TP=2 and TP=4 (plus TP=2 x DP=2 on 4 ranks):
 logits, loss, top-1 count and every gradient (fp32, 1e-5), the state-dict shard/gather round trip,
-a few AdamW steps that must keep the losses equal, and the per-step communication bytes against the
-analytical count. One spawn per layout runs every combination.
+the parameter marks, a few clipped AdamW steps that must keep the gradient norms and losses equal,
+and the per-step communication bytes against the analytical count. One process group per layout
+runs every combination.
 """
 
 from __future__ import annotations
@@ -16,15 +17,8 @@ from gpt2.config import ModelConfig
 from gpt2.model import GPT
 from parallel.comm import CommStats
 from parallel.dims import ParallelDims
-from parallel.tp_plan import (
-    allreduce_sequence_parallel_grads,
-    apply_tensor_parallel,
-    gather_state_dict,
-    param_shard,
-    register_sequence_parallel_grad_hooks,
-    shard_state_dict,
-    unshard_tensor,
-)
+from parallel.grads import allreduce_sequence_parallel_grads, clip_grad_norm_, register_sequence_parallel_grad_hooks
+from parallel.tp_plan import apply_tensor_parallel, gather_state_dict, param_shard, shard_state_dict, unshard_tensor
 from tests._tp_harness import spawn
 
 CFG = ModelConfig(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=250)  # padded to 256
@@ -120,19 +114,29 @@ def check_mode(dims: ParallelDims, ref: GPT, ref_grads: dict, ref_logits: torch.
     assert stats.bytes[("all_reduce", "grad")] == sp_params * F32 * sp, tag
     assert stats.calls[("all_reduce", "grad")] == (0 if not sp else 6 * CFG.n_layer + 2 if hooks else 1), tag
 
-    # a few optimizer steps on both models: the functions stay the same
+    sharded = {n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)}
+    assert sharded == {n for n in ref_grads if param_shard(n).dim is not None}, tag
+    marked_sp = {n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)}
+    assert len(marked_sp) == (6 * CFG.n_layer + 2) * sp, tag
+
+    # a few clipped optimizer steps on both models: the functions stay the same
     ref_copy = build()
     ref_copy.load_state_dict(ref.state_dict())
     opt_ref = torch.optim.AdamW(ref_copy.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(3):
-        for m, o in ((ref_copy, opt_ref), (model, opt)):
-            o.zero_grad(set_to_none=True)
-            step_loss, _ = m(idx, targets)
-            step_loss.backward()
-            if m is model and not hooks:
-                allreduce_sequence_parallel_grads(model, dims)
-            o.step()
+        opt_ref.zero_grad(set_to_none=True)
+        ref_copy(idx, targets)[0].backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref_copy.parameters(), max_norm=0.5)
+        opt_ref.step()
+        opt.zero_grad(set_to_none=True)
+        model(idx, targets)[0].backward()
+        if not hooks:
+            allreduce_sequence_parallel_grads(model, dims)
+        norm = clip_grad_norm_(model.parameters(), 0.5, dims)
+        torch.testing.assert_close(norm, ref_norm, **TOL, msg=f"{tag} grad norm")
+        assert ref_norm > 0.5, "the clip must bite for this check to mean anything"
+        opt.step()
     with torch.no_grad():
         torch.testing.assert_close(model(idx, targets)[0], ref_copy(idx, targets)[0], **TOL, msg=f"{tag} steps")
 

@@ -1,0 +1,84 @@
+"""Gradient bookkeeping a tensor-parallel model needs between backward and the optimizer step.
+
+1. Sequence parallelism: parameters marked `sequence_parallel` by the TP plan (LayerNorms, row-parallel
+   biases) are replicated, yet each TP rank computes only its sequence shard's share of their gradient;
+   the sum over the TP group is the full gradient. Use exactly one of:
+     - `allreduce_sequence_parallel_grads(model, dims)` after the last backward of a step, before
+       clipping: one coalesced all-reduce; for engines that own `.grad` (single process, DDP);
+     - `register_sequence_parallel_grad_hooks(model, dims)` once, before wrapping the model: each
+       gradient is summed as autograd produces it, before DDP's or DeepSpeed ZeRO-3's accumulation
+       hooks see it (ZeRO-3 partitions gradients in backward, so they cannot be reduced afterwards).
+   Gradients are linear, so either commutes with data-parallel averaging and gradient accumulation.
+2. Clipping: each TP rank holds a different shard of the sharded weights, so the global norm sums
+   their squares over the TP group and counts the replicated parameters once (`clip_grad_norm_`).
+   DeepSpeed does the same itself from the `tensor_model_parallel` marks and the mpu.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from parallel import comm
+from parallel.comm import CommStats
+from parallel.dims import ParallelDims
+
+
+def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters the plan marked: replicated, but each TP rank holds only its sequence shard's gradient."""
+    return [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+
+
+def allreduce_sequence_parallel_grads(model: nn.Module, dims: ParallelDims, stats: CommStats | None = None) -> None:
+    """Sum the marked parameters' gradients over the TP group, in one coalesced all-reduce."""
+    grads = [p.grad for p in sequence_parallel_params(model) if p.grad is not None]
+    if not grads or dims.tp_size == 1:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    comm.all_reduce(flat, dims.tp_group, stats, "grad")
+    for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        grad.copy_(synced)
+
+
+def register_sequence_parallel_grad_hooks(model: nn.Module, dims: ParallelDims,
+                                          stats: CommStats | None = None) -> list:
+    """Sum each marked gradient over the TP group as backward produces it. Returns the hook handles."""
+    if dims.tp_size == 1:
+        return []
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, dims.tp_group, stats, "grad")
+        return grad
+
+    return [p.register_hook(hook) for p in sequence_parallel_params(model)]
+
+
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, dims: ParallelDims) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` (L2) for a TP model: the norm of the full, unsharded gradient.
+
+    ||g||^2 = sum over TP ranks of the sharded parameters' squares + the replicated ones' squares once.
+    Call after the sequence-parallel reduction (replicated gradients must already agree across ranks).
+    Returns the total norm, the same on every rank.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    device = params[0].grad.device if params else torch.device("cpu")
+    sharded_sq = torch.zeros((), device=device, dtype=torch.float32)
+    replicated_sq = torch.zeros((), device=device, dtype=torch.float32)
+    for p in params:
+        sq = p.grad.detach().float().pow(2).sum()
+        if getattr(p, "tensor_model_parallel", False):
+            sharded_sq += sq
+        else:
+            replicated_sq += sq
+    total_sq = sharded_sq + replicated_sq if dims.tp_rank == 0 else sharded_sq
+    if dims.tp_size > 1:
+        dist.all_reduce(total_sq, group=dims.tp_group)
+    total = total_sq.sqrt()
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for p in params:
+        p.grad.detach().mul_(scale.to(p.grad.dtype))
+    return total
