@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# GPT-2 Large, seq 1024, bf16, synthetic data on NGPU GPUs: each run prints its summary line, and a
+# Markdown table of all summaries is printed at the end (benchmarks/summarize_runs.py).
+#   NGPU=4 OUT=benchmarks/results/raw bash benchmarks/gpu_train_runs.sh "ddp-b8:--mode baseline --batch-size 8 --compile" ...
+# Each argument is NAME:FLAGS. Defaults: the issue-2/3 matrix (DDP with --compile at 8/16/32, ZeRO-3 at 8/32).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results/raw}
+NGPU=${NGPU:-4}
+STEPS=${STEPS:-25}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} WANDB_MODE=disabled PYTHONUNBUFFERED=1
+mkdir -p "$OUT/runs"
+runs=("$@")
+if [ ${#runs[@]} -eq 0 ]; then
+  runs=("ddp-b8:--mode baseline --batch-size 8 --compile"
+        "ddp-b16:--mode baseline --batch-size 16 --compile"
+        "ddp-b32:--mode baseline --batch-size 32 --compile"
+        "zero3-b8:--mode hybrid --batch-size 8"
+        "zero3-b32:--mode hybrid --batch-size 32")
+fi
+for spec in "${runs[@]}"; do
+  name=${spec%%:*}
+  flags=${spec#*:}
+  # shellcheck disable=SC2086
+  timeout "${RUN_TIMEOUT:-300}" python3 -m torch.distributed.run --nproc_per_node="$NGPU" train.py \
+    --model gpt2-large --seq-len 1024 --data synthetic --precision bf16 --max-steps "$STEPS" \
+    --warmup-steps 5 --throughput-warmup-steps 10 --log-interval 5 --wandb disabled \
+    --out-dir "$OUT/runs" --run-name "$name" $flags >"$OUT/$name.log" 2>&1
+  echo "$name rc=$? $(grep -ho 'summary:.*' "$OUT/$name.log" | tail -1)"
+  grep -hE "Error|error:|OutOfMemory" "$OUT/$name.log" | tail -3
+done
+python3 benchmarks/summarize_runs.py "$OUT"/runs/* | tee "$OUT/summary.md"
