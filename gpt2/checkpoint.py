@@ -100,7 +100,11 @@ def read_meta(step_dir: Path) -> dict[str, Any]:
 
 
 def check_compatible(meta: dict[str, Any], cfg: RunConfig, ctx: DistContext, where: Path) -> None:
-    """Model config and parallel layout must match the checkpoint's; the error lists every difference."""
+    """Model config and parallel layout must match the checkpoint's (the error lists every difference), and
+    the checkpoint must lie before --max-steps."""
+    if meta["step"] >= cfg.train.max_steps:
+        raise CheckpointError(f"{where} is at step {meta['step']}, not before --max-steps {cfg.train.max_steps}; "
+                              f"pass --max-steps > {meta['step']} to train further")
     ours = build_meta(cfg, ctx, step=meta["step"])
     diffs = [f"model.{k}: checkpoint {v!r}, this run {ours['model'].get(k)!r}"
              for k, v in meta["model"].items() if ours["model"].get(k) != v]
@@ -261,9 +265,6 @@ def load_checkpoint(step_dir: Path, cfg: RunConfig, ctx: DistContext, engine: An
     meta = read_meta(step_dir)
     check_compatible(meta, cfg, ctx, step_dir)
     step = int(meta["step"])
-    if step >= cfg.train.max_steps:
-        raise CheckpointError(f"{step_dir} is at step {step}, not before --max-steps {cfg.train.max_steps}; "
-                              f"pass --max-steps > {step} to train further")
     rank_path = _rank_file(step_dir, ctx.rank)
     if not rank_path.is_file():
         raise CheckpointError(f"{step_dir} has no {rank_path.name}: the checkpoint is incomplete")

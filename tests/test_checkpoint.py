@@ -1,0 +1,137 @@
+"""Checkpoint/resume for single and baseline (DDP), export to Hugging Face, and every bad-checkpoint case.
+
+Resume exactness: N steps + resume + M steps give bit-identical losses to N + M uninterrupted steps
+(CPU, fp32). ZeRO-3 resume and export are in tests/test_zero.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpt2.checkpoint import CheckpointError, check_compatible
+from gpt2.config import parse_args
+from gpt2.distributed import DistContext
+from parallel.dims import ParallelDims
+from tests.train_runs import TINY_ARGS, run_train, step_losses
+
+COMMON = TINY_ARGS + ["--data", "synthetic", "--max-steps", "8", "--seed", "11", "--eval-batches", "2"]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> Path:
+    """8 steps with checkpoints at 4 and 8, then a run resumed from step 4 saving every step, keeping 2."""
+    root = tmp_path_factory.mktemp("ckpt")
+    run_train(COMMON + ["--batch-size", "4", "--run-name", "full", "--save-dir", str(root / "ck"),
+                        "--save-interval", "4"], root)
+    run_train(COMMON + ["--batch-size", "4", "--run-name", "resumed", "--resume", str(root / "ck" / "step-000004"),
+                        "--save-dir", str(root / "ck2"), "--save-interval", "1", "--keep-last", "2"], root)
+    return root
+
+
+def _train_error(argv: list[str], capsys) -> str:
+    """train.main in-process for cases that must fail at start-up; returns stderr."""
+    from train import main
+
+    assert main(argv + ["--out-dir", "/nonexistent-never-created"]) == 2
+    return capsys.readouterr().err
+
+
+def test_single_resume_is_exact_and_layout_is_complete(single: Path) -> None:
+    full, resumed = step_losses(single / "full"), step_losses(single / "resumed")
+    assert len(full) == 8 and resumed == full[4:]  # bit-identical
+    ck = single / "ck"
+    assert (ck / "latest").read_text().strip() == "step-000008"
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-000004", "step-000008"]
+    assert sorted(p.name for p in (ck / "step-000004").iterdir()) == [
+        "meta.json", "model.pt", "optimizer.pt", "rank-00000.pt"]
+    meta = json.loads((ck / "step-000004" / "meta.json").read_text())
+    assert (meta["step"], meta["mode"], meta["world_size"], meta["model"]["n_layer"]) == (4, "single", 1, 2)
+    # --keep-last 2 over saves at 5, 6, 7, 8
+    assert sorted(p.name for p in (single / "ck2").iterdir()) == ["latest", "step-000007", "step-000008"]
+    config = json.loads((single / "resumed" / "config.json").read_text())
+    assert config["checkpoint"]["resumed_from"] == str((ck / "step-000004").resolve())
+
+
+def test_baseline_resume_is_exact_and_layout_is_checked(tmp_path: Path, capsys) -> None:
+    args = COMMON + ["--mode", "baseline", "--batch-size", "2", "--max-steps", "6"]
+    ck = tmp_path / "ck"
+    run_train(args + ["--run-name", "full", "--save-dir", str(ck), "--save-interval", "3"], tmp_path, nproc=2)
+    assert sorted(p.name for p in (ck / "step-000003").iterdir()) == [
+        "meta.json", "model.pt", "optimizer.pt", "rank-00000.pt", "rank-00001.pt"]
+    run_train(args + ["--run-name", "resumed", "--resume", str(ck / "step-000003")], tmp_path, nproc=2)
+    full, resumed = step_losses(tmp_path / "full"), step_losses(tmp_path / "resumed")
+    assert len(full) == 6 and resumed == full[3:]  # bit-identical
+
+    err = _train_error(COMMON + ["--batch-size", "4", "--resume", str(ck / "step-000003")], capsys)
+    assert "mode: checkpoint 'baseline', this run 'single'" in err
+    assert "world_size: checkpoint 2, this run 1" in err and "dp_size: checkpoint 2, this run 1" in err
+
+
+def test_bad_checkpoints_fail_at_start_naming_the_problem(single: Path, tmp_path: Path, capsys) -> None:
+    ck = single / "ck"
+    args = COMMON + ["--batch-size", "4"]
+    assert "does not exist" in _train_error(args + ["--resume", str(tmp_path / "nothing")], capsys)
+
+    partial = tmp_path / "step-000006.tmp"  # an interrupted save
+    shutil.copytree(ck / "step-000004", partial)
+    (partial / "meta.json").unlink()
+    assert "is a partial checkpoint" in _train_error(args + ["--resume", str(partial)], capsys)
+    no_meta = tmp_path / "step-000006"
+    partial.rename(no_meta)
+    assert "has no meta.json" in _train_error(args + ["--resume", str(no_meta)], capsys)
+    (tmp_path / "latest").write_text("step-000009\n")
+    assert "points at step-000009, which is missing" in _train_error(args + ["--resume", str(tmp_path)], capsys)
+
+    err = _train_error(args + ["--n-layer", "3", "--resume", str(ck / "step-000004")], capsys)
+    assert "model.n_layer: checkpoint 2, this run 3" in err and "--init-from" in err
+
+    # a fresh run into a save dir that holds step folders it would write: refused before training
+    err = _train_error(args + ["--save-dir", str(ck), "--save-interval", "4"], capsys)
+    assert "already holds step-000004, step-000008" in err
+    # --resume auto takes `latest` (step 8), which is not before --max-steps 8
+    assert "is at step 8, not before --max-steps 8" in _train_error(
+        args + ["--save-dir", str(ck), "--resume", "auto"], capsys)
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-000004", "step-000008"]  # untouched
+
+
+def test_zero_stage_mismatch_is_named(single: Path) -> None:
+    meta = json.loads((single / "ck" / "step-000004" / "meta.json").read_text())
+    meta.update(mode="hybrid", world_size=2, dp_size=2, zero_stage=3)
+    cfg = parse_args(COMMON + ["--mode", "hybrid", "--zero-stage", "2", "--batch-size", "2"])
+    ctx = DistContext(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"),
+                      dims=ParallelDims(world_size=2, rank=0))
+    with pytest.raises(CheckpointError, match="zero_stage: checkpoint 3, this run 2"):
+        check_compatible(meta, cfg, ctx, Path("x"))
+
+
+def test_export_loads_in_transformers_and_as_init_from(single: Path, tmp_path: Path) -> None:
+    from transformers import GPT2LMHeadModel
+
+    from gpt2.data import build_data
+    from gpt2.export import consolidated_state_dict, export_hf
+    from gpt2.model import GPT
+
+    export_hf(single / "ck" / "step-000008", tmp_path / "hf")
+    cfg, sd = consolidated_state_dict(single / "ck" / "step-000008")
+    ours = GPT(cfg).eval()
+    ours.load_state_dict(sd)
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, ours(idx), atol=1e-5, rtol=1e-5)
+
+    # --init-from the export: the first logged loss is the exported model's loss on the first batch
+    run_train(COMMON + ["--batch-size", "4", "--max-steps", "1", "--run-name", "init", "--init-from",
+                        str(tmp_path / "hf")], tmp_path)
+    run_cfg = parse_args(COMMON + ["--batch-size", "4"])
+    data = build_data(run_cfg.data, seq_len=32, batch_size=4, model_vocab_size=cfg.vocab_size, dp_rank=0,
+                      dp_size=1, seed=11, is_main=True, barrier=lambda: None)
+    x, y = data.train.next_batch()
+    with torch.no_grad():
+        expected, _ = ours(x, y)
+    assert abs(step_losses(tmp_path / "init")[0] - expected.item()) < 1e-5
