@@ -81,7 +81,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         correct_rows = torch.empty(N, dtype=torch.int32, device=h.device)
         grad_h = torch.empty_like(h) if need_grad else None  # [N, d]
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=h.device) if need_grad else None  # [Vp, d]
-        block_v = 128 if INTERPRETING else 4096
+        # the interpreter pays per op, not per element: one block spanning the row is fastest there
+        block_v = min(triton.next_power_of_2(v_padded), 8192) if INTERPRETING else 4096
         for s in range(0, N, chunk_rows):
             e = min(s + chunk_rows, N)
             logits = h[s:e] @ w.t()  # [C, Vp]

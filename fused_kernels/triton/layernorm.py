@@ -1,11 +1,11 @@
 """Residual add + LayerNorm, forward and backward, as an autograd Function.
 
-Forward, one program per row (N <= BLOCK_N, the whole row in registers):
+Forward, one program per tile of BLOCK_M rows (whole rows in registers, N <= BLOCK_N):
     r = x + residual (rounded to r's dtype, as the unfused add would be),  mu = mean(r),
     rstd = 1 / sqrt(var(r) + eps),  xhat = (r - mu) rstd,  y = xhat w + b
 It stores y, r and the per-row mu, rstd (fp32); backward needs only r, mu, rstd, w (not y or xhat).
 
-Backward, one program per group of ROWS rows, with g = dy w:
+Backward, one program per group of TILES tiles, with g = dy w:
     dr = rstd (g - mean(g) - xhat mean(g xhat)) + dr_out      (dr_out: the gradient arriving at r)
     dx = dresidual = dr
     dw = sum_rows dy xhat,  db = sum_rows dy: each program writes an fp32 partial sum over its rows,
@@ -23,64 +23,81 @@ from fused_kernels.triton.runtime import is_interpreted
 
 @triton.jit
 def add_layernorm_fwd_kernel(
-    x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, r_ptr, mean_ptr, rstd_ptr, N, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, r_ptr, mean_ptr, rstd_ptr, M, N, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    r = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    cols = tl.arange(0, BLOCK_N)  # [BN]
+    col_ok = cols < N
+    mask = (rows < M)[:, None] & col_ok[None, :]  # [BM, BN]
+    offs = rows[:, None] * N + cols[None, :]
+    r = tl.load(x_ptr + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = r.to(tl.float32) + tl.load(res_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-        r = r.to(r_ptr.dtype.element_ty)
-        tl.store(r_ptr + row * N + cols, r, mask=mask)
+        r = r.to(tl.float32) + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        r = r.to(r_ptr.dtype.element_ty)  # round like the unfused add, then normalise the rounded sum
+        tl.store(r_ptr + offs, r, mask=mask)
     r = r.to(tl.float32)
-    mean = tl.sum(r, axis=0) / N
-    diff = tl.where(mask, r - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / N + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * N + cols, (diff * rstd * w + b).to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(mean_ptr + row, mean)
-    tl.store(rstd_ptr + row, rstd)
+    mean = tl.sum(r, axis=1) / N  # [BM]
+    diff = tl.where(mask, r - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=1) / N + eps)  # [BM]
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = diff * rstd[:, None] * w[None, :] + b[None, :]
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + rows, mean, mask=rows < M)
+    tl.store(rstd_ptr + rows, rstd, mask=rows < M)
 
 
 @triton.jit
 def add_layernorm_bwd_kernel(
     dy_ptr, drout_ptr, r_ptr, w_ptr, mean_ptr, rstd_ptr, dr_ptr, dw_part_ptr, db_part_ptr, M, N,
-    HAS_DROUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DROUT: tl.constexpr, TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """Each program handles TILES consecutive [BLOCK_M, N] tiles and writes one partial dw/db row."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    col_ok = cols < N
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for i in range(ROWS):
-        row = pid.to(tl.int64) * ROWS + i
-        if row < M:
-            r = tl.load(r_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-            xhat = tl.where(mask, (r - tl.load(mean_ptr + row)) * tl.load(rstd_ptr + row), 0.0)
-            g = dy * w
-            c_xhat = tl.sum(g * xhat, axis=0) / N
-            c_one = tl.sum(g, axis=0) / N
-            dr = (g - xhat * c_xhat - c_one) * tl.load(rstd_ptr + row)
-            if HAS_DROUT:
-                dr += tl.load(drout_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(dr_ptr + row * N + cols, dr.to(dr_ptr.dtype.element_ty), mask=mask)
-            dw += dy * xhat
-            db += dy
-    tl.store(dw_part_ptr + pid * N + cols, dw, mask=mask)
-    tl.store(db_part_ptr + pid * N + cols, db, mask=mask)
+    for t in range(TILES):
+        rows = (pid.to(tl.int64) * TILES + t) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        offs = rows[:, None] * N + cols[None, :]
+        r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        xhat = tl.where(mask, (r - mean[:, None]) * rstd[:, None], 0.0)
+        g = dy * w[None, :]
+        c_xhat = tl.sum(g * xhat, axis=1) / N  # [BM]
+        c_one = tl.sum(g, axis=1) / N  # [BM]
+        dr = (g - xhat * c_xhat[:, None] - c_one[:, None]) * rstd[:, None]
+        if HAS_DROUT:
+            dr += tl.load(drout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dr_ptr + offs, dr.to(dr_ptr.dtype.element_ty), mask=mask)
+        dw += tl.sum(dy * xhat, axis=0)
+        db += tl.sum(dy, axis=0)
+    tl.store(dw_part_ptr + pid * N + cols, dw, mask=col_ok)
+    tl.store(db_part_ptr + pid * N + cols, db, mask=col_ok)
 
 
-def _bwd_rows(M: int, interpreted: bool) -> int:
-    """Rows per backward program: enough programs to fill the GPU, few partial rows to reduce."""
+def _tile(N: int, interpreted: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): whole rows in registers, several short rows per tile. The interpreter
+    pays per program and per op rather than per element, so it gets tall tiles."""
+    block_n = triton.next_power_of_2(N)
+    block_m = max(1, (4096 if interpreted else 2048) // block_n)
+    return block_m, block_n, min(max(block_m * block_n // 256, 1), 16)
+
+
+def _bwd_tiles(M: int, block_m: int, interpreted: bool) -> int:
+    """Tiles per backward program: enough programs to fill the GPU, few partial rows to reduce."""
+    n_tiles = triton.cdiv(M, block_m)
     if interpreted:
-        return 8
+        return 2  # few programs, yet more than one partial sum on the test shapes
     n_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return max(1, triton.cdiv(M, 4 * n_sm))
+    return max(1, triton.cdiv(n_tiles, 4 * n_sm))
 
 
 class AddLayerNorm(torch.autograd.Function):
@@ -90,22 +107,20 @@ class AddLayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps: float, out_dtype: torch.dtype):
         M, N = x.shape
-        block_n = triton.next_power_of_2(N)
+        block_m, block_n, num_warps = _tile(N, is_interpreted(add_layernorm_fwd_kernel))
         has_res = residual is not None
         r_dtype = torch.result_type(x, residual) if has_res else x.dtype
         r = torch.empty(M, N, dtype=r_dtype, device=x.device) if has_res else x
         y = torch.empty(M, N, dtype=out_dtype, device=x.device)
         mean = torch.empty(M, dtype=torch.float32, device=x.device)
         rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-        num_warps = min(max(block_n // 256, 1), 16)
-        add_layernorm_fwd_kernel[(M,)](
-            x, residual, weight, bias, y, r, mean, rstd, N, eps,
-            HAS_RESIDUAL=has_res, BLOCK_N=block_n, num_warps=num_warps)
+        add_layernorm_fwd_kernel[(triton.cdiv(M, block_m),)](
+            x, residual, weight, bias, y, r, mean, rstd, M, N, eps,
+            HAS_RESIDUAL=has_res, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
         ctx.save_for_backward(r, weight, mean, rstd)
         ctx.has_res = has_res
         ctx.x_dtype = x.dtype
         ctx.res_dtype = residual.dtype if has_res else None
-        ctx.num_warps = num_warps
         return (y, r) if has_res else y  # without a residual, r is x itself: the caller returns x
 
     @staticmethod
@@ -117,14 +132,16 @@ class AddLayerNorm(torch.autograd.Function):
         has_drout = ctx.has_res and dr_out is not None
         if has_drout:
             dr_out = dr_out.contiguous()
-        rows = _bwd_rows(M, is_interpreted(add_layernorm_bwd_kernel))
-        n_prog = triton.cdiv(M, rows)
+        interpreted = is_interpreted(add_layernorm_bwd_kernel)
+        block_m, block_n, num_warps = _tile(N, interpreted)
+        tiles = _bwd_tiles(M, block_m, interpreted)
+        n_prog = triton.cdiv(M, block_m * tiles)
         dr = torch.empty(M, N, dtype=r.dtype, device=r.device)
         dw_part = torch.empty(n_prog, N, dtype=torch.float32, device=r.device)
         db_part = torch.empty(n_prog, N, dtype=torch.float32, device=r.device)
         add_layernorm_bwd_kernel[(n_prog,)](
             dy, dr_out if has_drout else None, r, weight, mean, rstd, dr, dw_part, db_part, M, N,
-            HAS_DROUT=has_drout, ROWS=rows, BLOCK_N=triton.next_power_of_2(N), num_warps=ctx.num_warps)
+            HAS_DROUT=has_drout, TILES=tiles, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
         dw = dw_part.sum(0).to(weight.dtype)  # [N]
         db = db_part.sum(0).to(weight.dtype)  # [N]
         dx = dr.to(ctx.x_dtype)

@@ -23,7 +23,7 @@ INTERPRETING = triton.knobs.runtime.interpret  # read when the kernels below are
 def _configs() -> list[triton.Config]:
     """Autotune space; a single small config under the interpreter so CPU tests stay fast."""
     if INTERPRETING:
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4, num_stages=1)]
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4, num_stages=1)]
     shapes = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
         (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
         (128, 256, 32, 8, 4), (64, 256, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
