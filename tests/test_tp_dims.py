@@ -11,7 +11,7 @@ from gpt2.model import GPT
 from parallel.dims import ParallelDims
 from parallel.mpu import ModelParallelUnit
 from parallel.tp_plan import apply_tensor_parallel
-from tests._tp_harness import spawn
+from tests._tp_harness import device, spawn
 
 
 def test_grid_and_coordinates():
@@ -58,7 +58,7 @@ def _groups_and_mpu(dims: ParallelDims) -> None:
     assert dist.get_process_group_ranks(dims.tp_group) == grid[dims.dp_rank].tolist()
     assert dist.get_process_group_ranks(dims.dp_group) == grid[:, dims.tp_rank].tolist()
     # the groups carry traffic: a TP-group sum adds the row, a DP-group sum the column
-    row, col = torch.tensor(float(dims.rank)), torch.tensor(float(dims.rank))
+    row, col = torch.tensor(float(dims.rank), device=device()), torch.tensor(float(dims.rank), device=device())
     dist.all_reduce(row, group=dims.tp_group)
     dist.all_reduce(col, group=dims.dp_group)
     assert row.item() == grid[dims.dp_rank].sum().item() and col.item() == grid[:, dims.tp_rank].sum().item()
@@ -67,8 +67,9 @@ def _groups_and_mpu(dims: ParallelDims) -> None:
     assert mpu.get_model_parallel_group() is mpu.get_tensor_model_parallel_group() is dims.tp_group
     assert mpu.get_data_parallel_group() is dims.dp_group
     assert (mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()) == (dims.tp_rank, dims.tp_size)
-    assert (mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()) == (dims.tp_rank, 2)
-    assert (mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()) == (dims.dp_rank, 2)
+    assert mpu.get_tensor_model_parallel_rank() == dims.tp_rank
+    assert mpu.get_tensor_model_parallel_world_size() == dims.tp_size
+    assert (mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()) == (dims.dp_rank, dims.dp_size)
     assert mpu.get_data_parallel_group_ranks() == dist.get_process_group_ranks(dims.dp_group)
     assert mpu.get_tensor_model_parallel_src_rank() == dist.get_process_group_ranks(dims.tp_group)[0]
     assert (mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size()) == (0, 1)

@@ -20,7 +20,7 @@ from parallel.dims import ParallelDims
 from parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
 from parallel.loss import vocab_parallel_cross_entropy
 from parallel.tp_plan import Shard, shard_tensor, unshard_tensor
-from tests._tp_harness import spawn
+from tests._tp_harness import device, spawn
 
 B, T, D_IN, D_OUT = 2, 8, 12, 16
 F32 = 4
@@ -32,7 +32,7 @@ def close(actual: torch.Tensor, expected: torch.Tensor, exact: bool = False) -> 
 
 
 def randn(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device())
 
 
 def leaf(t: torch.Tensor) -> torch.Tensor:
@@ -118,7 +118,7 @@ def check_shard_roundtrip(dims: ParallelDims) -> None:
 
 def check_column(dims: ParallelDims) -> None:
     g, r, n = dims.tp_group, dims.tp_rank, dims.tp_size
-    ref = nn.Linear(D_IN, D_OUT)
+    ref = nn.Linear(D_IN, D_OUT).to(device())
     x_full, up = randn(B, T, D_IN, seed=4), randn(B, T, D_OUT, seed=5)
     for gelu in (False, True):
         x_ref = leaf(x_full)
@@ -150,7 +150,7 @@ def check_column(dims: ParallelDims) -> None:
 
 def check_row(dims: ParallelDims) -> None:
     g, r, n = dims.tp_group, dims.tp_rank, dims.tp_size
-    ref = nn.Linear(D_IN * n, D_OUT)
+    ref = nn.Linear(D_IN * n, D_OUT).to(device())
     nn.init.normal_(ref.bias)
     x_full, up = randn(B, T, D_IN * n, seed=6), randn(B, T, D_OUT, seed=7)
     x_ref = leaf(x_full)
@@ -180,8 +180,8 @@ def check_row(dims: ParallelDims) -> None:
 def check_embedding(dims: ParallelDims) -> None:
     g, r, n = dims.tp_group, dims.tp_rank, dims.tp_size
     V = 8 * n
-    ref = nn.Embedding(V, D_OUT)
-    idx = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(8))
+    ref = nn.Embedding(V, D_OUT).to(device())
+    idx = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(8)).to(device())
     up = randn(B, T, D_OUT, seed=9)
     y_ref = ref(idx)
     (y_ref * up).sum().backward()
@@ -200,7 +200,7 @@ def check_cross_entropy(dims: ParallelDims) -> None:
     V = V_pad - 5  # the last 5 columns are padding and must never matter
     logits_full = randn(N, V_pad, seed=10) * 3
     logits_full[:, V:] = 100.0  # padding that would dominate if it were not masked
-    targets = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(11))
+    targets = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(11)).to(device())
     targets[::5] = -100
     targets[1::4] = logits_full[1::4, :V].argmax(-1)  # some correct predictions
     logits_full[2, [1, V_pad // n + 1]] = 50.0  # a tie across two ranks' shards: the smaller index wins
@@ -232,7 +232,7 @@ def check_lm_head(dims: ParallelDims) -> None:
     weight = nn.Parameter(randn(V_pad, D_IN, seed=12))
     ref = LMHead(weight, V, REFERENCE_OPS)
     hidden_full = randn(B, T, D_IN, seed=13)
-    targets = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(14))
+    targets = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(14)).to(device())
     h_ref = leaf(hidden_full)
     ref_loss, ref_correct = ref(h_ref, targets)
     ref_loss.backward()

@@ -3,8 +3,8 @@
 For every (sequence parallel, overlap) combination, on TP=2 and TP=4 (plus TP=2 x DP=2 on 4 ranks):
 logits, loss, top-1 count and every gradient (fp32, 1e-5), the state-dict shard/gather round trip,
 the parameter marks, a few clipped AdamW steps that must keep the gradient norms and losses equal,
-and the per-step communication bytes against the analytical count. One process group per layout
-runs every combination.
+and the per-step communication bytes against the analytical count; then activation checkpointing, and
+on TP=2 x DP=2 DDP over the DP group. One process group per layout runs every combination.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from parallel.comm import CommStats
 from parallel.dims import ParallelDims
 from parallel.grads import allreduce_sequence_parallel_grads, clip_grad_norm_, register_sequence_parallel_grad_hooks
 from parallel.tp_plan import apply_tensor_parallel, gather_state_dict, param_shard, shard_state_dict, unshard_tensor
-from tests._tp_harness import spawn
+from tests._tp_harness import device, spawn
 
 CFG = ModelConfig(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=250)  # padded to 256
 B, T, SEED = 2, 16, 1234
@@ -29,10 +29,10 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 def build(dims: ParallelDims | None = None, **tp) -> GPT:
     torch.manual_seed(SEED)
-    model = GPT(CFG)
+    model = GPT(CFG)  # on the CPU, from the seed, as the engine builds it
     if dims is not None:
         apply_tensor_parallel(model, dims, **tp)
-    return model
+    return model.to(device())
 
 
 def batch(dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,7 +40,7 @@ def batch(dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     idx = torch.randint(0, CFG.vocab_size, (B, T), generator=g)
     targets = torch.randint(0, CFG.vocab_size, (B, T), generator=g)
     targets[0, :3] = -100
-    return idx, targets
+    return idx.to(device()), targets.to(device())
 
 
 def full_grads(model: GPT, dims: ParallelDims) -> dict[str, torch.Tensor]:
@@ -141,19 +141,53 @@ def check_mode(dims: ParallelDims, ref: GPT, ref_grads: dict, ref_logits: torch.
         torch.testing.assert_close(model(idx, targets)[0], ref_copy(idx, targets)[0], **TOL, msg=f"{tag} steps")
 
 
+def single_device_grads(ref: GPT, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    loss, correct = ref(*batch(dp_rank))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    ref.zero_grad(set_to_none=True)
+    return loss.detach(), correct, grads
+
+
+def check_activation_checkpointing(dims: ParallelDims, ref_loss: torch.Tensor, ref_grads: dict) -> None:
+    """Recomputing blocks in backward re-runs their collectives; the gradients must not change."""
+    model = build(dims, sequence_parallel=True, overlap=True)
+    model.activation_checkpointing = True
+    loss, _ = model(*batch(dims.dp_rank))
+    loss.backward()
+    allreduce_sequence_parallel_grads(model, dims)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    grads = full_grads(model, dims)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, **TOL, msg=f"checkpointing grad {name}")
+
+
+def check_ddp_over_dp_group(dims: ParallelDims, ref: GPT) -> None:
+    """The engine's recipe: DDP over the DP group around the TP model averages the replicas' gradients."""
+    per_replica = [single_device_grads(ref, r)[2] for r in range(dims.dp_size)]
+    ddp = torch.nn.parallel.DistributedDataParallel(build(dims, sequence_parallel=True, overlap=True),
+                                                    process_group=dims.dp_group)
+    loss, _ = ddp(*batch(dims.dp_rank))
+    loss.backward()
+    allreduce_sequence_parallel_grads(ddp.module, dims)
+    grads = full_grads(ddp.module, dims)
+    for name in per_replica[0]:
+        mean = sum(g[name] for g in per_replica) / dims.dp_size
+        torch.testing.assert_close(grads[name], mean, **TOL, msg=f"DDP grad {name}")
+
+
 def _model_checks(dims: ParallelDims) -> None:
     ref = build()
-    idx, targets = batch(dims.dp_rank)
     with torch.no_grad():
-        ref_logits = ref(idx)
-    loss, correct = ref(idx, targets)
-    loss.backward()
-    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
-    ref.zero_grad(set_to_none=True)
+        ref_logits = ref(batch(dims.dp_rank)[0])
+    loss, correct, ref_grads = single_device_grads(ref, dims.dp_rank)
     for sp in (False, True):
         for overlap in (False, True):
-            check_mode(dims, ref, ref_grads, ref_logits, (loss.detach(), correct), sp, overlap, hooks=False)
-    check_mode(dims, ref, ref_grads, ref_logits, (loss.detach(), correct), sp=True, overlap=True, hooks=True)
+            check_mode(dims, ref, ref_grads, ref_logits, (loss, correct), sp, overlap, hooks=False)
+    check_mode(dims, ref, ref_grads, ref_logits, (loss, correct), sp=True, overlap=True, hooks=True)
+    check_activation_checkpointing(dims, loss, ref_grads)
+    if dims.dp_size > 1:
+        check_ddp_over_dp_group(dims, ref)
 
 
 @pytest.mark.parametrize("world,tp", [(2, 2), (4, 4), (4, 2)])
