@@ -214,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-tp-overlap", action="store_true")
     g.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=3)
     g.add_argument("--ds-config", help="DeepSpeed JSON config (hybrid mode)")
+    # the `deepspeed` launcher appends --local_rank=N; the LOCAL_RANK environment variable is what we read
+    g.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
 
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save-dir", help="folder of step-XXXXXX checkpoints (enables saving)")
