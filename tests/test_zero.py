@@ -69,8 +69,9 @@ def test_zero3_resume_is_exact(runs: Path) -> None:
     assert config["checkpoint"]["resumed_from"] == str((runs / "ck-zero3" / "step-000005").resolve())
 
 
-def test_zero3_checkpoint_gathers_to_single_weights(runs: Path, tmp_path: Path) -> None:
-    """ZeRO-3 shards -> one fp32 state dict (zero_to_fp32) -> HF folder whose logits equal our model's."""
+def test_zero3_checkpoint_exports_and_inits(runs: Path, tmp_path: Path) -> None:
+    """ZeRO-3 shards -> one fp32 state dict (zero_to_fp32) -> HF folder whose logits equal our model's,
+    and which --init-from loads under ZeRO-3 as under single."""
     from transformers import GPT2LMHeadModel
 
     from gpt2.export import consolidated_state_dict, export_hf
@@ -88,6 +89,13 @@ def test_zero3_checkpoint_gathers_to_single_weights(runs: Path, tmp_path: Path) 
     idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(idx).logits, ours(idx), atol=1e-5, rtol=1e-5)
+
+    # --init-from under zero.Init (rank 0 loads, each parameter re-partitioned): same first loss as single's
+    args = COMMON + ["--max-steps", "1", "--init-from", str(tmp_path / "hf")]
+    run_train(args + ["--batch-size", "4", "--run-name", "init-single"], tmp_path)
+    run_train(args + ["--mode", "hybrid", "--batch-size", "2", "--run-name", "init-zero3"], tmp_path, nproc=2)
+    (a,), (b,) = step_losses(tmp_path / "init-single"), step_losses(tmp_path / "init-zero3")
+    assert abs(a - b) <= 1e-6 and abs(a - step_losses(runs / "single")[0]) > 1e-3  # trained, not fresh, weights
 
 
 def _write(tmp_path: Path, ds: dict) -> str:
@@ -122,3 +130,16 @@ def test_ds_config_takes_cli_values_and_rejects_disagreement(tmp_path: Path) -> 
         build_ds_config(cfg, 4, torch.device("cpu"))
     cfg.parallel.ds_config = _write(tmp_path, {"train_batch_size": 64, "gradient_clipping": 0.5})
     assert build_ds_config(cfg, 4, torch.device("cpu"))["train_batch_size"] == 64  # agreeing values are fine
+
+
+def test_weight_decay_groups_use_full_shapes_of_partitioned_params() -> None:
+    """Under ZeRO-3 a parameter's data is an empty 1-D partition; its real shape is ds_shape."""
+    from gpt2.engine_deepspeed import _param_groups
+
+    matrix, bias = torch.nn.Parameter(torch.empty(0)), torch.nn.Parameter(torch.empty(0))
+    matrix.ds_shape, bias.ds_shape = torch.Size([8, 4]), torch.Size([8])
+    model = torch.nn.Module()
+    model.matrix, model.bias = matrix, bias
+    decay, no_decay = _param_groups(model, weight_decay=0.1)
+    assert decay["params"] == [matrix] and no_decay["params"] == [bias]
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
