@@ -23,6 +23,7 @@ handler can call `save`). Every function here that touches the process group is 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import os
 import random
@@ -80,9 +81,7 @@ def build_meta(cfg: RunConfig, ctx: DistContext, step: int) -> dict[str, Any]:
         "torch_version": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     if hybrid:
-        import deepspeed
-
-        meta["deepspeed_version"] = deepspeed.__version__
+        meta["deepspeed_version"] = importlib.metadata.version("deepspeed")  # no import: it picks an accelerator
     return meta
 
 
