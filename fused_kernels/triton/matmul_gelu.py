@@ -25,7 +25,7 @@ def _configs() -> list[triton.Config]:
     if INTERPRETING:
         return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4, num_stages=1)]
     shapes = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
-        (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
+        (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
         (128, 256, 32, 8, 4), (64, 256, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
         (128, 128, 32, 4, 5), (64, 64, 64, 4, 5),
     ]
@@ -97,7 +97,8 @@ def matmul_bias_gelu_forward(
         x, weight, bias, y, pre, M, N, K,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
         HAS_BIAS=bias is not None, STORE_PRE=store_pre,
-        FP32_PRECISION="tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee",
+        # fp32 inputs: tf32 only where PyTorch's own matmuls would use it; other dtypes ignore this
+        FP32_PRECISION="ieee" if x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32",
         DOT_IN_FP32=INTERPRETING)  # Triton 3.6's interpreter gets bf16/fp16 tl.dot wrong; it is exact in fp32
     return y, pre
 
