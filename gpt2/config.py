@@ -121,6 +121,7 @@ class TrainConfig:
     fused_kernels: Literal["none", "triton", "cuda"] = "none"
     attn: Literal["sdpa", "flash"] = "sdpa"
     device: str | None = None  # None: cuda if available else cpu
+    profile: bool = False  # torch.profiler over 3 steps after the throughput warm-up
 
 
 @dataclass
@@ -202,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     g.add_argument("--eval-interval", type=_non_negative_int, default=0, help="0: evaluate at the end only")
     g.add_argument("--device", help="cpu | cuda (default: cuda when available)")
+    g.add_argument("--profile", action="store_true",
+                   help="profile 3 steps after the throughput warm-up: kernel table + Chrome trace in the run folder")
 
     g = p.add_argument_group("kernels")
     g.add_argument("--fused-kernels", choices=["none", "triton", "cuda"], default="none")
@@ -254,7 +257,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         activation_checkpointing=args.activation_checkpointing, compile=args.compile,
         eval_interval=args.eval_interval,
         fused_kernels="cuda" if args.use_fused_kernel else args.fused_kernels,
-        attn=args.attn, device=args.device,
+        attn=args.attn, device=args.device, profile=args.profile,
     )
     if args.use_fused_kernel and args.fused_kernels not in ("none", "cuda"):
         raise ConfigError("--use-fused-kernel means --fused-kernels cuda; drop one of the two flags")

@@ -40,7 +40,7 @@ from fused_kernels import get_ops
 from fused_kernels.attention import get_attention
 from gpt2.config import ConfigError, RunConfig
 from gpt2.distributed import DistContext
-from gpt2.engine import build_model, lr_at
+from gpt2.engine import build_model, compile_model, lr_at
 from gpt2.model import GPT
 from gpt2.run_logging import log
 from parallel.dims import ParallelDims
@@ -191,8 +191,7 @@ class DeepSpeedEngine:
         else:
             model = build_model(cfg, ctx.device)
             if t.compile:
-                for block in model.blocks:
-                    block.compile()
+                compile_model(model)
         model.activation_checkpointing = t.activation_checkpointing
         optimizer = torch.optim.AdamW(_param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                                       fused=ctx.device.type == "cuda")

@@ -23,6 +23,7 @@ from gpt2.metrics import (
     memory_stats,
     model_params_for_flops,
 )
+from gpt2.profiling import StepProfiler
 from gpt2.run_logging import MetricsLogger, log
 
 
@@ -82,6 +83,8 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
     log.info("tokens/step %d (dp %d x batch %d x accum %d x seq %d); FLOPs/token %.3e; peak %s TFLOP/s",
              tokens_per_step, dp, t.batch_size, t.grad_accum, t.seq_len, meter.flops_per_token, peak)
 
+    profiler = StepProfiler(t.profile, logger.run_dir if logger else None, start_step + t.throughput_warmup_steps,
+                            ctx.device)
     bar = tqdm(total=t.max_steps, initial=start_step, disable=not ctx.is_main, dynamic_ncols=True, unit="step")
     tokens_per_micro = t.batch_size * t.seq_len
     last: dict[str, Any] = {}
@@ -98,6 +101,7 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
             correct_sum += correct.float()
         grad_norm = engine.optimizer_step()
         meter.record(step, timer.stop())
+        profiler.step()
 
         if step % cfg.log.log_interval == 0 or step in (start_step + 1, t.max_steps):
             loss_acc = _dp_mean(torch.stack([loss_sum / t.grad_accum,
@@ -121,6 +125,7 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
         if t.eval_interval and step % t.eval_interval == 0 and step != t.max_steps:
             _evaluate(cfg, ctx, engine, data, logger, step)
     bar.close()
+    profiler.stop()
     train_time = time.perf_counter() - train_start
 
     if meter.measured_steps == 0:
@@ -137,7 +142,7 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
         "peak_tflops_per_gpu": peak, "flops_per_token": meter.flops_per_token,
         "steps": t.max_steps, "train_time_s": train_time, **meter.summary(), **_peak_memory(ctx),
         "final_loss": last.get("loss"), "final_accuracy": last.get("accuracy"), **val,
-        "torch_version": torch.__version__,
+        "torch_version": torch.__version__, "profiled": t.profile,
     }
     if logger:
         logger.log_summary(summary)

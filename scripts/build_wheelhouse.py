@@ -91,7 +91,7 @@ def main() -> int:
             requirements.append(spec)
     wanted = [pkg for pkg in resolve(requirements, args.python_version) if not skipped(pkg["name"], installed)]
     for pkg in wanted:
-        if pkg["url"].startswith("file:"):
+        if pkg["url"].startswith("file:") and Path(pkg["url"].removeprefix("file://")).parent == args.out.resolve():
             continue  # the DeepSpeed wheel built above is already in --out
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
                         "--python-version", args.python_version, "--implementation", "cp",

@@ -1,0 +1,74 @@
+"""`--profile`: torch.profiler over 3 steps after the throughput warm-up, summarised by kernel category.
+
+Writes, into the run folder (rank 0): `profile_kernels.txt` (top kernels by device time),
+`profile_breakdown.json` (device time per category and per step), and `trace.json` (Chrome trace).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from gpt2.run_logging import log
+
+ACTIVE_STEPS = 3
+# first match wins; kernel names of cuBLAS/CUTLASS/cuDNN/flash/NCCL/Triton/PyTorch
+CATEGORIES: list[tuple[str, re.Pattern]] = [
+    ("communication", re.compile(r"nccl|allreduce|all_gather|reduce_scatter", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn.*mha", re.I)),
+    ("gemm", re.compile(r"gemm|matmul|cutlass|xmma|nvjet|sm\d+_.*mma|cublas|aten::(addmm|mm|bmm|linear)$", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
+]
+
+
+def categorise(kernel_name: str) -> str:
+    for category, pattern in CATEGORIES:
+        if pattern.search(kernel_name):
+            return category
+    return "elementwise/other"
+
+
+class StepProfiler:
+    """Call `step()` after every optimizer step; profiles steps skip+2 .. skip+1+ACTIVE_STEPS (1 warm-up)."""
+
+    def __init__(self, enabled: bool, run_dir: Path | None, skip_steps: int, device: torch.device):
+        self.run_dir = run_dir
+        self._prof = None
+        if enabled and run_dir is not None:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            self._prof = profile(activities=activities,
+                                 schedule=schedule(wait=skip_steps, warmup=1, active=ACTIVE_STEPS, repeat=1),
+                                 on_trace_ready=self._write)
+            self._prof.start()
+
+    def step(self) -> None:
+        if self._prof is not None:
+            self._prof.step()
+
+    def stop(self) -> None:
+        if self._prof is not None:
+            self._prof.stop()
+            self._prof = None
+
+    def _write(self, prof: profile) -> None:
+        assert self.run_dir is not None
+        events = prof.key_averages()
+        on_device = any(e.self_device_time_total > 0 for e in events)
+        sort_key = "self_cuda_time_total" if on_device else "self_cpu_time_total"
+        (self.run_dir / "profile_kernels.txt").write_text(events.table(sort_by=sort_key, row_limit=40))
+        totals: dict[str, float] = {}
+        for e in events:
+            us = e.self_device_time_total if on_device else e.self_cpu_time_total
+            if us > 0 and (on_device or not e.key.startswith("ProfilerStep")):
+                totals[categorise(e.key)] = totals.get(categorise(e.key), 0.0) + us
+        per_step_ms = {k: v / 1000 / ACTIVE_STEPS for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+        breakdown = {"time_base": "device kernel time" if on_device else "CPU op time",
+                     "steps": ACTIVE_STEPS, "ms_per_step": per_step_ms}
+        (self.run_dir / "profile_breakdown.json").write_text(json.dumps(breakdown, indent=2))
+        prof.export_chrome_trace(str(self.run_dir / "trace.json"))
+        log.info("profile (%s, ms/step): %s", breakdown["time_base"],
+                 ", ".join(f"{k} {v:.1f}" for k, v in per_step_ms.items()))
