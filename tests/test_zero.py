@@ -1,10 +1,10 @@
 """DeepSpeed ZeRO (--mode hybrid) on 2 CPU processes (gloo, DS_ACCELERATOR=cpu) against --mode single.
 
 Same seed and global batch (single: batch 4; ZeRO: 2 ranks x batch 2, or x batch 1 x accum 2), fp32.
-Tolerances: ZeRO-1/2/3 vs single per-step loss <= 1e-5 relative (only the reduction order differs;
-measured <= 2e-7 relative); first-step loss within 1e-6 (same initial weights under zero.Init); ZeRO-3
-resume vs uninterrupted: <= 1e-6 absolute (measured: identical); exported ZeRO-3 weights vs single's after
-10 steps <= 1e-4 (measured ~7e-6).
+Tolerances (measured on CPU in brackets): ZeRO-1/2/3 vs single per-step loss <= 1e-5 relative, only the
+reduction order differs [9e-8]; first-step loss within 1e-5, i.e. a few fp32 ulps: the same initial weights
+under zero.Init (other weights would differ by ~1e-2) [1 ulp, 9.5e-7]; ZeRO-3 resume vs uninterrupted
+<= 1e-6 absolute [identical]; exported ZeRO-3 weights vs single's after 10 steps <= 1e-4 [2.5e-6].
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_zero3_matches_single(runs: Path) -> None:
     single, zero3 = step_losses(runs / "single"), step_losses(runs / "zero3")
     _assert_close(single, zero3, "ZeRO-3")
     assert abs(zero3[0] - math.log(50257)) < 0.1  # GPT-2 init survived zero.Init
-    assert abs(zero3[0] - single[0]) < 1e-6  # same initial weights as the plain build
+    assert abs(zero3[0] - single[0]) < 1e-5  # same initial weights as the plain build
     s = next(r for r in read_records(runs / "zero3") if r["type"] == "summary")
     assert (s["mode"], s["world_size"], s["dp_size"], s["grad_accum"]) == ("hybrid", 2, 2, 2)
     assert s["mem/peak_allocated_gib"] > 0 and s["val_loss"] is not None
@@ -95,7 +95,7 @@ def test_zero3_checkpoint_exports_and_inits(runs: Path, tmp_path: Path) -> None:
     run_train(args + ["--batch-size", "4", "--run-name", "init-single"], tmp_path)
     run_train(args + ["--mode", "hybrid", "--batch-size", "2", "--run-name", "init-zero3"], tmp_path, nproc=2)
     (a,), (b,) = step_losses(tmp_path / "init-single"), step_losses(tmp_path / "init-zero3")
-    assert abs(a - b) <= 1e-6 and abs(a - step_losses(runs / "single")[0]) > 1e-3  # trained, not fresh, weights
+    assert abs(a - b) <= 1e-5 and abs(a - step_losses(runs / "single")[0]) > 1e-3  # trained, not fresh, weights
 
 
 def _write(tmp_path: Path, ds: dict) -> str:
