@@ -57,7 +57,8 @@ def _run(check: Check, world: int, rank: int, tp: int, args: tuple) -> None:
 
 
 def _entry(rank: int, world: int, tp: int, port: int, check: Check, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),  # what torchrun sets (DeepSpeed reads them)
+                      RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)  # before any op: fork safety (see above), and 4 ranks share 2 cores
     dist.init_process_group("gloo", rank=rank, world_size=world)
     _run(check, world, rank, tp, args)
