@@ -2,7 +2,7 @@
 
 CPU: triton (interpreted) vs none, fp32, tiny GPT-2, 20 AdamW steps; the loss curves must agree to
 1e-4 absolute at every step (fp32 summation order is the only difference; seen: 3e-6). GPU: triton and cuda vs
-none under bf16 autocast, to 2e-2 (bf16 rounding differs between fused and unfused epilogues).
+none under bf16 autocast, to 3e-2 (bf16 rounding differs between fused and unfused epilogues).
 """
 
 from __future__ import annotations
@@ -54,4 +54,4 @@ def test_triton_training_matches_none_cpu():
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=GPU), pytest.param("cuda", marks=GPU)])
 def test_training_matches_none_gpu_bf16(backend):
     cfg = ModelConfig(n_layer=4, n_head=12, n_embd=768, n_positions=256)  # full GPT-2 vocabulary (padded)
-    _assert_follows(backend, "cuda", torch.bfloat16, cfg, B=8, T=256, tol=2e-2)
+    _assert_follows(backend, "cuda", torch.bfloat16, cfg, B=8, T=256, tol=3e-2)

@@ -1,8 +1,9 @@
 // Python binding of the fused bias + GELU CUDA kernels: tensor checks, dtype dispatch and the current
 // stream live here; the kernels and their launchers in bias_gelu.cu.
 
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
 #include "bias_gelu.h"
@@ -32,7 +33,7 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& bias) {
   at::Tensor y = at::empty_like(x);
   if (x.numel() == 0) return y;
   C10_CUDA_CHECK(bias_gelu_forward_launch(x.const_data_ptr(), bias.const_data_ptr(), y.mutable_data_ptr(), x.numel(),
-                                          bias.numel(), dtype_of(x), at::cuda::getCurrentCUDAStream()));
+                                          bias.numel(), dtype_of(x), c10::cuda::getCurrentCUDAStream()));
   return y;
 }
 
@@ -45,7 +46,7 @@ at::Tensor backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor&
   if (x.numel() == 0) return dx;
   C10_CUDA_CHECK(bias_gelu_backward_launch(dy.const_data_ptr(), x.const_data_ptr(), bias.const_data_ptr(),
                                            dx.mutable_data_ptr(), x.numel(), bias.numel(), dtype_of(x),
-                                           at::cuda::getCurrentCUDAStream()));
+                                           c10::cuda::getCurrentCUDAStream()));
   return dx;
 }
 

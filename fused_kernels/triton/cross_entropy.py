@@ -18,7 +18,7 @@ import triton.language as tl
 
 IGNORE_INDEX = -100
 INTERPRETING = triton.knobs.runtime.interpret  # read when the kernel below is decorated
-CHUNK_ELEMENTS = 1 << 25  # logits elements per chunk: 64 MiB in bf16
+CHUNK_ELEMENTS = 1 << 26  # logits elements per chunk: 128 MiB in bf16; fewer chunks, fewer grad_W updates
 
 
 @triton.jit
