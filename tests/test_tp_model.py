@@ -3,8 +3,9 @@
 For every (sequence parallel, overlap) combination, on TP=2 and TP=4 (plus TP=2 x DP=2 on 4 ranks):
 logits, loss, top-1 count and every gradient (fp32, 1e-5), the state-dict shard/gather round trip,
 the parameter marks, a few clipped AdamW steps that must keep the gradient norms and losses equal,
-and the per-step communication bytes against the analytical count; then activation checkpointing, and
-on TP=2 x DP=2 DDP over the DP group. One process group per layout runs every combination.
+and the per-step communication bytes against the analytical count; then activation checkpointing, the
+triton fused-kernel backend (interpreted on CPU), and on TP=2 x DP=2 DDP over the DP group. One
+process group per layout runs every combination.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fused_kernels import REFERENCE_OPS, KernelOps, get_ops
 from gpt2.config import ModelConfig
 from gpt2.model import GPT
 from parallel.comm import CommStats
@@ -27,9 +29,9 @@ F32 = 4
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def build(dims: ParallelDims | None = None, **tp) -> GPT:
+def build(dims: ParallelDims | None = None, ops: KernelOps = REFERENCE_OPS, **tp) -> GPT:
     torch.manual_seed(SEED)
-    model = GPT(CFG)  # on the CPU, from the seed, as the engine builds it
+    model = GPT(CFG, ops=ops)  # on the CPU, from the seed, as the engine builds it
     if dims is not None:
         apply_tensor_parallel(model, dims, **tp)
     return model.to(device())
@@ -176,6 +178,21 @@ def check_ddp_over_dp_group(dims: ParallelDims, ref: GPT) -> None:
         torch.testing.assert_close(grads[name], mean, **TOL, msg=f"DDP grad {name}")
 
 
+def check_fused_kernels(dims: ParallelDims) -> None:
+    """The triton backend's fused matmul+bias+GELU (c_fc) and add+LayerNorm keep working under TP + SP."""
+    ops = get_ops("triton")
+    ref = build(ops=ops)
+    ref_loss, _, ref_grads = single_device_grads(ref, dims.dp_rank)
+    model = build(dims, ops=ops, sequence_parallel=True, overlap=True)
+    loss, _ = model(*batch(dims.dp_rank))
+    loss.backward()
+    allreduce_sequence_parallel_grads(model, dims)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    grads = full_grads(model, dims)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, **TOL, msg=f"triton grad {name}")
+
+
 def _model_checks(dims: ParallelDims) -> None:
     ref = build()
     with torch.no_grad():
@@ -186,6 +203,7 @@ def _model_checks(dims: ParallelDims) -> None:
             check_mode(dims, ref, ref_grads, ref_logits, (loss, correct), sp, overlap, hooks=False)
     check_mode(dims, ref, ref_grads, ref_logits, (loss, correct), sp=True, overlap=True, hooks=True)
     check_activation_checkpointing(dims, loss, ref_grads)
+    check_fused_kernels(dims)
     if dims.dp_size > 1:
         check_ddp_over_dp_group(dims, ref)
 
