@@ -165,8 +165,12 @@ def test_lm_cross_entropy_scales_incoming_gradient():
 
 
 def test_registry_import_does_not_import_triton_or_build_cuda():
-    code = "import sys, fused_kernels; assert 'triton' not in sys.modules and 'torch.utils.cpp_extension' not in " \
-           "sys.modules, sorted(m for m in sys.modules if 'triton' in m)"
+    code = ("import sys, torch\n"
+            "before = {m for m in ('triton', 'torch.utils.cpp_extension') if m in sys.modules}\n"
+            "import fused_kernels\n"
+            "after = {m for m in ('triton', 'torch.utils.cpp_extension') if m in sys.modules}\n"
+            "assert after == before, after - before\n"
+            "assert 'fused_kernels.triton' not in sys.modules and 'fused_kernels.cuda' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
