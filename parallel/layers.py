@@ -38,11 +38,12 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         grad_b  = sum over tokens of grad_y
     Under sequence parallelism only the shard x is saved; x_total is all-gathered again in backward,
     overlapped with grad_x. On CUDA, set CUDA_DEVICE_MAX_CONNECTIONS=1 so the collective is queued
-    before the weight-gradient GEMM.
+    before the weight-gradient GEMM. Under autocast the forward matmul casts like F.linear, and backward
+    computes in the output's dtype (explicit casts, so any autocast device works); autograd casts the
+    returned gradients back to the parameters' dtype.
     """
 
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, weight, bias, ops, group, sequence_parallel, stats):
         ctx.group, ctx.sequence_parallel, ctx.stats = group, sequence_parallel, stats
         ctx.has_bias = bias is not None
@@ -51,9 +52,9 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         return ops.linear(x_total, weight, bias, False)  # [B, T, n_local]
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad):  # grad: [B, T, n_local]
         x, weight = ctx.saved_tensors
+        x, weight = x.to(grad.dtype), weight.to(grad.dtype)
         group, stats, sp = ctx.group, ctx.stats, ctx.sequence_parallel
         if sp:
             staging, gather = comm.all_gather_sequence(x, group, stats, "bwd", async_op=True)
@@ -102,10 +103,20 @@ class ColumnParallelLinear(nn.Module):
                 f"overlap={self.overlap}")
 
 
+def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """Under autocast, the autocast dtype: the matmul would cast x anyway, and communicating it cast moves
+    half the bytes (as Megatron communicates activations in the compute dtype); else x unchanged."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return x.to(torch.get_autocast_dtype(device_type))
+    return x
+
+
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ops: KernelOps,
                            group: Group, *, gelu: bool, sequence_parallel: bool, overlap: bool,
                            stats: CommStats | None) -> torch.Tensor:
     """x: [B, T, in] (or [B, T/tp, in] shards under SP) -> [B, T, out/tp]. Shared by the LM head."""
+    x = to_compute_dtype(x)  # before f / the all-gather, so they (and their backward) move compute-dtype bytes
     if overlap and not gelu and comm.group_size(group) > 1:
         return _ColumnParallelMatmul.apply(x, weight, bias, ops, group, sequence_parallel, stats)
     if sequence_parallel:

@@ -148,6 +148,36 @@ def check_column(dims: ParallelDims) -> None:
                 assert dict(stats.bytes) == want, (gelu, sp, overlap, stats.bytes)
 
 
+def check_column_autocast(dims: ParallelDims) -> None:
+    """Under bf16 autocast the column layer communicates bf16 activations and still matches nn.Linear."""
+    g, r, n = dims.tp_group, dims.tp_rank, dims.tp_size
+    dev = device()
+    ref = nn.Linear(D_IN, D_OUT).to(dev)
+    x_full, up = randn(B, T, D_IN, seed=15), randn(B, T, D_OUT, seed=16)
+    x_ref = leaf(x_full)
+    with torch.autocast(dev.type, dtype=torch.bfloat16):
+        y_ref = ref(x_ref)
+    (y_ref.float() * up).sum().backward()
+    bf16 = dict(rtol=2e-2, atol=2e-2)
+    for sp in (False, True):
+        for overlap in (False, True):
+            stats = CommStats()
+            w, b = shard_tensor(ref.weight, Shard(0), r, n), shard_tensor(ref.bias, Shard(0), r, n)
+            layer = ColumnParallelLinear(w, b, REFERENCE_OPS, g, sequence_parallel=sp, overlap=overlap, stats=stats)
+            x = leaf(x_full.chunk(n, dim=1)[r] if sp else x_full)
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                y = layer(x)
+            assert y.dtype == torch.bfloat16
+            torch.testing.assert_close(y, y_ref.chunk(n, dim=-1)[r], **bf16)
+            (y.float() * up.chunk(n, dim=-1)[r]).sum().backward()
+            assert x.grad.dtype == layer.weight.grad.dtype == torch.float32
+            torch.testing.assert_close(x.grad, x_ref.grad.chunk(n, dim=1)[r] if sp else x_ref.grad, **bf16)
+            torch.testing.assert_close(layer.weight.grad, ref.weight.grad.chunk(n)[r], **bf16)
+            torch.testing.assert_close(layer.bias.grad, ref.bias.grad.chunk(n)[r], **bf16)
+            act = B * T * D_IN * 2  # bf16 on the wire
+            assert stats.bytes[("all_gather" if sp else "all_reduce", "fwd" if sp else "bwd")] == act, stats.bytes
+
+
 def check_row(dims: ParallelDims) -> None:
     g, r, n = dims.tp_group, dims.tp_rank, dims.tp_size
     ref = nn.Linear(D_IN * n, D_OUT).to(device())
@@ -259,6 +289,7 @@ def _all_checks(dims: ParallelDims) -> None:
     check_collectives(dims)
     check_shard_roundtrip(dims)
     check_column(dims)
+    check_column_autocast(dims)
     check_row(dims)
     check_embedding(dims)
     check_cross_entropy(dims)

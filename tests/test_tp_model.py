@@ -4,7 +4,7 @@ For every (sequence parallel, overlap) combination, on TP=2 and TP=4 (plus TP=2 
 logits, loss, top-1 count and every gradient (fp32, 1e-5), the state-dict shard/gather round trip,
 the parameter marks, a few clipped AdamW steps that must keep the gradient norms and losses equal,
 and the per-step communication bytes against the analytical count; then activation checkpointing, the
-triton fused-kernel backend (interpreted on CPU), and on TP=2 x DP=2 DDP over the DP group. One
+triton fused-kernel backend (interpreted on CPU), bf16 autocast, and on TP=2 x DP=2 DDP over the DP group. One
 process group per layout runs every combination.
 """
 
@@ -193,6 +193,26 @@ def check_fused_kernels(dims: ParallelDims) -> None:
         torch.testing.assert_close(grads[name], g, **TOL, msg=f"triton grad {name}")
 
 
+def check_autocast(dims: ParallelDims) -> None:
+    """bf16 autocast (the training precision): TP + SP + overlap follows the single-device model."""
+    dev = device()
+    ref = build()
+    with torch.autocast(dev.type, dtype=torch.bfloat16):
+        ref_loss, _ = ref(*batch(dims.dp_rank))
+    ref_loss.backward()
+    model = build(dims, sequence_parallel=True, overlap=True)
+    with torch.autocast(dev.type, dtype=torch.bfloat16):
+        loss, _ = model(*batch(dims.dp_rank))
+    loss.backward()
+    allreduce_sequence_parallel_grads(model, dims)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=1e-2)
+    grads = full_grads(model, dims)
+    for name, p in ref.named_parameters():  # bf16 rounding: compare gradients by relative norm
+        assert grads[name].dtype == torch.float32
+        err = (grads[name] - p.grad).norm() / p.grad.norm()
+        assert err < 3e-2, f"autocast grad {name}: relative error {err:.3g}"
+
+
 def _model_checks(dims: ParallelDims) -> None:
     ref = build()
     with torch.no_grad():
@@ -204,6 +224,7 @@ def _model_checks(dims: ParallelDims) -> None:
     check_mode(dims, ref, ref_grads, ref_logits, (loss, correct), sp=True, overlap=True, hooks=True)
     check_activation_checkpointing(dims, loss, ref_grads)
     check_fused_kernels(dims)
+    check_autocast(dims)
     if dims.dp_size > 1:
         check_ddp_over_dp_group(dims, ref)
 
