@@ -300,9 +300,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("--data synthetic ignores --data-path; drop one of the two")
     if t.mode != "hybrid" and cfg.parallel.ds_config:
         raise ConfigError("--ds-config only applies to --mode hybrid")
-    if cfg.parallel.tp_size > 1 or cfg.parallel.sequence_parallel:
-        raise ConfigError("tensor parallelism (--tp-size > 1, --sequence-parallel) is not yet "
-                          "available in this version; run with --tp-size 1")
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp_size == 1:
+        raise ConfigError("--sequence-parallel shards the sequence over the tensor-parallel group; "
+                          "pass --tp-size > 1 or drop --sequence-parallel")
     if cfg.checkpoint.resume == "auto" and not cfg.checkpoint.save_dir:
         raise ConfigError("--resume auto looks for the latest checkpoint in --save-dir; pass --save-dir "
                           "or --resume <checkpoint folder>")

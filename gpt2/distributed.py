@@ -74,6 +74,7 @@ def init_distributed(cfg: RunConfig) -> DistContext:
     device = pick_device(cfg.train.device, local_rank)
     dims = ParallelDims(world_size=world_size, rank=rank, tp_size=cfg.parallel.tp_size)
     dims.validate_model(cfg.model)
+    dims.validate_sequence(cfg.train.seq_len, cfg.parallel.sequence_parallel)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if cfg.train.mode != "single":
