@@ -1,11 +1,19 @@
 """Training engines: how one optimizer step is executed in each mode.
 
 - `TorchEngine`: `--mode single` (one device) and `--mode baseline` (DDP over the data-parallel
-  group; `no_sync` on all but the last micro-step of gradient accumulation).
+  group; `no_sync` on all but the last micro-step of gradient accumulation), with our tensor
+  parallelism inside when --tp-size > 1.
 - The DeepSpeed engine (`--mode hybrid`) implements the same interface.
 
-Build order (torchtitan's): model on the target device from the seed -> weights from --init-from ->
-activation checkpointing -> torch.compile per block -> data-parallel wrapper -> optimizer.
+Build order (torchtitan's): full model on the target device from the seed -> weights from --init-from ->
+tensor parallelism (each rank keeps its shards) -> activation checkpointing -> torch.compile per block ->
+data-parallel wrapper over the DP group -> optimizer.
+
+DDP + TP: each TP rank's shards have their own DDP replicas (DDP over `dims.dp_group`), so a sharded
+weight's gradient is averaged over DP only; replicated parameters get the same gradient on every TP rank
+and stay identical. With --sequence-parallel, the replicated parameters used on sequence shards
+(LayerNorms, row-parallel biases) are summed over the TP group after the step's last backward; clipping
+uses the TP-aware global norm (`parallel.grads`).
 """
 
 from __future__ import annotations
@@ -21,9 +29,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fused_kernels import get_ops
 from fused_kernels.attention import get_attention
-from gpt2.config import RunConfig, TrainConfig
+from gpt2.config import ConfigError, RunConfig, TrainConfig
 from gpt2.distributed import DistContext
 from gpt2.model import GPT
+from parallel.dims import ParallelDims
+from parallel.grads import allreduce_sequence_parallel_grads, clip_grad_norm_
+from parallel.tp_plan import apply_tensor_parallel
 
 
 def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
@@ -50,8 +61,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_model(cfg: RunConfig, device: torch.device) -> GPT:
-    """The parallel-unaware GPT-2, initialised from the seed (identical on every rank) or --init-from."""
+def build_model(cfg: RunConfig, device: torch.device, dims: ParallelDims) -> GPT:
+    """This rank's GPT-2: the full model from the seed (identical on every rank) or --init-from, then cut
+    into this rank's tensor-parallel shards (nothing to cut for tp 1)."""
     ops = get_ops(cfg.train.fused_kernels)
     attention = get_attention(cfg.train.attn)
     torch.manual_seed(cfg.train.seed)
@@ -61,6 +73,8 @@ def build_model(cfg: RunConfig, device: torch.device) -> GPT:
         from gpt2.hf_weights import load_hf_state_dict
 
         model.load_state_dict(load_hf_state_dict(cfg.train.init_from, cfg.model))
+    apply_tensor_parallel(model, dims, sequence_parallel=cfg.parallel.sequence_parallel,
+                          overlap=cfg.parallel.tp_overlap)
     return model
 
 
@@ -80,17 +94,25 @@ class TorchEngine:
         self.cfg = cfg
         self.ctx = ctx
         t = cfg.train
-        model = build_model(cfg, ctx.device)
+        if autocast_dtype(t, ctx.device) == torch.float16 and ctx.dims.tp_size > 1:
+            # GradScaler finds inf/NaN per rank; TP ranks hold different shards and could skip different steps
+            raise ConfigError("--precision fp16 with --tp-size > 1 needs a GradScaler synchronised over the TP "
+                              "group, which --mode baseline lacks; use --precision bf16, or --mode hybrid")
+        model = build_model(cfg, ctx.device, ctx.dims)
         model.activation_checkpointing = t.activation_checkpointing
-        if t.compile:
+        if t.compile and t.compile_scope == "blocks":
             compile_model(model)
         self.module = model
+        self.ddp: DistributedDataParallel | None = None
         if t.mode == "baseline":
-            self.model: nn.Module = DistributedDataParallel(
+            self.ddp = DistributedDataParallel(
                 model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-                process_group=ctx.dims.dp_group, gradient_as_bucket_view=True)
-        else:
-            self.model = model
+                process_group=ctx.dims.dp_group, gradient_as_bucket_view=True, bucket_cap_mb=t.ddp_bucket_mb)
+        self.model: nn.Module = self.ddp or model
+        if t.compile and t.compile_scope == "model":
+            # compiling the DDP wrapper lets Dynamo's DDPOptimizer cut the graph at bucket boundaries,
+            # so gradient all-reduces still overlap the backward pass
+            self.model = torch.compile(self.model)
         self.dtype = autocast_dtype(t, ctx.device)
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.dtype == torch.float16)
         self.optimizer = torch.optim.AdamW(
@@ -107,11 +129,13 @@ class TorchEngine:
         self, x: torch.Tensor, y: torch.Tensor, last_micro_step: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One micro-step; returns the (detached, unscaled) mean loss and the correct-token count."""
-        sync = last_micro_step or not isinstance(self.model, DistributedDataParallel)
-        with contextlib.nullcontext() if sync else self.model.no_sync():
+        sync = last_micro_step or self.ddp is None
+        with contextlib.nullcontext() if sync else self.ddp.no_sync():
             with self.autocast():
                 loss, correct = self.model(x, y)
             self.scaler.scale(loss / self.cfg.train.grad_accum).backward()
+        if last_micro_step and self.cfg.parallel.sequence_parallel:
+            allreduce_sequence_parallel_grads(self.module, self.ctx.dims)
         return loss.detach(), correct.detach()
 
     def optimizer_step(self) -> torch.Tensor:
@@ -119,7 +143,11 @@ class TorchEngine:
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.train.grad_clip
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        max_norm = clip if clip > 0 else float("inf")
+        if self.ctx.dims.tp_size > 1:
+            norm = clip_grad_norm_(params, max_norm, self.ctx.dims)  # sharded weights' squares summed over TP
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)

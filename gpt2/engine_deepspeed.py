@@ -20,6 +20,15 @@ initial weights are the rounded fp32 ones (DeepSpeed keeps fp32 master copies fr
 head is the same Parameter as `wte.weight`, registered in `LMHead` as well: ZeRO-3 gathers it in both
 modules' forward hooks and accumulates both gradient contributions.
 
+With --tp-size > 1, our tensor parallelism runs inside DeepSpeed: `ModelParallelUnit(dims)` is the `mpu`, so
+ZeRO partitions parameters, gradients and optimizer states over the data-parallel group only (each TP rank's
+shard of a weight is a different tensor, partitioned among its DP peers), reduces the gradients of sharded
+weights over DP only, and sums gradient norms over the TP group (the plan's `tensor_model_parallel` marks).
+Sequence-parallel gradients are summed over TP by hooks registered before `deepspeed.initialize`. The TP model
+is NOT built under zero.Init (the plan cuts existing full weights): the full fp32 model exists on every device
+between its construction and `deepspeed.initialize` (GPT-2 XL: 6 GB per GPU, transiently), then only this
+rank's TP shard, partitioned over DP, is kept.
+
 On CPU (tests): `DS_ACCELERATOR=cpu`, gloo, fp32. DeepSpeed's CPU communication backend would JIT-build a
 shared-memory all-reduce op that only its inference path uses; we mark it incompatible instead.
 """
@@ -44,6 +53,8 @@ from gpt2.engine import build_model, compile_model, lr_at
 from gpt2.model import GPT
 from gpt2.run_logging import log
 from parallel.dims import ParallelDims
+from parallel.grads import register_sequence_parallel_grad_hooks
+from parallel.mpu import ModelParallelUnit
 
 DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
 CHECKPOINT_TAG = "zero"  # DeepSpeed's sub-folder inside one of our step folders
@@ -100,31 +111,6 @@ def build_ds_config(cfg: RunConfig, dp_size: int, device: torch.device) -> dict[
     return ds
 
 
-class DeepSpeedMPU:
-    """The `mpu` object DeepSpeed asks for the model-parallel (TP) and data-parallel groups."""
-
-    def __init__(self, dims: ParallelDims):
-        self.dims = dims
-
-    def get_model_parallel_group(self) -> dist.ProcessGroup:
-        return self.dims.tp_group
-
-    def get_model_parallel_rank(self) -> int:
-        return self.dims.tp_rank
-
-    def get_model_parallel_world_size(self) -> int:
-        return self.dims.tp_size
-
-    def get_data_parallel_group(self) -> dist.ProcessGroup:
-        return self.dims.dp_group
-
-    def get_data_parallel_rank(self) -> int:
-        return self.dims.dp_rank
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.dims.dp_size
-
-
 def _import_deepspeed(device: torch.device):
     """Import DeepSpeed with the accelerator matching our device; never JIT-build an op on CPU."""
     if device.type == "cpu":
@@ -158,7 +144,7 @@ def _build_zero3_model(cfg: RunConfig, ds_config: dict, dims: ParallelDims, deep
     ops = get_ops(cfg.train.fused_kernels)
     attention = get_attention(cfg.train.attn)
     torch.manual_seed(cfg.train.seed)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=DeepSpeedMPU(dims)):
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=ModelParallelUnit(dims)):
         model = GPT(cfg.model, ops=ops, attention=attention)
     if cfg.train.init_from:
         from gpt2.hf_weights import load_hf_state_dict
@@ -186,19 +172,25 @@ class DeepSpeedEngine:
         deepspeed = _import_deepspeed(ctx.device)
         self.ds_config = build_ds_config(cfg, ctx.dims.dp_size, ctx.device)
         log.info("DeepSpeed config: %s", json.dumps(self.ds_config, sort_keys=True))
-        if stage == 3:
+        if stage == 3 and ctx.dims.tp_size == 1:
             model = _build_zero3_model(cfg, self.ds_config, ctx.dims, deepspeed)
         else:
-            model = build_model(cfg, ctx.device)
-            if t.compile:
-                compile_model(model)
+            if stage == 3:
+                log.info("ZeRO-3 with --tp-size %d: building the full model on every device (not under zero.Init), "
+                         "cutting it into TP shards, then partitioning each shard over the DP group",
+                         ctx.dims.tp_size)
+            model = build_model(cfg, ctx.device, ctx.dims)
         model.activation_checkpointing = t.activation_checkpointing
+        if t.compile:  # ZeRO-1/2 only (rejected above for ZeRO-3)
+            compile_model(model)
+        if cfg.parallel.sequence_parallel:  # before initialize: ZeRO consumes gradients during backward
+            register_sequence_parallel_grad_hooks(model, ctx.dims)
         optimizer = torch.optim.AdamW(_param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                                       fused=ctx.device.type == "cuda")
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, t) / t.lr)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
-            mpu=DeepSpeedMPU(ctx.dims), dist_init_required=False)
+            mpu=ModelParallelUnit(ctx.dims), dist_init_required=False)
         self.module: GPT = model
 
     def forward_backward(

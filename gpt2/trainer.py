@@ -137,7 +137,7 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
         "world_size": ctx.world_size, "tp_size": ctx.dims.tp_size, "dp_size": dp,
         "batch_size_per_gpu": t.batch_size, "grad_accum": t.grad_accum, "seq_len": t.seq_len,
         "tokens_per_step": tokens_per_step, "precision": t.precision if ctx.device.type == "cuda" else "fp32",
-        "fused_kernels": t.fused_kernels, "attn": t.attn, "compile": t.compile,
+        "fused_kernels": t.fused_kernels, "attn": t.attn, "compile": t.compile_scope if t.compile else "off",
         "activation_checkpointing": t.activation_checkpointing, "device": _device_name(ctx),
         "peak_tflops_per_gpu": peak, "flops_per_token": meter.flops_per_token,
         "steps": t.max_steps, "train_time_s": train_time, **meter.summary(), **_peak_memory(ctx),
