@@ -5,6 +5,8 @@
     deepspeed --num_gpus=4 train.py --mode hybrid --tp-size 2                 # ZeRO-3 (+ TP)
 
 config -> process groups -> data (sharded by data-parallel rank) -> engine -> loop -> logs.
+Exit status: 0 trained to --max-steps; 2 bad configuration; 75 preempted by SIGUSR1/SIGTERM after saving a
+checkpoint (gpt2/preemption.py; rerun with --resume auto).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         from gpt2.distributed import init_distributed, shutdown_distributed
         from gpt2.engine import TorchEngine
         from gpt2.metrics import model_params_for_flops
+        from gpt2.preemption import EXIT_PREEMPTED, Preempted, PreemptionWatcher
         from gpt2.run_logging import MetricsLogger, log, make_run_dir, setup_console
         from gpt2.trainer import run_training
 
@@ -31,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2
     logger = None
+    # SIGUSR1 / SIGTERM from here on: checkpoint at the next step boundary, exit EXIT_PREEMPTED
+    preemption = PreemptionWatcher()
     try:
         setup_console(None, ctx.is_main)
         # a bad --resume or a colliding --save-dir fails before data, a run folder or a model exist
@@ -56,10 +61,14 @@ def main(argv: list[str] | None = None) -> int:
         start_step = load_checkpoint(resume_from, cfg, ctx, engine, data.train) if resume_from else 0
         checkpointer = Checkpointer(cfg, ctx, engine, data.train) if cfg.checkpoint.save_dir else None
         logger = MetricsLogger(cfg, run_dir) if ctx.is_main else None
-        run_training(cfg, ctx, engine, data, logger, start_step=start_step, checkpointer=checkpointer)
+        run_training(cfg, ctx, engine, data, logger, start_step=start_step, checkpointer=checkpointer,
+                     preemption=preemption)
     except ConfigError as err:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2
+    except Preempted as stop:
+        log.warning("%s; exit %d (resume with --resume auto)", stop, EXIT_PREEMPTED)
+        return EXIT_PREEMPTED
     finally:
         if logger:
             logger.close()

@@ -23,6 +23,7 @@ from gpt2.metrics import (
     memory_stats,
     model_params_for_flops,
 )
+from gpt2.preemption import Preempted, PreemptionWatcher
 from gpt2.profiling import StepProfiler
 from gpt2.run_logging import MetricsLogger, log
 
@@ -66,10 +67,13 @@ def _device_name(ctx: DistContext) -> str:
 
 def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBundle,
                  logger: MetricsLogger | None, start_step: int = 0,
-                 checkpointer: Checkpointer | None = None) -> dict[str, Any]:
+                 checkpointer: Checkpointer | None = None,
+                 preemption: PreemptionWatcher | None = None) -> dict[str, Any]:
     """Train from `start_step` to max_steps; returns the summary record (identical on every rank).
 
     `checkpointer.maybe_save(step)` runs after every optimizer step (a step boundary: it may also save).
+    Then, before the last step, all ranks agree on `preemption.should_stop`: if any rank got a preemption
+    signal, every rank saves this step (unless just saved) and raises Preempted.
     """
     t = cfg.train
     dp = ctx.dims.dp_size
@@ -119,8 +123,12 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
             if not math.isfinite(last["loss"]):
                 raise FloatingPointError(f"loss is {last['loss']} at step {step}; lower --lr or use bf16/fp32")
         bar.update(1)
-        if checkpointer:
-            checkpointer.maybe_save(step)
+        saved = checkpointer.maybe_save(step) if checkpointer else None
+        if preemption and step < t.max_steps and preemption.should_stop(ctx):
+            saved = saved or (checkpointer.save(step) if checkpointer else None)
+            bar.close()
+            profiler.stop()
+            raise Preempted(step, preemption.received, str(saved) if saved else None)
 
         if t.eval_interval and step % t.eval_interval == 0 and step != t.max_steps:
             _evaluate(cfg, ctx, engine, data, logger, step)
