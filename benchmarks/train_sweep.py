@@ -1,0 +1,368 @@
+"""The training mode matrix on N GPUs: one torchrun launch per configuration, one table at the end.
+
+    python -m benchmarks.train_sweep --gpus 4 --out benchmarks/results/sweep                  # the full matrix
+    python -m benchmarks.train_sweep --gpus 4 --modes baseline hybrid --fused none --batches 8 --dry-run
+    python -m benchmarks.train_sweep --gpus 4 --modes hybrid-tp2 --batches 8 max --extra-args="--compile"
+
+Modes (train.py flags): baseline (DDP), hybrid (ZeRO-3), hybrid-tp2 (ZeRO-3 + TP 2), hybrid-tp2-sp (+ sequence
+parallelism), and the reference rows hf-ddp / hf-zero3 (`benchmarks.hf_reference`: Hugging Face GPT-2 as users
+run it). Each of our modes runs with every `--fused` backend; the HF rows have no fused kernels. `--batches`
+takes micro-batch sizes per GPU and `max`: the largest of `--max-batches` (tried in descending order) that
+completes without running out of CUDA memory; sizes at or above one that already ran out are not tried.
+
+Every run: `python -m torch.distributed.run --standalone --nproc_per_node=N train.py ...` (or `-m
+benchmarks.hf_reference`), `--max-steps` steps of which the first `--warmup` are excluded from tokens/s and
+MFU, its output in OUT/logs/NAME.log and its run folder in OUT/runs/NAME. A run that fails, runs out of
+memory or passes `--run-timeout` is recorded with its last error line and the sweep goes on. After every run
+OUT/sweep.csv, OUT/sweep.md and the plots (sweep_tokens_vs_memory.png, sweep_mfu.png) are rewritten, so an
+interrupted sweep still leaves its table. `--include RUN_DIR...` adds rows of runs made elsewhere (e.g. the
+reference runs of benchmarks/gpu_sweep.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import markdown_table, write_csv
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mode:
+    label: str
+    flags: tuple[str, ...]
+    module: str | None = None  # None: train.py; else the benchmark module launched with -m
+    takes_fused: bool = True
+
+
+MODES: dict[str, Mode] = {
+    "baseline": Mode("DDP", ("--mode", "baseline")),
+    "hybrid": Mode("ZeRO-3", ("--mode", "hybrid")),
+    "hybrid-tp2": Mode("ZeRO-3 + TP2", ("--mode", "hybrid", "--tp-size", "2")),
+    "hybrid-tp2-sp": Mode("ZeRO-3 + TP2 + SP", ("--mode", "hybrid", "--tp-size", "2", "--sequence-parallel")),
+    "hf-ddp": Mode("HF transformers DDP", ("--mode", "ddp"), "benchmarks.hf_reference", takes_fused=False),
+    "hf-zero3": Mode("HF transformers ZeRO-3", ("--mode", "zero3"), "benchmarks.hf_reference", takes_fused=False),
+}
+OOM_PATTERNS = ("OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+ERROR_LINE = re.compile(r"\b(\w+(?:Error|Exception)): (.+)$")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", type=int, default=4, help="processes per run (--nproc_per_node)")
+    p.add_argument("--model", default="gpt2-large")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (--max-steps)")
+    p.add_argument("--warmup", type=int, default=10, help="steps excluded from tokens/s and MFU")
+    p.add_argument("--log-interval", type=int, default=5)
+    p.add_argument("--modes", nargs="+", default=["baseline", "hybrid", "hybrid-tp2", "hf-ddp", "hf-zero3"],
+                   choices=list(MODES))
+    p.add_argument("--fused", nargs="+", default=["none", "triton"], choices=["none", "triton", "cuda"])
+    p.add_argument("--batches", nargs="+", default=["8", "max"], help="micro-batch sizes per GPU and/or 'max'")
+    p.add_argument("--max-batches", type=int, nargs="+", default=[64, 48, 32, 24, 16],
+                   help="candidates for 'max', tried largest first")
+    p.add_argument("--data", choices=["synthetic", "wikitext"], default="synthetic", help="train.py runs only")
+    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    p.add_argument("--peak-tflops", type=float, default=None, help="passed on (MFU on an unlisted device / CPU)")
+    p.add_argument("--extra-args", default="", help="more train.py flags, one string, e.g. --extra-args='--compile'")
+    p.add_argument("--out", default="benchmarks/results/sweep")
+    p.add_argument("--include", nargs="*", default=[], help="existing run folders to add to the table")
+    p.add_argument("--run-timeout", type=float, default=600.0, help="seconds per run before it is killed")
+    p.add_argument("--budget-s", type=float, default=0.0, help="stop launching runs after this many seconds (0: no)")
+    p.add_argument("--wandb", choices=["online", "offline", "disabled"], default="disabled")
+    p.add_argument("--wandb-group", default=None, help="default: sweep-<date-time>")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = p.parse_args(argv)
+    for b in args.batches:
+        if b != "max" and not (b.isdigit() and int(b) > 0):
+            p.error(f"--batches takes positive integers or 'max', not {b!r}")
+    args.wandb_group = args.wandb_group or time.strftime("sweep-%Y%m%d-%H%M%S")
+    return args
+
+
+@dataclass
+class RunResult:
+    mode: str
+    fused: str
+    batch: int
+    batch_choice: str  # "fixed" or "max"
+    name: str
+    status: str  # ok | oom | failed | timeout | skipped
+    error: str = ""
+    wall_s: float | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def command(args: argparse.Namespace, mode: str, fused: str, batch: int, name: str) -> list[str]:
+    m = MODES[mode]
+    target = ["-m", m.module] if m.module else [str(ROOT / "train.py")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}", *target,
+           *m.flags, "--model", args.model, "--seq-len", str(args.seq_len), "--batch-size", str(batch),
+           "--max-steps", str(args.steps), "--throughput-warmup-steps", str(args.warmup),
+           "--log-interval", str(args.log_interval), "--precision", args.precision,
+           "--out-dir", str(Path(args.out).resolve() / "runs"), "--run-name", name,
+           "--wandb", args.wandb, "--wandb-group", args.wandb_group]
+    if args.device:
+        cmd += ["--device", args.device]
+    if args.peak_tflops:
+        cmd += ["--peak-tflops", str(args.peak_tflops)]
+    if not m.module:
+        cmd += ["--fused-kernels", fused, "--data", args.data, "--eval-batches", "2", *shlex.split(args.extra_args)]
+    return cmd
+
+
+def run_name(mode: str, fused: str, batch: int) -> str:
+    return f"{mode}-b{batch}" if not MODES[mode].takes_fused else f"{mode}-{fused}-b{batch}"
+
+
+def last_error(log: str) -> str:
+    """The last `SomethingError: message` line of a run's output (launcher wrapper errors skipped)."""
+    for line in reversed(log.splitlines()):
+        match = ERROR_LINE.search(line)
+        if match and match.group(1) != "ChildFailedError":
+            return f"{match.group(1)}: {match.group(2)}"[:300]
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "no output"
+
+
+def launch(cmd: list[str], log_path: Path, timeout: float) -> tuple[int | None, float]:
+    """Run cmd in its own process group, output to log_path; (exit code or None on timeout, seconds)."""
+    start = time.perf_counter()
+    with log_path.open("w") as log:
+        log.write("$ " + shlex.join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                env={**os.environ, "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"})
+        try:
+            rc: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)  # torchrun and its workers
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            rc = None
+    return rc, time.perf_counter() - start
+
+
+def read_run(run_dir: Path) -> dict[str, Any]:
+    """summary.json (and the sequence-parallel flag from config.json) of a run folder, {} if it has none."""
+    summary_path = run_dir / "summary.json"
+    if not summary_path.is_file():
+        return {}
+    summary = json.loads(summary_path.read_text())
+    config_path = run_dir / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    summary["sequence_parallel"] = config.get("parallel", {}).get("sequence_parallel", False)
+    return summary
+
+
+class Sweep:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.out = Path(args.out)
+        self.results: list[RunResult] = []
+        self.start = time.perf_counter()
+
+    def unique_name(self, name: str) -> str:
+        candidate, n = name, 1
+        while (self.out / "runs" / candidate).exists() or (self.out / "logs" / f"{candidate}.log").exists():
+            candidate, n = f"{name}-{n}", n + 1
+        return candidate
+
+    def run(self, mode: str, fused: str, batch: int, choice: str) -> RunResult:
+        args = self.args
+        name = self.unique_name(run_name(mode, fused, batch))
+        cmd = command(args, mode, fused, batch, name)
+        result = RunResult(mode, fused, batch, choice, name, "skipped")
+        remaining = args.budget_s - (time.perf_counter() - self.start) if args.budget_s else args.run_timeout
+        if remaining <= 0:
+            result.error = "time budget spent"
+        else:
+            log_path = self.out / "logs" / f"{name}.log"
+            rc, result.wall_s = launch(cmd, log_path, min(args.run_timeout, remaining))
+            log = log_path.read_text(errors="replace")
+            result.summary = read_run(self.out / "runs" / name)
+            if rc is None:
+                result.status, result.error = "timeout", f"killed after {result.wall_s:.0f} s"
+            elif any(p in log for p in OOM_PATTERNS):
+                result.status, result.error = "oom", last_error(log)
+            elif rc != 0:
+                result.status, result.error = "failed", f"exit {rc}: {last_error(log)}"
+            elif not result.summary:
+                result.status, result.error = "failed", "exit 0 but no summary.json"
+            else:
+                result.status = "ok"
+        self.results.append(result)
+        print(f"[{time.perf_counter() - self.start:6.0f}s] {name}: {result.status} "
+              f"{format_row(table_row(result))} {result.error}", flush=True)
+        return result
+
+    def run_point(self, mode: str, fused: str, batch_spec: str) -> None:
+        """One fixed batch, or the descending search for the largest that fits."""
+        same = [r for r in self.results if (r.mode, r.fused) == (mode, fused)]
+        if batch_spec != "max":
+            self.run(mode, fused, int(batch_spec), "fixed")
+            return
+        ran_out = [r.batch for r in same if r.status == "oom"]
+        for batch in sorted(self.args.max_batches, reverse=True):
+            if ran_out and batch >= min(ran_out):
+                continue
+            done = next((r for r in same if r.batch == batch and r.status == "ok"), None)
+            if done is not None:  # already measured as a fixed size: it is also the largest that fits
+                self.results.append(RunResult(**{**done.__dict__, "batch_choice": "max"}))
+                return
+            result = self.run(mode, fused, batch, "max")
+            if result.status != "oom":
+                return
+
+    def points(self) -> list[tuple[str, str, str]]:
+        return [(mode, fused, b) for mode in self.args.modes
+                for fused in (self.args.fused if MODES[mode].takes_fused else ["none"]) for b in self.args.batches]
+
+
+def table_row(r: RunResult) -> dict[str, Any]:
+    s = r.summary
+    mode = MODES.get(r.mode)
+    return {
+        "configuration": mode.label if mode else r.mode, "fused_kernels": r.fused if not mode or mode.takes_fused
+        else "-", "batch_per_gpu": r.batch, "batch_choice": r.batch_choice, "gpus": s.get("world_size"),
+        "tokens_per_s": s.get("tokens_per_s"), "tokens_per_s_per_gpu": s.get("tokens_per_s_per_gpu"),
+        "mfu": s.get("mfu"), "peak_allocated_gib": s.get("mem/peak_allocated_gib"),
+        "peak_reserved_gib": s.get("mem/peak_reserved_gib"), "step_time_s": s.get("step_time_s"),
+        "run_time_s": r.wall_s, "final_loss": s.get("final_loss"), "status": r.status, "error": r.error,
+        "run": r.name, "mode": r.mode, "device": s.get("device"),
+    }
+
+
+def included_row(run_dir: Path) -> dict[str, Any] | None:
+    """A table row for a run folder made elsewhere; its mode key is rebuilt from the summary and config."""
+    s = read_run(run_dir)
+    if not s:
+        print(f"--include {run_dir}: no summary.json, left out", file=sys.stderr)
+        return None
+    tp = f"-tp{s['tp_size']}" if s.get("tp_size", 1) > 1 else ""
+    mode = s["mode"] + tp + ("-sp" if tp and s["sequence_parallel"] else "")
+    return table_row(RunResult(mode, s.get("fused_kernels", "none"), s["batch_size_per_gpu"], "included",
+                               run_dir.name, "ok", summary=s))
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def format_row(row: dict[str, Any]) -> str:
+    return (f"{_fmt(row['tokens_per_s'], ',.0f')} tok/s, MFU {_pct(row['mfu'])}, "
+            f"peak {_fmt(row['peak_allocated_gib'], '.1f')} GiB")
+
+
+def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    shown = [{
+        "configuration": r["configuration"], "kernels": r["fused_kernels"],
+        "batch/GPU": f"{r['batch_per_gpu']}" + (" (max)" if r["batch_choice"] == "max" else ""),
+        "tokens/s": _fmt(r["tokens_per_s"], ",.0f"),
+        "MFU": _pct(r["mfu"]),
+        "peak mem alloc / reserved (GiB)": f"{_fmt(r['peak_allocated_gib'], '.1f')} / "
+                                           f"{_fmt(r['peak_reserved_gib'], '.1f')}",
+        "step (s)": _fmt(r["step_time_s"], ".3f"), "run time (s)": _fmt(r["run_time_s"], ".0f"),
+        "status": r["status"] + (f": {r['error']}" if r["status"] != "ok" else ""),
+    } for r in rows]
+    devices = sorted({r["device"] for r in rows if r["device"]})
+    header = (f"# Training sweep: {args.model}, seq {args.seq_len}, {args.precision}, {args.data} data, "
+              f"{args.gpus} processes, {args.steps} steps ({args.warmup} warm-up)\n\n"
+              f"device: {', '.join(devices) or 'n/a'}; peak memory is the max over ranks; "
+              "tokens/s and MFU average the post-warm-up steps.\n\n")
+    return header + markdown_table(shown, list(shown[0])) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if r["status"] == "ok" and r["tokens_per_s"]]
+    if not done:
+        return []
+    labels = [f"{r['configuration']}, {r['fused_kernels']}, b{r['batch_per_gpu']}" for r in done]
+    paths = []
+    fig, ax = plt.subplots(figsize=(9, 6))
+    for r, label in zip(done, labels):
+        ax.scatter(r["peak_reserved_gib"], r["tokens_per_s"])
+        ax.annotate(label, (r["peak_reserved_gib"], r["tokens_per_s"]), fontsize=7, xytext=(3, 3),
+                    textcoords="offset points")
+    ax.set(xlabel="peak reserved memory per GPU (GiB)", ylabel="tokens/s", title="Throughput vs memory")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths.append(out / "sweep_tokens_vs_memory.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    if any(r["mfu"] is not None for r in done):
+        fig, ax = plt.subplots(figsize=(9, 0.4 * len(done) + 1.5))
+        ax.barh(labels, [100 * (r["mfu"] or 0) for r in done])
+        ax.invert_yaxis()
+        ax.set(xlabel="MFU (%)", title="Model FLOPs utilisation")
+        ax.tick_params(axis="y", labelsize=7)
+        fig.tight_layout()
+        paths.append(out / "sweep_mfu.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+def write_outputs(sweep: Sweep) -> list[dict[str, Any]]:
+    """sweep.csv (every launch, OOM probes included), sweep.md (one row per point, included runs first), plots."""
+    included = [row for row in (included_row(Path(p)) for p in sweep.args.include) if row]
+    launched = [table_row(r) for r in sweep.results]
+    write_csv(sweep.out / "sweep.csv", included + launched)
+    probes = {(r.mode, r.fused, r.batch) for r in sweep.results if r.batch_choice == "max" and r.status == "oom"}
+    shown = included + [row for row, r in zip(launched, sweep.results)
+                        if not (r.batch_choice == "max" and (r.mode, r.fused, r.batch) in probes)]
+    if shown:
+        (sweep.out / "sweep.md").write_text(markdown(shown, sweep.args) + "".join(
+            f"\nout of memory in the max-batch search: {MODES[m].label}, {f}, batch {b}" for m, f, b in sorted(probes)))
+        plot(shown, sweep.out)
+    return shown
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sweep = Sweep(args)
+    if args.dry_run:
+        for mode, fused, batch_spec in sweep.points():
+            if batch_spec == "max":
+                print(f"# largest of {sorted(args.max_batches, reverse=True)} that fits, tried in that order:")
+            for batch in (sorted(args.max_batches, reverse=True) if batch_spec == "max" else [int(batch_spec)]):
+                print(shlex.join(command(args, mode, fused, batch, run_name(mode, fused, batch))))
+        return 0
+    (sweep.out / "logs").mkdir(parents=True, exist_ok=True)
+    for mode, fused, batch_spec in sweep.points():
+        sweep.run_point(mode, fused, batch_spec)
+        write_outputs(sweep)
+    shown = write_outputs(sweep)
+    if shown:
+        print((sweep.out / "sweep.md").read_text())
+    print(f"wrote {sweep.out}/sweep.csv, sweep.md and plots")
+    return 0 if all(r.status == "ok" for r in sweep.results if r.batch_choice == "fixed") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
