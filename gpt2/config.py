@@ -127,6 +127,18 @@ class TrainConfig:
 
 
 @dataclass
+class PlanConfig:
+    """`--plan`: print the memory/communication plan (gpt2.planner) and exit; with `--search`, rank layouts."""
+
+    plan: bool = False
+    search: bool = False
+    gpus: int | None = None  # GPUs to plan for; None: $WORLD_SIZE or 1
+    gpu_memory_gib: float | None = None  # None: the CUDA device's memory, else 80
+    busbw_gbs: list[float] = field(default_factory=lambda: [350.0, 40.0])  # within a node, across nodes
+    achievable_tflops: float = 400.0
+
+
+@dataclass
 class RunConfig:
     train: TrainConfig
     model: ModelConfig
@@ -134,6 +146,7 @@ class RunConfig:
     parallel: ParallelConfig
     log: LogConfig
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -244,6 +257,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=_positive_int, default=10)
     g.add_argument("--peak-tflops", type=_positive_float,
                    help="device peak dense TFLOP/s for MFU (overrides the table)")
+
+    g = p.add_argument_group("planning (gpt2.planner; no GPU, data or launcher needed)")
+    g.add_argument("--plan", action="store_true", help="print predicted memory and communication per GPU, then exit")
+    g.add_argument("--search", action="store_true", help="with --plan: rank the layouts that fit by step time")
+    g.add_argument("--gpus", "--world-size", type=_positive_int, help="GPUs to plan for (default: $WORLD_SIZE or 1)")
+    g.add_argument("--gpu-memory-gib", type=_positive_float,
+                   help="memory per GPU (default: the CUDA device's, else 80)")
+    g.add_argument("--busbw-gbs", type=_positive_float, nargs="+", default=[350.0, 40.0], metavar="GB/S",
+                   help="collective bus bandwidth within a node [and across nodes] for --search")
+    g.add_argument("--achievable-tflops", type=_positive_float, default=400.0,
+                   help="sustained TFLOP/s per GPU assumed by --search")
     return p
 
 
@@ -285,7 +309,12 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     )
     checkpoint = CheckpointConfig(save_dir=args.save_dir, save_interval=args.save_interval, resume=args.resume,
                                   keep_last=args.keep_last)
-    return RunConfig(train=train, model=model, data=data, parallel=parallel, log=log, checkpoint=checkpoint)
+    plan = PlanConfig(plan=args.plan, search=args.search, gpus=args.gpus, gpu_memory_gib=args.gpu_memory_gib,
+                      busbw_gbs=list(args.busbw_gbs)[:2], achievable_tflops=args.achievable_tflops)
+    if args.search and not args.plan:
+        raise ConfigError("--search ranks layouts for --plan; add --plan")
+    return RunConfig(train=train, model=model, data=data, parallel=parallel, log=log, checkpoint=checkpoint,
+                     plan=plan)
 
 
 def validate(cfg: RunConfig) -> None:
