@@ -3,6 +3,7 @@
     python train.py --mode single --model gpt2-tiny --data synthetic          # one device (CPU works)
     torchrun --nproc_per_node=4 train.py --mode baseline --model gpt2-large   # DDP
     deepspeed --num_gpus=4 train.py --mode hybrid --tp-size 2                 # ZeRO-3 (+ TP)
+    python train.py --plan --mode hybrid --model gpt2-large --gpus 4 [--search]  # predicted memory/communication
 
 config -> process groups -> data (sharded by data-parallel rank) -> engine -> loop -> logs.
 Exit status: 0 trained to --max-steps; 2 bad configuration; 75 preempted by SIGUSR1/SIGTERM after saving a
@@ -19,6 +20,10 @@ from gpt2.config import ConfigError, parse_args
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
+        if cfg.plan.plan:  # prints and exits: no process group, data or GPU
+            from gpt2.planner import run_plan_cli
+
+            return run_plan_cli(cfg)
         # imported after argument parsing so that `--help` and bad flags answer instantly
         from gpt2.checkpoint import Checkpointer, load_checkpoint, prepare_resume
         from gpt2.data import build_data
