@@ -238,6 +238,7 @@ def layer_activation_bytes(
     flash: bool = True,
     dropout: bool | None = None,
     activation_bytes: int = 2,
+    residual_bytes: int | None = None,
 ) -> float:
     """Bytes one block keeps for backward (Korthikanti et al. 2022, Sec. 4.1).
 
@@ -246,12 +247,15 @@ def layer_activation_bytes(
     output (e sbh), the MLP up output and GELU output (8 e sbh). Attention: flash/SDPA keeps the
     fp32 log-sum-exp (4 a s b); the unfused path keeps softmax output (e a s^2 b) and, with
     dropout, its mask and output (a s^2 b (1 + e)). e = activation_bytes; e = 2 with dropout
-    and no flash gives the paper's sbh (34 + 5 a s / h).
+    and no flash gives the paper's sbh (34 + 5 a s / h). `residual_bytes` (default e) is the element
+    size of the residual stream, i.e. of the two LayerNorm inputs: 4 under torch.autocast, where the
+    embeddings and residual adds stay fp32 and only the LayerNorm outputs are cast for the matmuls.
     """
     s, b, h, a, e = seq_len, micro_batch, cfg.n_embd, cfg.n_head, activation_bytes
+    r = e if residual_bytes is None else residual_bytes
     dropout = cfg.dropout > 0 if dropout is None else dropout
     sbh = s * b * h
-    replicated = 4 * e * sbh + (2 * MASK_BYTES * sbh if dropout else 0)
+    replicated = 2 * (r + e) * sbh + (2 * MASK_BYTES * sbh if dropout else 0)
     split = 12 * e * sbh
     if flash:
         split += LSE_BYTES * a * s * b

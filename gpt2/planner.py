@@ -1,0 +1,525 @@
+"""Memory and communication planner: what one GPU holds and sends per step for a run's layout, and
+which layouts fit a cluster, ranked by predicted step time. Built on `gpt2.perf_model`.
+
+    python train.py --plan --model gpt2-large --mode hybrid --batch-size 8 --seq-len 1024 --gpus 4
+    python train.py --plan --search --gpus 64 --n-layer 32 --n-embd 4096 --n-head 32 --global-batch-size 512
+
+Peak allocated memory per GPU is the larger of two moments. Backward start (the loss's backward runs
+while every block's saved tensors are alive): model states + saved activations + loss buffers + weight
+copies + workspace. Optimizer step: model states + the fp32 gradient copy DeepSpeed makes for the step.
+The terms, and why (GPT-2 Large, seq 1024, on 4 x H200, is the calibration case in tests/test_planner.py):
+
+- States (ZeRO paper): torch.autocast runs (single, DDP) keep fp32 weights (4 B), fp32 gradients (4 B,
+  DDP's buckets are the .grad views) and AdamW's two fp32 moments (8 B) per parameter. DeepSpeed bf16/fp16
+  keeps 16-bit weights (2 B) and gradients (2 B) and an fp32 master copy + moments (12 B), sharded by ZeRO
+  stage; at the step it makes an fp32 copy of its gradient partition (4 B / dp).
+- Saved activations per block (perf_model.layer_activation_bytes, Korthikanti et al. 2022, flash/SDPA):
+  under autocast the residual stream is fp32, so both LayerNorm inputs cost 4 B per element and their
+  16-bit casts 2 B: 36 B per token per unit width (+ the fp32 log-sum-exp). Compiled blocks (inductor's
+  min-cut partitioner) keep one of the fp32 tensors in 16 bits: 34 B. This was measured on CPU with
+  torch 2.13 (saved-tensor hooks around an autocast GPT-2 Large block, eager 36.1 vs compiled 34.1).
+  DeepSpeed's 16-bit model has a 16-bit residual stream: 32 B (compile changes nothing there).
+- Weight copies: autocast's 16-bit copy of every weight is saved for backward by its matmul (2 B per
+  parameter; also under torch.compile in the same CPU measurement); with activation checkpointing only
+  one block's copies and the tied embedding's are alive. ZeRO-3 keeps gathered 16-bit weights alive from
+  their forward to their backward when DeepSpeed's trace says they are reused within
+  `stage3_max_reuse_distance` parameters (ds_configs/zero3.json: 1e9, i.e. most of GPT-2 Large's later
+  blocks and the tied embedding); this is simulated on the module order.
+- Loss (the "logits" term), per token with Vp the padded vocabulary: eager cross-entropy keeps the fp32
+  log-softmax and, during its backward, the fp32 nll and log-softmax gradients: 12 B x V. Compiled
+  (--compile): inductor saves the 16-bit logits and writes one 16-bit gradient: 2 x 2 B x Vp. Vocab-parallel
+  (TP): fp32 softmax saved + its fp32 clone as the gradient + the cast to the logits dtype: 10 B x Vp / tp.
+  Triton fused CE: one 2^26-logit chunk, the fp32 grad_W accumulator and fp32 grad_h. Plus ln_f's input
+  and output.
+- Workspace: cuBLAS's workspace (32 MiB), DeepSpeed's reduce bucket and (ZeRO-3) prefetch bucket.
+
+Communication bytes per step come from perf_model.step_communication (ring model), plus the collectives
+our TP implementation adds (top-1 all-reduce, SP gradient and position-embedding collectives, the
+recomputed all-gathers of the overlapped backward), so the TP payload can be compared with CommStats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from gpt2.config import MODEL_PRESETS, ModelConfig, RunConfig
+from gpt2.metrics import hardware_flops_per_token
+from gpt2.perf_model import (
+    AMP_FP32_WEIGHTS,
+    FP32_BYTES,
+    MIXED_PRECISION,
+    CommOp,
+    Layout,
+    Precision,
+    Workload,
+    layer_activation_bytes,
+    memory_per_gpu,
+    stage_params,
+    step_communication,
+)
+
+GIB = 1024**3
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # torch's cuBLAS workspace on Hopper (CUBLAS_WORKSPACE_CONFIG :4096:8)
+CE_CHUNK_ELEMENTS = 1 << 26  # fused_kernels.triton.cross_entropy.CHUNK_ELEMENTS (not imported: needs triton)
+DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
+DEFAULT_GPU_MEMORY_GIB = 80.0
+
+
+@dataclass(frozen=True)
+class DeepSpeedSettings:
+    """The ZeRO settings that decide memory (elements, as in the DeepSpeed JSON)."""
+
+    reduce_bucket_size: int = 50_000_000
+    prefetch_bucket_size: int = 30_000_000
+    param_persistence_threshold: int = 100_000
+    max_reuse_distance: int = 1_000_000_000
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> DeepSpeedSettings:
+        zero = json.loads(Path(path).read_text()).get("zero_optimization", {})
+        keys = {"reduce_bucket_size": "reduce_bucket_size", "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+                "param_persistence_threshold": "stage3_param_persistence_threshold",
+                "max_reuse_distance": "stage3_max_reuse_distance"}
+        return cls(**{ours: int(zero[theirs]) for ours, theirs in keys.items() if theirs in zero})
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One run's layout, as the planner sees it. mode: single | baseline (DDP) | hybrid (DeepSpeed)."""
+
+    model: ModelConfig
+    model_name: str
+    seq_len: int
+    micro_batch: int
+    world_size: int = 1
+    mode: str = "single"
+    zero_stage: int = 0  # 0 unless hybrid
+    tp: int = 1
+    sequence_parallel: bool = False
+    tp_overlap: bool = True
+    activation_checkpointing: bool = False
+    grad_accum: int = 1
+    precision: str = "bf16"
+    compile: bool = False
+    fused_loss: bool = False  # --fused-kernels triton: chunked LM-head cross-entropy
+    deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.tp
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(dp=self.dp, tp=self.tp, zero_stage=self.zero_stage, sequence_parallel=self.sequence_parallel,
+                      activation_checkpointing=self.activation_checkpointing, micro_batches=self.grad_accum)
+
+    @property
+    def workload(self) -> Workload:
+        return Workload(batch=self.dp * self.micro_batch * self.grad_accum, seq_len=self.seq_len)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.workload.batch * self.seq_len
+
+    @property
+    def label(self) -> str:
+        return run_label(self.mode, self.zero_stage, self.tp, self.sequence_parallel)
+
+
+def run_label(mode: str, zero_stage: int, tp: int, sequence_parallel: bool) -> str:
+    """The configuration's name in tables and wandb job types: single, ddp, zero3, zero3-tp2-sp, ..."""
+    name = {"single": "single", "baseline": "ddp"}.get(mode, f"zero{zero_stage}")
+    return name + (f"-tp{tp}" if tp > 1 else "") + ("-sp" if sequence_parallel else "")
+
+
+@dataclass(frozen=True)
+class Numerics:
+    states: Precision  # bytes per parameter of weights, gradients, optimizer states; activation element size
+    residual_bytes: int  # residual stream (LayerNorm inputs)
+    autocast_copies: bool  # autocast saves a 16-bit copy of each weight for backward
+
+
+def numerics(s: Setup) -> Numerics:
+    if s.precision == "fp32":
+        return Numerics(Precision(param_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4), 4, False)
+    if s.mode == "hybrid":  # DeepSpeed bf16/fp16: a 16-bit model, fp32 master weights and moments
+        return Numerics(MIXED_PRECISION, 2, False)
+    return Numerics(AMP_FP32_WEIGHTS, 4, True)  # torch.autocast over fp32 weights
+
+
+def setup_from_config(cfg: RunConfig, world_size: int) -> Setup:
+    t, p = cfg.train, cfg.parallel
+    ds = DeepSpeedSettings()
+    if t.mode == "hybrid":
+        ds = DeepSpeedSettings.from_file(p.ds_config or DS_CONFIG_DIR / f"zero{p.zero_stage}.json")
+    preset = MODEL_PRESETS[t.model]
+    custom = any(getattr(cfg.model, k) != v for k, v in preset.items() if k != "n_positions")
+    return Setup(
+        model=cfg.model, model_name="custom" if custom else t.model, seq_len=t.seq_len, micro_batch=t.batch_size,
+        world_size=world_size,
+        mode=t.mode, zero_stage=p.zero_stage if t.mode == "hybrid" else 0, tp=p.tp_size,
+        sequence_parallel=p.sequence_parallel, tp_overlap=p.tp_overlap,
+        activation_checkpointing=t.activation_checkpointing, grad_accum=t.grad_accum, precision=t.precision,
+        compile=t.compile, fused_loss=t.fused_kernels == "triton", deepspeed=ds)
+
+
+# ---------------------------------------------------------------- memory
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per GPU. `weight_copies`: autocast's 16-bit weight copies or ZeRO-3's gathered weights."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+    weight_copies: float
+    workspace: float
+    step_transient: float  # only during the optimizer step
+
+    @property
+    def states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def backward_peak(self) -> float:
+        return self.states + self.activations + self.logits + self.weight_copies + self.workspace
+
+    @property
+    def step_peak(self) -> float:
+        return self.states + self.step_transient + self.workspace
+
+    @property
+    def peak(self) -> float:
+        return max(self.backward_peak, self.step_peak)
+
+    def as_gib(self) -> dict[str, float]:
+        terms = {k: v / GIB for k, v in asdict(self).items()}
+        return {**terms, "peak": self.peak / GIB}
+
+
+def zero3_held_params(s: Setup) -> float:
+    """Elements of gathered weights ZeRO-3 keeps alive when backward starts.
+
+    DeepSpeed releases a module's gathered weights after its forward unless one of them appears again
+    among the next `stage3_max_reuse_distance` parameters of the recorded module order (forward, then
+    backward in reverse); parameters under `stage3_param_persistence_threshold` are never partitioned.
+    The LM head reuses the tied word embedding, so that one is held from the embedding onwards.
+    """
+    cfg, t, ds = s.model, s.tp, s.deepspeed
+    d = cfg.n_embd
+    vocab = ("wte", cfg.padded_vocab_size * d / t)
+    blocks = []
+    for i in range(cfg.n_layer):
+        blocks += [(f"{i}.ln_1", 2 * d), (f"{i}.c_attn", (3 * d * d + 3 * d) / t), (f"{i}.attn_proj", d * d / t + d),
+                   (f"{i}.ln_2", 2 * d), (f"{i}.c_fc", (4 * d * d + 4 * d) / t), (f"{i}.mlp_proj", 4 * d * d / t + d)]
+    forward = [vocab, ("wpe", cfg.n_positions * d), *blocks, ("ln_f", 2 * d), vocab]
+    trace = forward + forward[::-1]
+    held: dict[str, float] = {}
+    for i, (name, numel) in enumerate(forward):
+        if numel < ds.param_persistence_threshold:
+            continue  # persistent: counted nowhere (a few small vectors)
+        traversed = 0.0
+        held.pop(name, None)
+        for other, other_numel in trace[i + 1:]:
+            if traversed >= ds.max_reuse_distance:
+                break
+            if other == name:
+                held[name] = numel
+                break
+            traversed += other_numel
+    return sum(held.values())
+
+
+def loss_bytes(s: Setup, tokens: int, e: int) -> float:
+    """Peak bytes of the LM head's loss per GPU (see the module docstring)."""
+    cfg = s.model
+    vp, v = cfg.padded_vocab_size, cfg.vocab_size
+    if s.tp > 1:
+        return tokens * vp / s.tp * (2 * FP32_BYTES + (e if e < FP32_BYTES else 0))
+    if s.fused_loss:
+        return CE_CHUNK_ELEMENTS * e + FP32_BYTES * vp * cfg.n_embd + FP32_BYTES * tokens * cfg.n_embd
+    if s.compile:
+        return tokens * vp * 2 * e
+    return tokens * v * 3 * FP32_BYTES
+
+
+def predict_memory(s: Setup) -> MemoryPlan:
+    cfg, layout, num = s.model, s.layout, numerics(s)
+    e, r = num.states.activation_bytes, num.residual_bytes
+    states = memory_per_gpu(cfg, s.workload, layout, num.states)
+    b, seq, d, t = s.micro_batch, s.seq_len, cfg.n_embd, s.tp
+    sbh_shard = seq * b * d / (t if s.sequence_parallel else 1)  # one replicated [b, s, h] element count
+    layer = layer_activation_bytes(cfg, b, seq, t, s.sequence_parallel, activation_bytes=e, residual_bytes=r)
+    if s.compile:
+        layer -= (r - e) * sbh_shard  # inductor keeps one fp32 residual-stream tensor in 16 bits
+    if s.activation_checkpointing:
+        activations = cfg.n_layer * r * sbh_shard + layer  # block inputs + one recomputed block
+    else:
+        activations = cfg.n_layer * layer
+    activations += (r + e) * sbh_shard  # ln_f input (residual stream) and output
+    logits = loss_bytes(s, b * seq, e)
+
+    n_local = stage_params(cfg, layout)
+    copies = 0.0
+    if num.autocast_copies:
+        n_copied = n_local
+        if s.activation_checkpointing:  # recomputation makes the copies again, one block at a time
+            n_copied = cfg.padded_vocab_size * d / t + (12 * d * d + 7 * d) / t
+        copies = e * n_copied
+    workspace = float(CUBLAS_WORKSPACE_BYTES)
+    step_transient = 0.0
+    if s.mode == "hybrid":
+        ds = s.deepspeed
+        workspace += ds.reduce_bucket_size * e
+        if s.zero_stage == 3:
+            workspace += ds.prefetch_bucket_size * e
+            copies = e * zero3_held_params(s)
+        if s.precision != "fp32":
+            step_transient = FP32_BYTES * n_local / (s.dp if s.zero_stage >= 1 else 1)
+    return MemoryPlan(states.params, states.grads, states.optimizer, activations, logits, copies, workspace,
+                      step_transient)
+
+
+# ---------------------------------------------------------------- communication
+
+def predict_communication(s: Setup) -> list[CommOp]:
+    """Collectives one GPU takes part in per optimizer step: perf_model's, plus our TP implementation's extras."""
+    num = numerics(s)
+    ops = step_communication(s.model, s.workload, s.layout, num.states)
+    if s.tp > 1:
+        t, m, tokens = s.tp, s.grad_accum, s.micro_batch * s.seq_len
+        act = tokens * s.model.n_embd * num.states.activation_bytes
+        ops.append(CommOp("top-1 all-reduce (int64)", "tp", "all_reduce", t, tokens * 8, m))
+        if s.sequence_parallel:
+            d, L = s.model.n_embd, s.model.n_layer
+            ops.append(CommOp("position-embedding grad all-gather (SP)", "tp", "all_gather", t,
+                              s.seq_len * d * num.states.activation_bytes, m))
+            ops.append(CommOp("SP replicated-param grad all-reduce", "tp", "all_reduce", t,
+                              (6 * L + 2) * d * num.states.grad_bytes, 1))
+            if s.tp_overlap:  # the overlapped backward re-gathers c_attn's and the LM head's inputs
+                ops.append(CommOp("recomputed input all-gather (SP overlap)", "tp", "all_gather", t, act,
+                                  m * (L + 1)))
+    return ops
+
+
+def tp_payload_bytes(ops: list[CommOp]) -> float:
+    """Logical bytes of the TP collectives per step: what parallel.comm.CommStats counts."""
+    return sum(op.message_bytes * op.calls for op in ops if op.group == "tp")
+
+
+# ---------------------------------------------------------------- the plan of one run
+
+@dataclass(frozen=True)
+class Plan:
+    setup: Setup
+    memory: MemoryPlan
+    comm: list[CommOp]
+    gpu_memory_gib: float
+    headroom: float = 0.05  # CUDA context + allocator fragmentation outside `allocated`, as a fraction
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.peak / GIB <= self.gpu_memory_gib * (1 - self.headroom)
+
+    def record(self) -> dict[str, Any]:
+        """Flat `plan/...` keys for the summary record, JSONL and wandb."""
+        out: dict[str, Any] = {f"plan/{k}_gib": v for k, v in self.memory.as_gib().items()}
+        out.update({"plan/gpu_memory_gib": self.gpu_memory_gib, "plan/fits": self.fits,
+                    "plan/tp_payload_bytes": tp_payload_bytes(self.comm)})
+        for op in self.comm:
+            out[f"plan/comm/{op.group} {op.name}/wire_bytes"] = op.wire_bytes
+        return out
+
+
+def make_plan(s: Setup, gpu_memory_gib: float) -> Plan:
+    return Plan(s, predict_memory(s), predict_communication(s), gpu_memory_gib)
+
+
+def device_memory_gib(requested: float | None) -> float:
+    """--gpu-memory-gib, else the current CUDA device's memory, else 80."""
+    if requested is not None:
+        return requested
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
+    return DEFAULT_GPU_MEMORY_GIB
+
+
+def format_plan(plan: Plan) -> str:
+    s, m = plan.setup, plan.memory
+    lines = [
+        f"plan: {s.model_name} ({s.model.n_layer} layers, d={s.model.n_embd}, {s.model.n_head} heads), {s.label}, "
+        f"{s.world_size} GPUs (tp {s.tp} x dp {s.dp}), micro-batch {s.micro_batch} x accum {s.grad_accum}, "
+        f"seq {s.seq_len}, {s.precision}{', compile' if s.compile else ''}"
+        f"{', activation checkpointing' if s.activation_checkpointing else ''}",
+        "memory per GPU (GiB):",
+    ]
+    names = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
+             "activations": "activations (saved by blocks)", "logits": "logits / loss buffers",
+             "weight_copies": "16-bit weight copies / ZeRO-3 held weights", "workspace": "workspace (cuBLAS, buckets)",
+             "step_transient": "optimizer-step fp32 gradient copy"}
+    for key, gib in m.as_gib().items():
+        if key != "peak":
+            lines.append(f"  {names[key]:<44} {gib:8.2f}")
+    phase = "backward start" if m.backward_peak >= m.step_peak else "optimizer step"
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    lines.append(f"  {'predicted peak allocated (' + phase + ')':<44} {m.peak / GIB:8.2f}  -> {verdict} in "
+                 f"{plan.gpu_memory_gib:.1f} GiB ({100 * plan.headroom:.0f}% kept for context/fragmentation)")
+    lines.append("communication per step and GPU (ring model; wire = bytes through this GPU's link):")
+    if not plan.comm:
+        lines.append("  none")
+    for op in plan.comm:
+        lines.append(f"  {op.group} {op.name:<42} {op.calls:5d} x {op.message_bytes / 2**20:10.2f} MiB  "
+                     f"wire {op.wire_bytes / GIB:8.3f} GiB")
+    if s.tp > 1:
+        lines.append(f"  TP payload (what CommStats counts): {tp_payload_bytes(plan.comm) / GIB:.3f} GiB")
+    return "\n".join(lines)
+
+
+def compare_with_run(plan: Plan, summary: dict[str, Any], tp_bytes_per_step: float | None) -> dict[str, Any]:
+    """Predicted next to measured, for the summary record. Memory is compared on CUDA only (CPU reports RSS)."""
+    out = plan.record()
+    measured = summary.get("mem/peak_allocated_gib")
+    on_gpu = summary.get("device", "cpu") != "cpu"
+    out["plan/measured_peak_gib"] = measured if on_gpu else None
+    out["plan/peak_error"] = (plan.memory.peak / GIB - measured) / measured if on_gpu and measured else None
+    if plan.setup.tp > 1:
+        out["plan/measured_tp_payload_bytes"] = tp_bytes_per_step
+        if tp_bytes_per_step is None:
+            out["plan/comm_note"] = "TP bytes not measured: the engine exposes no CommStats; predicted only"
+    return out
+
+
+# ---------------------------------------------------------------- layout search
+
+@dataclass(frozen=True)
+class Hardware:
+    """Assumptions of the step-time model, printed with every search."""
+
+    gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB
+    achievable_tflops: float = 400.0  # sustained bf16 matmul rate per GPU (~40% of H100/H200's 989 dense)
+    busbw_intra_gbs: float = 350.0  # collective bus bandwidth within a node (NVLink)
+    busbw_inter_gbs: float = 40.0  # ... of a group spanning nodes (e.g. one 400 Gb/s NIC per GPU)
+    gpus_per_node: int = 8
+
+    def describe(self) -> str:
+        return (f"assumptions: {self.achievable_tflops:g} TFLOP/s achieved per GPU on model FLOPs (x4/3 with "
+                f"activation checkpointing); bus bandwidth {self.busbw_intra_gbs:g} GB/s within a node of "
+                f"{self.gpus_per_node} GPUs, {self.busbw_inter_gbs:g} GB/s for a group spanning nodes (ring model); "
+                f"TP groups are consecutive ranks (inside a node); TP collectives are exposed; DP collectives "
+                f"overlap with compute (exposed only beyond it); fits = predicted peak <= "
+                f"{self.gpu_memory_gib:g} GiB minus 5%")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: Plan
+    compute_s: float
+    tp_comm_s: float
+    dp_comm_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.tp_comm_s + max(0.0, self.dp_comm_s - self.compute_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.plan.setup.tokens_per_step / self.step_s
+
+
+def step_time(plan: Plan, hw: Hardware) -> Candidate:
+    s = plan.setup
+    flops = hardware_flops_per_token(s.model, s.seq_len, s.activation_checkpointing) * s.tokens_per_step
+    compute = flops / (s.world_size * hw.achievable_tflops * 1e12)
+    intra, inter = hw.busbw_intra_gbs * 1e9, hw.busbw_inter_gbs * 1e9
+    dp_bw = intra if s.world_size <= hw.gpus_per_node else inter
+    tp_s = sum(op.time(intra) for op in plan.comm if op.group == "tp")
+    dp_s = sum(op.time(dp_bw) for op in plan.comm if op.group == "dp")
+    return Candidate(plan, compute, tp_s, dp_s)
+
+
+def _divides(cfg: ModelConfig, tp: int) -> bool:
+    return all(v % tp == 0 for v in (cfg.n_head, cfg.n_embd, cfg.padded_vocab_size))
+
+
+def search(base: Setup, global_batch: int, hw: Hardware) -> list[Candidate]:
+    """Every layout of `base.world_size` GPUs that fits, fastest first (ties: less memory first).
+
+    Varied: mode (DDP, ZeRO-1/2/3), TP size (dividing heads, width and vocab; within a node), sequence
+    parallelism, activation checkpointing, micro-batch (powers of two and the whole per-replica batch; the
+    rest is gradient accumulation). --compile is on wherever the engine allows it (not with ZeRO-3).
+    """
+    out = []
+    g = base.world_size
+    for tp in (t for t in (1, 2, 4, 8) if g % t == 0 and t <= hw.gpus_per_node and _divides(base.model, t)):
+        dp = g // tp
+        if global_batch % dp:
+            continue
+        per_replica = global_batch // dp
+        micros = sorted({2**k for k in range(int(math.log2(per_replica)) + 1) if per_replica % 2**k == 0}
+                        | {per_replica})
+        modes = [("baseline", 0)] + [("hybrid", z) for z in (1, 2, 3)]
+        for (mode, zero), sp, ckpt, mb in (
+                (m, sp, c, mb) for m in modes for sp in ({False, tp > 1}) for c in (False, True) for mb in micros):
+            if sp and base.seq_len % tp:
+                continue
+            s = replace(base, mode=mode, zero_stage=zero, tp=tp, sequence_parallel=sp, activation_checkpointing=ckpt,
+                        micro_batch=mb, grad_accum=per_replica // mb, compile=zero != 3, fused_loss=False)
+            plan = make_plan(s, hw.gpu_memory_gib)
+            if plan.fits:
+                out.append(step_time(plan, hw))
+    return sorted(out, key=lambda c: (c.step_s, c.plan.memory.peak))
+
+
+def format_search(base: Setup, global_batch: int, hw: Hardware, ranked: list[Candidate], top: int = 10) -> str:
+    cfg = base.model
+    lines = [f"search: {base.model_name} ({cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head} heads), "
+             f"{base.world_size} GPUs of {hw.gpu_memory_gib:g} GiB, global batch {global_batch} x seq "
+             f"{base.seq_len}, {base.precision}", hw.describe()]
+    if not ranked:
+        lines.append("no layout fits; try more GPUs, a smaller global batch or a shorter sequence")
+        return "\n".join(lines)
+    lines.append(f"{len(ranked)} layouts fit; the fastest {min(top, len(ranked))}:")
+    lines.append("| rank | layout | tp x dp | micro x accum | ckpt | peak GiB | compute s | TP comm s | DP comm s "
+                 "| step s | tokens/s |")
+    lines.append("|" + "---|" * 11)
+    for i, c in enumerate(ranked[:top], 1):
+        s = c.plan.setup
+        lines.append(f"| {i} | {s.label} | {s.tp} x {s.dp} | {s.micro_batch} x {s.grad_accum} | "
+                     f"{'yes' if s.activation_checkpointing else 'no'} | {c.plan.memory.peak / GIB:.1f} | "
+                     f"{c.compute_s:.3f} | {c.tp_comm_s:.3f} | {c.dp_comm_s:.3f} | {c.step_s:.3f} | "
+                     f"{c.tokens_per_s:,.0f} |")
+    return "\n".join(lines)
+
+
+def planned_world_size(requested: int | None) -> int:
+    return requested if requested is not None else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def run_plan_cli(cfg: RunConfig) -> int:
+    """`train.py --plan [--search]`: print and exit; no process group, data or GPU needed."""
+    pc = cfg.plan
+    world = planned_world_size(pc.gpus)
+    if world % cfg.parallel.tp_size:
+        print(f"train.py: error: --gpus {world} is not divisible by --tp-size {cfg.parallel.tp_size}")
+        return 2
+    base = setup_from_config(cfg, world)
+    memory = device_memory_gib(pc.gpu_memory_gib)
+    if not pc.search:
+        print(format_plan(make_plan(base, memory)))
+        return 0
+    intra, inter = (pc.busbw_gbs + pc.busbw_gbs[-1:])[:2]
+    hw = Hardware(gpu_memory_gib=memory, achievable_tflops=pc.achievable_tflops, busbw_intra_gbs=intra,
+                  busbw_inter_gbs=inter)
+    global_batch = cfg.train.global_batch_size or cfg.train.batch_size * world
+    print(format_search(base, global_batch, hw, search(base, global_batch, hw)))
+    return 0
+
