@@ -384,6 +384,25 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def plan_for_run(cfg: RunConfig, world_size: int, device_type: str) -> Plan:
+    """The plan of a launched run (CPU runs train in fp32 whatever --precision says)."""
+    s = setup_from_config(cfg, world_size)
+    if device_type != "cuda":
+        s = replace(s, precision="fp32")
+    return make_plan(s, device_memory_gib(cfg.plan.gpu_memory_gib))
+
+
+def measured_tp_bytes_per_step(engine: object, steps: int) -> float | None:
+    """TP payload per optimizer step from the engine's `comm_stats` (a parallel.comm.CommStats), if it has one.
+
+    An average over the run's `steps` training steps; periodic evaluations (--eval-interval) add forward bytes.
+    """
+    stats = getattr(engine, "comm_stats", None)
+    if stats is None or steps <= 0:
+        return None
+    return sum(stats.bytes.values()) / steps
+
+
 def compare_with_run(plan: Plan, summary: dict[str, Any], tp_bytes_per_step: float | None) -> dict[str, Any]:
     """Predicted next to measured, for the summary record. Memory is compared on CUDA only (CPU reports RSS)."""
     out = plan.record()
