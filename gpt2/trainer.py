@@ -23,6 +23,7 @@ from gpt2.metrics import (
     memory_stats,
     model_params_for_flops,
 )
+from gpt2.planner import compare_with_run, format_plan, measured_tp_bytes_per_step, plan_for_run
 from gpt2.preemption import Preempted, PreemptionWatcher
 from gpt2.profiling import StepProfiler
 from gpt2.run_logging import MetricsLogger, log
@@ -86,6 +87,8 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
     timer = StepTimer(ctx.device)
     log.info("tokens/step %d (dp %d x batch %d x accum %d x seq %d); FLOPs/token %.3e; peak %s TFLOP/s",
              tokens_per_step, dp, t.batch_size, t.grad_accum, t.seq_len, meter.flops_per_token, peak)
+    plan = plan_for_run(cfg, ctx.world_size, ctx.device.type)
+    log.info("%s", format_plan(plan))
 
     profiler = StepProfiler(t.profile, logger.run_dir if logger else None, start_step + t.throughput_warmup_steps,
                             ctx.device)
@@ -135,6 +138,7 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
     bar.close()
     profiler.stop()
     train_time = time.perf_counter() - train_start
+    tp_bytes = measured_tp_bytes_per_step(engine, t.max_steps - start_step)  # before eval adds forward passes
 
     if meter.measured_steps == 0:
         log.warning("all %d steps were throughput warm-up: no tokens/s or MFU; raise --max-steps above "
@@ -152,6 +156,7 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
         "final_loss": last.get("loss"), "final_accuracy": last.get("accuracy"), **val,
         "torch_version": torch.__version__, "profiled": t.profile,
     }
+    summary.update(compare_with_run(plan, summary, tp_bytes))  # predicted next to measured memory/communication
     if logger:
         logger.log_summary(summary)
     mfu = summary["mfu"]
