@@ -62,6 +62,7 @@ from gpt2.perf_model import (
     stage_params,
     step_communication,
 )
+from gpt2.run_logging import run_label
 
 GIB = 1024**3
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # torch's cuBLAS workspace on Hopper (CUBLAS_WORKSPACE_CONFIG :4096:8)
@@ -129,12 +130,6 @@ class Setup:
     @property
     def label(self) -> str:
         return run_label(self.mode, self.zero_stage, self.tp, self.sequence_parallel)
-
-
-def run_label(mode: str, zero_stage: int, tp: int, sequence_parallel: bool) -> str:
-    """The configuration's name in tables and wandb job types: single, ddp, zero3, zero3-tp2-sp, ..."""
-    name = {"single": "single", "baseline": "ddp"}.get(mode, f"zero{zero_stage}")
-    return name + (f"-tp{tp}" if tp > 1 else "") + ("-sp" if sequence_parallel else "")
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,26 @@ def _clean(record: dict[str, Any]) -> dict[str, Any]:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
 
 
+def run_label(mode: str, zero_stage: int, tp: int, sequence_parallel: bool) -> str:
+    """The configuration's name in reports and wandb job types: single, ddp, zero3, zero3-tp2-sp, ..."""
+    name = {"single": "single", "baseline": "ddp"}.get(mode, f"zero{zero_stage}")
+    return name + (f"-tp{tp}" if tp > 1 else "") + ("-sp" if sequence_parallel else "")
+
+
+def wandb_identity(cfg: RunConfig) -> dict[str, Any]:
+    """group / job_type / tags, so a wandb workspace groups and filters runs the way benchmarks.report does.
+
+    group: --wandb-group, else model and sequence length (runs that are comparable); job_type: the
+    configuration label; tags: --wandb-tags plus label, model, batch/GPU, precision, compile and kernels.
+    """
+    t, p = cfg.train, cfg.parallel
+    label = run_label(t.mode, p.zero_stage, p.tp_size, p.sequence_parallel)
+    auto = [label, t.model, f"bs{t.batch_size}", t.precision, f"compile-{t.compile_scope}" if t.compile else "eager",
+            f"kernels-{t.fused_kernels}"] + (["ckpt"] if t.activation_checkpointing else [])
+    return {"group": cfg.log.wandb_group or f"{t.model}-seq{t.seq_len}", "job_type": label,
+            "tags": list(dict.fromkeys([*cfg.log.wandb_tags, *auto]))}
+
+
 def wandb_mode(requested: str | None) -> str:
     """online iff credentials are present (env or ~/.netrc), else offline; an explicit choice wins."""
     if requested:
@@ -76,9 +96,8 @@ class MetricsLogger:
             import wandb
 
             self._wandb = wandb.init(
-                project=cfg.log.wandb_project, group=cfg.log.wandb_group, name=run_dir.name,
-                tags=cfg.log.wandb_tags, job_type=cfg.train.mode, config=cfg.to_dict(),
-                dir=str(run_dir), mode=mode,
+                project=cfg.log.wandb_project, name=run_dir.name, config=cfg.to_dict(), dir=str(run_dir), mode=mode,
+                **wandb_identity(cfg),
             )
             log.info("wandb: %s mode, run %s", mode, run_dir.name)
             if mode == "offline":
