@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPT-2 Large, seq 1024, bf16, synthetic data on NGPU GPUs: each run prints its summary line, and a
-# Markdown table of all summaries is printed at the end (benchmarks/summarize_runs.py).
+# GPT-2 Large, seq 1024, bf16, synthetic data on NGPU GPUs: each run prints its summary line; at the end
+# benchmarks/report.py writes the comparison table (with the planner's predicted vs measured peak memory)
+# and plots to $OUT/report.
 #   NGPU=4 OUT=benchmarks/results/raw bash benchmarks/gpu_train_runs.sh "ddp-b8:--mode baseline --batch-size 8 --compile" ...
 # Each argument is NAME:FLAGS. Defaults: the issue-2/3 matrix (DDP with --compile at 8/16/32, ZeRO-3 at 8/32).
 set -uo pipefail
@@ -30,4 +31,4 @@ for spec in "${runs[@]}"; do
   echo "$name rc=$? $(grep -ho 'summary:.*' "$OUT/$name.log" | tail -1)"
   grep -hE "Error|error:|OutOfMemory" "$OUT/$name.log" | tail -3
 done
-python3 benchmarks/summarize_runs.py "$OUT"/runs/* | tee "$OUT/summary.md"
+python3 -m benchmarks.report "$OUT"/runs/* --out "$OUT/report"
