@@ -1,0 +1,145 @@
+"""gpt2.planner: predicted peak memory against GPU measurements, hand-computed terms, ZeRO-3 holds, --plan / --search.
+
+Measured peaks (GPT-2 Large, seq 1024, 4 x H200, torch AdamW fused, SDPA, no activation checkpointing;
+DDP: bf16 autocast over fp32 weights, --compile per block; ZeRO-3: DeepSpeed bf16, no compile) are from
+benchmarks/results/ddp_zero3_gpt2_large_4xh200.md (benchmarks/gpu_train_runs.sh, mem/peak_allocated_gib).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import train
+from gpt2.config import parse_args
+from gpt2.planner import (
+    GIB,
+    DeepSpeedSettings,
+    Hardware,
+    Setup,
+    compare_with_run,
+    make_plan,
+    predict_memory,
+    search,
+    setup_from_config,
+    zero3_held_params,
+)
+
+LARGE = ["--model", "gpt2-large", "--seq-len", "1024"]
+MEASURED_4XH200 = [  # (flags, measured peak allocated GiB)
+    (["--mode", "baseline", "--compile", "--batch-size", "8"], 26.76),
+    (["--mode", "baseline", "--compile", "--batch-size", "16"], 40.25),
+    (["--mode", "baseline", "--compile", "--batch-size", "32"], 67.30),
+    (["--mode", "hybrid", "--batch-size", "8"], 20.47),
+    (["--mode", "hybrid", "--batch-size", "32"], 68.22),
+]
+
+# GPT-2 Large by hand: d = 1280, 36 layers, 20 heads, vocab padded 50257 -> 50304, 1024 positions.
+# Block 12 d^2 + 13 d = 19_660_800 + 16_640 = 19_677_440; x 36 = 708_387_840; wte 50304 x 1280 = 64_389_120;
+# wpe 1024 x 1280 = 1_310_720; ln_f 2_560.
+N_LARGE = 708_387_840 + 64_389_120 + 1_310_720 + 2_560  # = 774_090_240
+
+
+@pytest.mark.parametrize(("flags", "measured"), MEASURED_4XH200, ids=[" ".join(f) for f, _ in MEASURED_4XH200])
+def test_peak_within_15_percent_of_h200_measurement(flags, measured):
+    setup = setup_from_config(parse_args(LARGE + flags), world_size=4)
+    predicted = predict_memory(setup).peak / GIB
+    assert abs(predicted - measured) / measured < 0.15, (predicted, measured)
+
+
+def test_ddp_terms_by_hand():
+    mem = predict_memory(setup_from_config(parse_args(LARGE + ["--mode", "baseline", "--compile"]), world_size=4))
+    # autocast over fp32 weights: 4 B weights + 4 B grads + 8 B AdamW moments, 2 B bf16 copies of the weights
+    assert (mem.params, mem.grads, mem.optimizer, mem.weight_copies) == (4 * N_LARGE, 4 * N_LARGE, 8 * N_LARGE,
+                                                                         2 * N_LARGE)
+    # 8 x 1024 = 8192 tokens; sbh = 8192 x 1280 = 10_485_760. Per block (compiled, autocast): 34 B x sbh =
+    # 356_515_840 + fp32 log-sum-exp 4 x 20 heads x 8192 = 655_360 -> 357_171_200; x 36 = 12_858_163_200;
+    # + ln_f input (fp32) and output (bf16) 6 x sbh = 62_914_560.
+    assert mem.activations == 12_858_163_200 + 62_914_560
+    # compiled loss: bf16 logits + bf16 gradient, 8192 x 50304 x 4 B = 1_648_361_472
+    assert mem.logits == 1_648_361_472
+
+
+def test_zero3_terms_by_hand():
+    mem = predict_memory(setup_from_config(parse_args(LARGE + ["--mode", "hybrid"]), world_size=4))
+    # bf16 weights and grads, fp32 master + 2 moments, all over dp = 4
+    assert (mem.params, mem.grads, mem.optimizer) == (2 * N_LARGE / 4, 2 * N_LARGE / 4, 12 * N_LARGE / 4)
+    # all-bf16 block: 32 B x sbh = 335_544_320 + lse 655_360 -> 336_199_680; x 36 = 12_103_188_480;
+    # ln_f in/out 4 x sbh = 41_943_040. Eager loss: fp32 log-softmax + two fp32 gradients, 12 B x 8192 x 50257.
+    assert mem.activations == 12_103_188_480 + 41_943_040
+    assert mem.logits == 12 * 8192 * 50257
+    # workspace: cuBLAS 32 MiB + reduce bucket 5e7 + prefetch bucket 3e7 bf16 elements
+    assert mem.workspace == 32 * 2**20 + 2 * 50_000_000 + 2 * 30_000_000
+    assert mem.step_transient == 4 * N_LARGE / 4
+
+
+TINY = ["--model", "gpt2-tiny"]  # 2 layers, d = 64, 256 positions
+
+
+@pytest.mark.parametrize(("distance", "expected"), [
+    (0, 0),
+    # Module order (elements): wte 3_219_456, wpe 16_384, per layer ln_1 128, c_attn 12_480, attn c_proj 4_160
+    # (persistent below 10_000), ln_2 128, c_fc 16_640, mlp c_proj 16_448; ln_f 128; lm_head = wte again.
+    # 50_000: only the LM head's wte, reused at once by its own backward.
+    (50_000, 3_219_456),
+    # 6_500_000: layer 1's c_fc / mlp c_proj reach their backward after 6_472_064 / 6_439_168 elements
+    # (two passes of wte in between); its c_attn needs 6_513_920.
+    (6_500_000, 3_219_456 + 16_640 + 16_448),
+    # everything partitioned: wte, wpe and both layers' c_attn, c_fc, mlp c_proj
+    (10**9, 3_219_456 + 16_384 + 2 * (12_480 + 16_640 + 16_448)),
+])
+def test_zero3_reuse_distance_holds(distance, expected):
+    ds = DeepSpeedSettings(param_persistence_threshold=10_000, max_reuse_distance=distance)
+    setup = setup_from_config(parse_args(TINY + ["--mode", "hybrid"]), world_size=2)
+    assert zero3_held_params(Setup(**{**setup.__dict__, "deepspeed": ds})) == expected
+
+
+def test_plan_cli_prints_terms_without_launching(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")  # --gpus wins over the launcher's variable
+    assert train.main(LARGE + ["--plan", "--mode", "hybrid", "--gpus", "4", "--gpu-memory-gib", "141"]) == 0
+    out = capsys.readouterr().out
+    assert "zero3, 4 GPUs (tp 1 x dp 4)" in out
+    assert re.search(r"parameters\s+0\.36\n", out)  # 2 x 774_090_240 / 4 bytes = 0.360 GiB
+    assert "fits in 141.0 GiB" in out
+    assert "dp param all-gather (fwd)" in out and "dp grad reduce-scatter" in out
+    assert train.main(LARGE + ["--plan", "--mode", "baseline", "--batch-size", "64", "--gpu-memory-gib", "80"]) == 0
+    assert "DOES NOT FIT in 80.0 GiB" in capsys.readouterr().out
+
+
+def test_search_ranks_fitting_layouts_by_step_time(capsys):
+    # GPT-2 (124M) on 16 GPUs = 2 nodes, global batch 64 x 1024, 12 GiB per GPU, nearly no bandwidth across
+    # nodes: data-parallel bytes dominate, so the fastest layouts shard most (TP 4: the largest TP size that
+    # divides 12 heads) and avoid DDP's fp32 all-reduce and ZeRO-3's per-micro-batch gathers.
+    cfg = parse_args(["--model", "gpt2", "--seq-len", "1024", "--global-batch-size", "64"])
+    base = setup_from_config(cfg, world_size=16)
+    hw = Hardware(gpu_memory_gib=12, achievable_tflops=400, busbw_intra_gbs=300, busbw_inter_gbs=0.5)
+    ranked = search(base, 64, hw)
+    assert ranked and all(c.plan.fits and c.plan.memory.peak <= 0.95 * 12 * GIB for c in ranked)
+    times = [c.step_s for c in ranked]
+    assert times == sorted(times)
+    best = ranked[0].plan.setup
+    assert best.tp == 4 and best.mode == "hybrid" and best.zero_stage in (1, 2)
+    # compute time by hand: (6 N + 12 L d T) FLOPs/token, N = 12 x (12 d^2 + 13 d) + 2 d + 50257 d (unpadded)
+    n = 12 * (12 * 768**2 + 13 * 768) + 2 * 768 + 50257 * 768
+    fpt = 6 * n + 12 * 12 * 768 * 1024
+    no_ckpt = next(c for c in ranked if not c.plan.setup.activation_checkpointing)
+    assert no_ckpt.compute_s == pytest.approx(fpt * 64 * 1024 / (16 * 400e12))
+    # nothing fits in 50 MiB (the cuBLAS workspace alone is 32 MiB)
+    assert search(base, 64, Hardware(gpu_memory_gib=0.05)) == []
+
+    assert train.main(["--model", "gpt2", "--seq-len", "1024", "--global-batch-size", "64", "--plan", "--search",
+                       "--gpus", "16", "--gpu-memory-gib", "12", "--busbw-gbs", "300", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "assumptions: 400 TFLOP/s" in out and "0.5 GB/s for a group spanning nodes" in out
+    assert re.search(r"\| 1 \| zero[12]-tp4", out)
+
+
+def test_compare_with_run():
+    plan = make_plan(setup_from_config(parse_args(LARGE + ["--mode", "hybrid", "--tp-size", "2"]), world_size=4), 141)
+    record = compare_with_run(plan, {"mem/peak_allocated_gib": 10.0, "device": "NVIDIA H200"}, None)
+    assert record["plan/peak_error"] == pytest.approx(plan.memory.peak / GIB / 10.0 - 1)
+    assert record["plan/measured_tp_payload_bytes"] is None and "predicted only" in record["plan/comm_note"]
+    assert record["plan/tp_payload_bytes"] > 0
+    on_cpu = compare_with_run(plan, {"mem/peak_allocated_gib": 10.0, "device": "cpu"}, 123.0)
+    assert on_cpu["plan/peak_error"] is None and on_cpu["plan/measured_tp_payload_bytes"] == 123.0
