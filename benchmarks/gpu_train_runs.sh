@@ -3,7 +3,8 @@
 # benchmarks/report.py writes the comparison table (with the planner's predicted vs measured peak memory)
 # and plots to $OUT/report.
 #   NGPU=4 OUT=benchmarks/results/raw bash benchmarks/gpu_train_runs.sh "ddp-b8:--mode baseline --batch-size 8 --compile" ...
-# Each argument is NAME:FLAGS. Defaults: the issue-2/3 matrix (DDP with --compile at 8/16/32, ZeRO-3 at 8/32).
+# Each argument is NAME:FLAGS. Defaults: DDP with --compile at 8/16/32, ZeRO-3 and ZeRO-3 + TP 2 at 8/32 (the
+# planner's calibration matrix: the report's plan table shows predicted vs measured peak memory).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/raw}
@@ -18,7 +19,9 @@ if [ ${#runs[@]} -eq 0 ]; then
         "ddp-b16:--mode baseline --batch-size 16 --compile"
         "ddp-b32:--mode baseline --batch-size 32 --compile"
         "zero3-b8:--mode hybrid --batch-size 8"
-        "zero3-b32:--mode hybrid --batch-size 32")
+        "zero3-b32:--mode hybrid --batch-size 32"
+        "zero3-tp2-b8:--mode hybrid --tp-size 2 --batch-size 8"
+        "zero3-tp2-b32:--mode hybrid --tp-size 2 --batch-size 32")
 fi
 for spec in "${runs[@]}"; do
   name=${spec%%:*}
