@@ -43,11 +43,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gpt2.config import MODEL_PRESETS, ModelConfig, RunConfig
+from gpt2.config import MODEL_PRESETS, ConfigError, ModelConfig, RunConfig, validate_world
 from gpt2.metrics import hardware_flops_per_token
 from gpt2.perf_model import (
     AMP_FP32_WEIGHTS,
@@ -522,8 +523,14 @@ def run_plan_cli(cfg: RunConfig) -> int:
     """`train.py --plan [--search]`: print and exit; no process group, data or GPU needed."""
     pc = cfg.plan
     world = planned_world_size(pc.gpus)
-    if world % cfg.parallel.tp_size:
-        print(f"train.py: error: --gpus {world} is not divisible by --tp-size {cfg.parallel.tp_size}")
+    if not pc.search:  # the launch-time checks, and --global-batch-size -> grad_accum for this world size
+        try:
+            validate_world(cfg, world)
+        except ConfigError as err:
+            print(f"train.py: error: {err}", file=sys.stderr)
+            return 2
+    elif world % cfg.parallel.tp_size:
+        print(f"train.py: error: --gpus {world} is not divisible by --tp-size {cfg.parallel.tp_size}", file=sys.stderr)
         return 2
     base = setup_from_config(cfg, world)
     memory = device_memory_gib(pc.gpu_memory_gib)

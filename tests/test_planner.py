@@ -105,6 +105,10 @@ def test_plan_cli_prints_terms_without_launching(capsys, monkeypatch):
     assert "dp param all-gather (fwd)" in out and "dp grad reduce-scatter" in out
     assert train.main(LARGE + ["--plan", "--mode", "baseline", "--batch-size", "64", "--gpu-memory-gib", "80"]) == 0
     assert "DOES NOT FIT in 80.0 GiB" in capsys.readouterr().out
+    # the launch-time checks apply: --global-batch-size sets the accumulation for the planned world size
+    assert train.main(["--plan", "--mode", "baseline", "--gpus", "4", "--global-batch-size", "64"]) == 0
+    assert "micro-batch 8 x accum 2" in capsys.readouterr().out
+    assert train.main(["--plan", "--mode", "single", "--gpus", "4"]) == 2
 
 
 def test_search_ranks_fitting_layouts_by_step_time(capsys):
