@@ -1,0 +1,137 @@
+"""CPU smoke tests of the training sweep, the Hugging Face reference and the TP scaling benchmark (gloo, tiny)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from benchmarks import tp_scaling, train_sweep
+
+TINY = ["--model", "gpt2-tiny", "--seq-len", "32", "--steps", "3", "--warmup", "1", "--log-interval", "1",
+        "--device", "cpu", "--precision", "fp32", "--peak-tflops", "1", "--fused", "none"]
+
+
+@pytest.fixture
+def cpu_env(monkeypatch):
+    """What the launched processes need on a 2-core CPU machine: one thread each, DeepSpeed's CPU accelerator."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    return list(csv.DictReader(path.open()))
+
+
+@pytest.mark.slow
+def test_sweep_cpu_runs_modes_and_hf_reference(tmp_path, cpu_env):
+    """DDP, ZeRO-3 and HF ZeRO-3 launched for real (2 gloo processes); the table has their rows."""
+    rc = train_sweep.main([*TINY, "--gpus", "2", "--modes", "baseline", "hybrid", "hf-zero3", "--batches", "2",
+                           "--out", str(tmp_path)])
+    rows = read_csv(tmp_path / "sweep.csv")
+    assert rc == 0, [(r["run"], r["status"], r["error"]) for r in rows]
+    assert [r["configuration"] for r in rows] == ["DDP", "ZeRO-3", "HF transformers ZeRO-3"]
+    assert all(r["status"] == "ok" and r["gpus"] == "2" and r["batch_per_gpu"] == "2" for r in rows)
+    assert all(float(r["tokens_per_s"]) > 0 and float(r["mfu"]) > 0 and float(r["peak_allocated_gib"]) > 0
+               for r in rows)
+    ddp, zero3, hf = (float(r["final_loss"]) for r in rows)
+    assert zero3 == pytest.approx(ddp, rel=1e-5)  # same function, seed and data: the modes agree
+    # HF's init (std 0.02) reached the partitioned weights: loss ~ ln(vocab); torch's N(0, 1) embeddings give ~45
+    assert hf == pytest.approx(math.log(50257), abs=0.3)
+    table = (tmp_path / "sweep.md").read_text()
+    assert all(f"| {name} |" in table for name in ("DDP", "ZeRO-3", "HF transformers ZeRO-3"))
+    assert (tmp_path / "sweep_tokens_vs_memory.png").stat().st_size > 0
+    assert (tmp_path / "sweep_mfu.png").stat().st_size > 0
+    # the reference run folder has train.py's schema for everything a comparison reads
+    ours = json.loads((tmp_path / "runs" / "baseline-none-b2" / "summary.json").read_text())
+    theirs = json.loads((tmp_path / "runs" / "hf-zero3-b2" / "summary.json").read_text())
+    shared = {"mode", "model", "n_params", "world_size", "tp_size", "dp_size", "batch_size_per_gpu", "seq_len",
+              "tokens_per_step", "precision", "fused_kernels", "device", "peak_tflops_per_gpu", "flops_per_token",
+              "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_time_s", "mem/peak_allocated_gib",
+              "mem/peak_reserved_gib", "final_loss", "torch_version"}
+    assert shared <= set(ours) and shared <= set(theirs)
+    assert theirs["flops_per_token"] == ours["flops_per_token"] and theirs["n_params"] == ours["n_params"]
+    assert theirs["mode"] == "hf-zero3" and theirs["tokens_per_step"] == 2 * 2 * 32
+    records = [json.loads(line) for line in (tmp_path / "runs" / "hf-zero3-b2" / "metrics.jsonl").open()]
+    assert [r["step"] for r in records if r["type"] == "step"] == [1, 2, 3]
+
+
+def test_max_batch_search_and_failures(tmp_path, monkeypatch):
+    """The search stops at the first size that fits; OOM and failing runs are recorded and the sweep goes on."""
+    tried: list[tuple[str, int]] = []
+
+    def fake_launch(cmd: list[str], log_path: Path, timeout: float) -> tuple[int, float]:
+        name = cmd[cmd.index("--run-name") + 1]
+        batch = int(cmd[cmd.index("--batch-size") + 1])
+        tried.append((name.split("-")[0], batch))
+        if name.startswith("hf"):
+            log_path.write_text("Traceback ...\n[rank0]: RuntimeError: boom\nChildFailedError: worker failed\n")
+            return 1, 0.5
+        if batch >= 48:
+            log_path.write_text("[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\n")
+            return 1, 1.0
+        run_dir = Path(cmd[cmd.index("--out-dir") + 1]) / name
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text(json.dumps(
+            {"world_size": 4, "tokens_per_s": 1000.0 * batch, "mfu": 0.01 * batch, "mem/peak_allocated_gib": batch,
+             "mem/peak_reserved_gib": batch, "step_time_s": 1.0, "final_loss": 5.0, "device": "fake"}))
+        log_path.write_text("ok\n")
+        return 0, 2.0
+
+    monkeypatch.setattr(train_sweep, "launch", fake_launch)
+    rc = train_sweep.main(["--modes", "baseline", "hf-ddp", "--fused", "none", "--batches", "8", "max",
+                           "--max-batches", "16", "64", "32", "48", "--out", str(tmp_path)])
+    assert rc == 1  # a fixed-size run failed
+    # a failure that is not OOM ends the search too (a smaller batch would not fix it)
+    assert tried == [("baseline", 8), ("baseline", 64), ("baseline", 48), ("baseline", 32), ("hf", 8), ("hf", 64)]
+    rows = read_csv(tmp_path / "sweep.csv")
+    assert [(r["run"], r["status"], r["batch_choice"]) for r in rows] == [
+        ("baseline-none-b8", "ok", "fixed"), ("baseline-none-b64", "oom", "max"), ("baseline-none-b48", "oom", "max"),
+        ("baseline-none-b32", "ok", "max"), ("hf-ddp-b8", "failed", "fixed"), ("hf-ddp-b64", "failed", "max")]
+    assert rows[1]["error"].startswith("OutOfMemoryError: CUDA out of memory")
+    assert rows[4]["error"] == "exit 1: RuntimeError: boom"
+    table = (tmp_path / "sweep.md").read_text()
+    assert re.search(r"\| DDP \| none \| 32 \(max\) \| 32,000 \| 32\.0% \|", table)
+    assert "| DDP | none | 64" not in table and "| DDP | none | 48" not in table  # OOM probes: a note, not rows
+    assert "out of memory in the max-batch search: DDP, none, batch 48" in table
+    assert "failed: exit 1: RuntimeError: boom" in table
+
+
+def test_sweep_dry_run_prints_commands(capsys):
+    assert train_sweep.main(["--gpus", "4", "--modes", "hybrid-tp2-sp", "hf-zero3", "--fused", "none", "triton",
+                             "--batches", "8", "--extra-args=--compile", "--dry-run"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    assert len(lines) == 3  # hybrid-tp2-sp x {none, triton}, hf-zero3 once (no fused kernels)
+    assert all("--standalone --nproc_per_node=4" in line and "--model gpt2-large" in line for line in lines)
+    assert "--tp-size 2 --sequence-parallel" in lines[0] and "--fused-kernels triton" in lines[1]
+    assert lines[0].endswith("--compile") and "-m benchmarks.hf_reference --mode zero3" in lines[2]
+    assert "--compile" not in lines[2] and "--fused-kernels" not in lines[2]
+
+
+@pytest.mark.slow
+def test_tp_scaling_cpu(tmp_path, cpu_env):
+    """1 and 2 gloo processes, tiny shapes, 2 iterations; the merge computes speed-up and efficiency vs tp=1."""
+    tp_scaling.main(["--nprocs", "1", "2", "--tokens", "16", "--hidden", "8", "--ffn", "16", "--iters", "2",
+                     "--warmup", "1", "--device", "cpu", "--out", str(tmp_path)])
+    rows = read_csv(tmp_path / "tp_scaling.csv")
+    cases = {(r["scaling"], r["layer"], r["overlap"]) for r in rows}
+    assert cases == {(s, layer, ov) for s in ("strong", "weak") for layer, ov in
+                     [("column", "False"), ("column", "True"), ("mlp", "False"), ("mlp", "True"), ("row", "n/a")]}
+    assert sorted(int(r["tp"]) for r in rows) == [1] * 10 + [2] * 10
+    for r in rows:
+        tp, speedup = int(r["tp"]), float(r["speedup"])
+        assert int(r["ffn_local"]) == (16 if r["scaling"] == "weak" else 16 // tp)
+        assert float(r["ms"]) > 0 and float(r["comm_ms"]) == pytest.approx(float(r["ms"]) - float(r["ms_no_comm"]),
+                                                                           abs=1e-3)
+        assert float(r["efficiency"]) == pytest.approx(speedup / tp if r["scaling"] == "strong" else speedup,
+                                                       abs=2e-3)
+        if tp == 1:
+            assert speedup == 1.0 and float(r["comm_ms"]) == 0.0
+    assert (tmp_path / "tp_scaling.png").stat().st_size > 0
