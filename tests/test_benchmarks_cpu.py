@@ -5,12 +5,16 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import re
 from pathlib import Path
 
 import pytest
+import torch
+import torch.multiprocessing as mp
 
 from benchmarks import tp_scaling, train_sweep
+from tests._tp_harness import free_port
 
 TINY = ["--model", "gpt2-tiny", "--seq-len", "32", "--steps", "3", "--warmup", "1", "--log-interval", "1",
         "--device", "cpu", "--precision", "fp32", "--peak-tflops", "1", "--fused", "none"]
@@ -115,11 +119,22 @@ def test_sweep_dry_run_prints_commands(capsys):
     assert "--compile" not in lines[2] and "--fused-kernels" not in lines[2]
 
 
+def _tp_scaling_rank(rank: int, world: int, port: int, argv: list[str]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))  # what torchrun sets
+    torch.set_num_threads(1)  # fork safety (tests/_tp_harness.py)
+    tp_scaling.measure_all(tp_scaling.parse_args(argv))
+
+
 @pytest.mark.slow
-def test_tp_scaling_cpu(tmp_path, cpu_env):
-    """1 and 2 gloo processes, tiny shapes, 2 iterations; the merge computes speed-up and efficiency vs tp=1."""
-    tp_scaling.main(["--nprocs", "1", "2", "--tokens", "16", "--hidden", "8", "--ffn", "16", "--iters", "2",
-                     "--warmup", "1", "--device", "cpu", "--out", str(tmp_path)])
+def test_tp_scaling_cpu(tmp_path):
+    """1 and 2 gloo ranks (forked: `--nprocs` would start torchrun, slow on 2 cores), tiny shapes, 2 iterations;
+    the merge computes speed-up and efficiency against tp=1."""
+    argv = ["--tokens", "16", "--hidden", "8", "--ffn", "16", "--iters", "2", "--warmup", "1", "--device", "cpu",
+            "--out", str(tmp_path)]
+    for world in (1, 2):
+        mp.start_processes(_tp_scaling_rank, args=(world, free_port(), argv), nprocs=world, start_method="fork")
+    tp_scaling.merge(tmp_path)
     rows = read_csv(tmp_path / "tp_scaling.csv")
     cases = {(r["scaling"], r["layer"], r["overlap"]) for r in rows}
     assert cases == {(s, layer, ov) for s in ("strong", "weak") for layer, ov in
