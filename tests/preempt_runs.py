@@ -26,7 +26,8 @@ def logged_steps(run_dir: Path) -> list[int]:
     if not path.is_file():
         return []
     lines = path.read_text().splitlines()
-    return [r["step"] for line in lines if line.endswith("}") and (r := json.loads(line))["type"] == "step"]
+    # training records only (an eval record has the step too, but val_* metrics instead of loss)
+    return [r["step"] for line in lines if line.endswith("}") and "loss" in (r := json.loads(line))]
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str, alive: Callable[[], bool] = lambda: True,
