@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fused_kernels import KernelUnavailableError, get_ops, reference
-from fused_kernels.cuda import SOURCE_DIR
+from fused_kernels.cuda import NVCC_FLAGS, SOURCE_DIR
 from tests._fused_helpers import DTYPE_TOLS, GPU, assert_close, poison  # noqa: F401 (fixture)
 
 NVCC = shutil.which("nvcc")
@@ -19,9 +19,26 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 
 @needs_nvcc
 def test_cu_compiles_for_sm80_and_sm90(tmp_path):
-    cmd = [NVCC, "-c", str(SOURCE_DIR / "bias_gelu.cu"), "-o", str(tmp_path / "bias_gelu.o"), "-std=c++17", "-O3",
-           "--use_fast_math", "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
+    cmd = [NVCC, "-c", str(SOURCE_DIR / "bias_gelu.cu"), "-o", str(tmp_path / "bias_gelu.o"), "-std=c++17",
+           *NVCC_FLAGS]
     subprocess.run(cmd, check=True, capture_output=True)
+
+
+@needs_nvcc
+def test_cu_tanh_is_exact_for_fp32_and_approximate_for_16_bit(tmp_path):
+    """fp32 kernels must not use tanh.approx (~2^-11 relative error: it failed the fp32 dx check on an H200);
+    fp16/bf16 kernels use it, as their own rounding is as coarse."""
+    ptx = tmp_path / "bias_gelu.ptx"
+    flags = [f for f in NVCC_FLAGS if not f.startswith("-gencode")]
+    subprocess.run([NVCC, "-ptx", str(SOURCE_DIR / "bias_gelu.cu"), "-o", str(ptx), "-std=c++17", *flags,
+                    "-arch=sm_90"], check=True, capture_output=True)
+    entries = ptx.read_text().split(".entry ")[1:]  # one chunk per kernel instantiation, mangled name first
+    by_type = {"fp32": [e for e in entries if "_kernelIf" in e.split("(")[0]],
+               "16-bit": [e for e in entries if "_kernelI6__half" in e.split("(")[0]
+                          or "_kernelI13__nv_bfloat16" in e.split("(")[0]]}
+    assert len(by_type["fp32"]) == 4 and len(by_type["16-bit"]) == 8, [e.split("(")[0] for e in entries]
+    assert not any("tanh.approx" in e for e in by_type["fp32"])
+    assert all("tanh.approx.f32" in e for e in by_type["16-bit"])
 
 
 @needs_nvcc

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # for the host code; the kernel reads the constexpr below
+IGNORE = tl.constexpr(IGNORE_INDEX)  # compiled kernels may only read constexpr globals (the interpreter reads any)
 INTERPRETING = triton.knobs.runtime.interpret  # read when the kernel below is decorated
 CHUNK_ELEMENTS = 1 << 26  # logits elements per chunk: 128 MiB in bf16; fewer chunks, fewer grad_W updates
 
@@ -31,7 +32,7 @@ def ce_chunk_kernel(
     row = tl.program_id(0).to(tl.int64)
     ptr = logits_ptr + row * stride_row
     target = tl.load(targets_ptr + row)
-    valid = target != IGNORE_INDEX
+    valid = target != IGNORE
 
     # pass 1: online max / sum-exp and first-occurrence argmax over the real vocabulary
     m = -float("inf")
