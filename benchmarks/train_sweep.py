@@ -14,9 +14,11 @@ Every run: `python -m torch.distributed.run --standalone --nproc_per_node=N trai
 benchmarks.hf_reference`), `--max-steps` steps of which the first `--warmup` are excluded from tokens/s and
 MFU, its output in OUT/logs/NAME.log and its run folder in OUT/runs/NAME. A run that fails, runs out of
 memory or passes `--run-timeout` is recorded with its last error line and the sweep goes on. After every run
-OUT/sweep.csv, OUT/sweep.md and the plots (sweep_tokens_vs_memory.png, sweep_mfu.png) are rewritten, so an
-interrupted sweep still leaves its table. `--include RUN_DIR...` adds rows of runs made elsewhere (e.g. the
-reference runs of benchmarks/gpu_sweep.sh).
+OUT/sweep.csv (every launch) and OUT/sweep.md (status table: configuration, kernels, batch/GPU, tokens/s, MFU,
+peak memory, step and run time, failures with their last error line) are rewritten, and so are
+`benchmarks.report`'s report.md and plots (tokens_vs_memory.png, mfu.png, loss.png, memory_timeline.png) over
+the runs that finished, so an interrupted sweep still leaves its tables. `--include RUN_DIR...` adds runs
+made elsewhere (e.g. the reference runs of benchmarks/gpu_sweep.sh).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks import report
 from benchmarks.common import markdown_table, write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -293,43 +296,9 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     return header + markdown_table(shown, list(shown[0])) + "\n"
 
 
-def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    done = [r for r in rows if r["status"] == "ok" and r["tokens_per_s"]]
-    if not done:
-        return []
-    labels = [f"{r['configuration']}, {r['fused_kernels']}, b{r['batch_per_gpu']}" for r in done]
-    paths = []
-    fig, ax = plt.subplots(figsize=(9, 6))
-    for r, label in zip(done, labels):
-        ax.scatter(r["peak_reserved_gib"], r["tokens_per_s"])
-        ax.annotate(label, (r["peak_reserved_gib"], r["tokens_per_s"]), fontsize=7, xytext=(3, 3),
-                    textcoords="offset points")
-    ax.set(xlabel="peak reserved memory per GPU (GiB)", ylabel="tokens/s", title="Throughput vs memory")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    paths.append(out / "sweep_tokens_vs_memory.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-    if any(r["mfu"] is not None for r in done):
-        fig, ax = plt.subplots(figsize=(9, 0.4 * len(done) + 1.5))
-        ax.barh(labels, [100 * (r["mfu"] or 0) for r in done])
-        ax.invert_yaxis()
-        ax.set(xlabel="MFU (%)", title="Model FLOPs utilisation")
-        ax.tick_params(axis="y", labelsize=7)
-        fig.tight_layout()
-        paths.append(out / "sweep_mfu.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
-    return paths
-
-
 def write_outputs(sweep: Sweep) -> list[dict[str, Any]]:
-    """sweep.csv (every launch, OOM probes included), sweep.md (one row per point, included runs first), plots."""
+    """sweep.csv (every launch, OOM probes included) and sweep.md (one row per point, included runs first, with
+    each failure's status), then benchmarks.report's report.md and plots over the runs that finished."""
     included = [row for row in (included_row(Path(p)) for p in sweep.args.include) if row]
     launched = [table_row(r) for r in sweep.results]
     write_csv(sweep.out / "sweep.csv", included + launched)
@@ -339,7 +308,12 @@ def write_outputs(sweep: Sweep) -> list[dict[str, Any]]:
     if shown:
         (sweep.out / "sweep.md").write_text(markdown(shown, sweep.args) + "".join(
             f"\nout of memory in the max-batch search: {MODES[m].label}, {f}, batch {b}" for m, f, b in sorted(probes)))
-        plot(shown, sweep.out)
+    folders = [Path(p) for p in sweep.args.include] + [sweep.out / "runs" / r.name for r in sweep.results
+                                                       if r.status == "ok"]
+    runs = [run for run in map(report.load_run, dict.fromkeys(folders)) if run is not None]
+    if runs:
+        (sweep.out / "report.md").write_text(report.markdown(runs))
+        report.plot(runs, sweep.out)
     return shown
 
 
@@ -360,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     shown = write_outputs(sweep)
     if shown:
         print((sweep.out / "sweep.md").read_text())
-    print(f"wrote {sweep.out}/sweep.csv, sweep.md and plots")
+    print(f"wrote {sweep.out}/sweep.csv, sweep.md, report.md and {', '.join(report.PLOTS)}")
     return 0 if all(r.status == "ok" for r in sweep.results if r.batch_choice == "fixed") else 1
 
 

@@ -51,8 +51,8 @@ def test_sweep_cpu_runs_modes_and_hf_reference(tmp_path, cpu_env):
     assert hf == pytest.approx(math.log(50257), abs=0.3)
     table = (tmp_path / "sweep.md").read_text()
     assert all(f"| {name} |" in table for name in ("DDP", "ZeRO-3", "HF transformers ZeRO-3"))
-    assert (tmp_path / "sweep_tokens_vs_memory.png").stat().st_size > 0
-    assert (tmp_path / "sweep_mfu.png").stat().st_size > 0
+    assert all((tmp_path / name).stat().st_size > 0 for name in ("tokens_vs_memory.png", "mfu.png", "loss.png"))
+    assert (tmp_path / "report.md").read_text().count("| 2 | 2 |") == 3  # benchmarks.report: GPUs, batch/GPU
     # the reference run folder has train.py's schema for everything a comparison reads
     ours = json.loads((tmp_path / "runs" / "baseline-none-b2" / "summary.json").read_text())
     theirs = json.loads((tmp_path / "runs" / "hf-zero3-b2" / "summary.json").read_text())
@@ -84,8 +84,9 @@ def test_max_batch_search_and_failures(tmp_path, monkeypatch):
         run_dir = Path(cmd[cmd.index("--out-dir") + 1]) / name
         run_dir.mkdir(parents=True)
         (run_dir / "summary.json").write_text(json.dumps(
-            {"world_size": 4, "tokens_per_s": 1000.0 * batch, "mfu": 0.01 * batch, "mem/peak_allocated_gib": batch,
-             "mem/peak_reserved_gib": batch, "step_time_s": 1.0, "final_loss": 5.0, "device": "fake"}))
+            {"mode": "baseline", "world_size": 4, "batch_size_per_gpu": batch, "tokens_per_s": 1000.0 * batch,
+             "mfu": 0.01 * batch, "mem/peak_allocated_gib": batch, "mem/peak_reserved_gib": batch,
+             "step_time_s": 1.0, "final_loss": 5.0, "device": "fake"}))
         log_path.write_text("ok\n")
         return 0, 2.0
 
@@ -106,6 +107,7 @@ def test_max_batch_search_and_failures(tmp_path, monkeypatch):
     assert "| DDP | none | 64" not in table and "| DDP | none | 48" not in table  # OOM probes: a note, not rows
     assert "out of memory in the max-batch search: DDP, none, batch 48" in table
     assert "failed: exit 1: RuntimeError: boom" in table
+    assert re.findall(r"\| ddp \| 4 \| (\d+) \|", (tmp_path / "report.md").read_text()) == ["8", "32"]
 
 
 def test_sweep_dry_run_prints_commands(capsys):
