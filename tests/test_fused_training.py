@@ -1,8 +1,16 @@
 """Training with a fused-kernel backend follows the `none` backend step by step.
 
 CPU: triton (interpreted) vs none, fp32, tiny GPT-2, 20 AdamW steps; the loss curves must agree to
-1e-4 absolute at every step (fp32 summation order is the only difference; seen: 3e-6). GPU: triton and cuda vs
-none under bf16 autocast, to 3e-2 (bf16 rounding differs between fused and unfused epilogues).
+1e-4 absolute at every step (fp32 summation order is the only difference; seen: 3e-6).
+
+GPU: triton and cuda vs none under bf16 autocast. The fused epilogues round differently (e.g. the cuda backend
+rounds x W^T to bf16 before adding the bias), so the runs start ~1e-5 apart and any chaotic amplification grows
+that. At lr 3e-3 (the first H200 run) the reference itself jumped 8.1 -> 12.2 between steps and cuda vs none
+grew ~10x per step to 0.70 by step 19 although the first 4 steps agreed to 3e-3. A CPU proxy (the cuda
+backend's math emulated in PyTorch, bf16 autocast, 2 x 256 GPT-2) reproduced it: up to 0.33 apart at lr 3e-3,
+<= 0.013 at lr 1e-3 over 20 steps. So the GPU test trains at lr 1e-3, compares the first GPU_TIGHT_STEPS steps
+to 3e-2 (a wrong gradient shows from step 1) and afterwards only the mean loss of the last batch cycle, and
+checks both runs learn.
 """
 
 from __future__ import annotations
@@ -16,17 +24,20 @@ from gpt2.model import GPT
 from tests._fused_helpers import GPU
 
 STEPS = 20
+N_BATCHES = 4  # batches cycled through: the model memorises them, so the loss falls fast
+GPU_TIGHT_STEPS = 8
 
 
-def _losses(backend: str, device: str, autocast_dtype: torch.dtype | None, cfg: ModelConfig, B: int, T: int):
+def _losses(backend: str, device: str, autocast_dtype: torch.dtype | None, cfg: ModelConfig, B: int, T: int,
+            lr: float) -> list[float]:
     torch.manual_seed(0)
     model = GPT(cfg, ops=get_ops(backend)).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     gen = torch.Generator().manual_seed(1)
-    data = torch.randint(0, cfg.vocab_size, (4, B, T + 1), generator=gen).to(device)  # 4 batches, cycled
+    data = torch.randint(0, cfg.vocab_size, (N_BATCHES, B, T + 1), generator=gen).to(device)
     losses = []
     for step in range(STEPS):
-        batch = data[step % 4]
+        batch = data[step % N_BATCHES]
         with torch.autocast(device, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
             loss, _ = model(batch[:, :-1], batch[:, 1:])
         opt.zero_grad(set_to_none=True)
@@ -37,21 +48,32 @@ def _losses(backend: str, device: str, autocast_dtype: torch.dtype | None, cfg: 
     return losses
 
 
-def _assert_follows(backend: str, device: str, autocast_dtype, cfg: ModelConfig, B: int, T: int, tol: float):
-    ref = _losses("none", device, autocast_dtype, cfg, B, T)
-    got = _losses(backend, device, autocast_dtype, cfg, B, T)
-    assert ref[-1] < ref[0] - 0.5, f"the reference run did not learn: {ref}"
-    diffs = [abs(a - b) for a, b in zip(got, ref)]
+def _last_cycle_mean(losses: list[float]) -> float:
+    return sum(losses[-N_BATCHES:]) / N_BATCHES
+
+
+def _assert_follows(backend: str, device: str, autocast_dtype, cfg: ModelConfig, B: int, T: int, lr: float,
+                    tol: float, tight_steps: int = STEPS, final_tol: float = 0.0) -> None:
+    """Losses agree to `tol` for the first `tight_steps` steps, the last cycle's mean loss to `final_tol`, and
+    both runs learn (last cycle's mean at least 0.5 below the first loss)."""
+    ref = _losses("none", device, autocast_dtype, cfg, B, T, lr)
+    got = _losses(backend, device, autocast_dtype, cfg, B, T, lr)
+    for name, run in (("none", ref), (backend, got)):
+        assert _last_cycle_mean(run) < run[0] - 0.5, f"the {name} run did not learn: {run}"
+    diffs = [abs(a - b) for a, b in zip(got[:tight_steps], ref[:tight_steps])]
     assert max(diffs) <= tol, f"{backend} vs none: max |dloss| {max(diffs):.3g} > {tol}\n{got}\n{ref}"
+    final = abs(_last_cycle_mean(got) - _last_cycle_mean(ref))
+    assert final <= max(final_tol, tol), f"{backend} vs none: last-cycle mean loss {final:.3g} apart\n{got}\n{ref}"
 
 
 def test_triton_training_matches_none_cpu():
     cfg = ModelConfig(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=512)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    _assert_follows("triton", device, None, cfg, B=2, T=16, tol=1e-4)
+    _assert_follows("triton", device, None, cfg, B=2, T=16, lr=3e-3, tol=1e-4)
 
 
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=GPU), pytest.param("cuda", marks=GPU)])
 def test_training_matches_none_gpu_bf16(backend):
     cfg = ModelConfig(n_layer=4, n_head=12, n_embd=768, n_positions=256)  # full GPT-2 vocabulary (padded)
-    _assert_follows(backend, "cuda", torch.bfloat16, cfg, B=8, T=256, tol=3e-2)
+    _assert_follows(backend, "cuda", torch.bfloat16, cfg, B=8, T=256, lr=1e-3, tol=3e-2,
+                    tight_steps=GPU_TIGHT_STEPS, final_tol=0.1)
