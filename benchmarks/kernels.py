@@ -9,9 +9,13 @@ and the GPT-2 Large training shapes (d = 1280: LayerNorm [8,1024,1280], MLP up-p
 and K = C/4 (the d -> 4d up-projection); for cross-entropy, rows = B*T and d = C/4 (vocab 50257, padded
 to 50304). All in bf16.
 
-Timing: triton.testing.do_bench (CUDA events, L2 flushed between runs), median. "fwd" runs under
-torch.no_grad() (inference: nothing saved for backward); "fwd+bwd" is a training step of the op
-(forward with grad, then backward). GB/s counts the bytes the op must move at least (each input read
+Timing: `ms` is device time: the summed durations of the GPU kernels one call launches (torch.profiler,
+L2 flushed before each call, the flush's own kernels subtracted), averaged over PROFILE_ITERS calls.
+`wall_ms` is triton.testing.do_bench's median (CUDA events around each call): it also counts host time
+whenever the host cannot keep ahead, which for small shapes and fwd+bwd (autograd, Python launches,
+torch.compile's AOT wrapper) is most of it; in training the host runs ahead, so speed-ups use `ms`.
+"fwd" runs under torch.no_grad() (inference: nothing saved for backward); "fwd+bwd" is a training step
+of the op (forward with grad, then backward). GB/s counts the bytes the op must move at least (each input read
 once, each output written once) and is compared with this device's measured copy bandwidth (a large
 device-to-device copy, read + write); TFLOP/s is compared with its measured bf16 matmul rate
 (8192^3). peak_mem_MiB is torch.cuda.max_memory_allocated during one fwd+bwd, above the inputs.
@@ -46,8 +50,9 @@ GPT2_LARGE_TRAIN = {  # kernel -> the [B, T, C] it sees when training GPT-2 Larg
 }
 VOCAB, VOCAB_PADDED = 50257, 50304
 DTYPE = torch.bfloat16
-COLUMNS = ["kernel", "shape", "pass", "impl", "ms", "speedup", "GB/s", "TFLOP/s", "pct_of_peak", "peak_mem_MiB",
-           "max_err", "error"]
+PROFILE_ITERS = 10
+COLUMNS = ["kernel", "shape", "pass", "impl", "ms", "wall_ms", "speedup", "GB/s", "TFLOP/s", "pct_of_peak",
+           "peak_mem_MiB", "max_err", "error"]
 
 
 @dataclass
@@ -212,6 +217,32 @@ def run_case(case: Case, peaks: dict[str, float]) -> list[dict[str, object]]:
     return rows
 
 
+def _kernel_us(fn: Callable[[], object], iters: int) -> float:
+    """Summed duration (us) of every GPU kernel / memcpy / memset that `iters` calls of fn launch."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA)
+
+
+def device_ms(fn: Callable[[], object], iters: int = PROFILE_ITERS) -> float:
+    """Device time of one call of fn with a cold L2, in ms (see the module docstring)."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # larger than any L2
+
+    def flushed() -> None:
+        flush.zero_()
+        fn()
+
+    for _ in range(3):  # warm-up: autotuning, compilation, allocator
+        flushed()
+    return (_kernel_us(flushed, iters) - _kernel_us(flush.zero_, iters)) / iters / 1e3
+
+
 def _measure(case: Case, fn: Callable, pass_: str, expected: torch.Tensor, peaks: dict[str, float]) -> dict:
     import triton.testing
 
@@ -221,7 +252,8 @@ def _measure(case: Case, fn: Callable, pass_: str, expected: torch.Tensor, peaks
         with torch.no_grad():
             got = _first(fn(*leaves)).float()
             out["max_err"] = f"{(got - expected).abs().max().item():.2e}"
-            ms = triton.testing.do_bench(lambda: fn(*leaves), return_mode="median")
+            wall = triton.testing.do_bench(lambda: fn(*leaves), return_mode="median")
+            ms = device_ms(lambda: fn(*leaves))
         work_bytes, flops = case.bytes_fwd, case.flops_fwd
     else:
         sample = fn(*leaves)
@@ -233,7 +265,13 @@ def _measure(case: Case, fn: Callable, pass_: str, expected: torch.Tensor, peaks
         def step():
             _backward(fn(*leaves), grads)
 
-        ms = triton.testing.do_bench(step, grad_to_none=grad_leaves, return_mode="median")
+        def fresh_step():  # gradients start at None every call, as after zero_grad(set_to_none=True)
+            for t in grad_leaves:
+                t.grad = None
+            step()
+
+        wall = triton.testing.do_bench(step, grad_to_none=grad_leaves, return_mode="median")
+        ms = device_ms(fresh_step)
         for t in grad_leaves:
             t.grad = None
         torch.cuda.synchronize()
@@ -246,6 +284,7 @@ def _measure(case: Case, fn: Callable, pass_: str, expected: torch.Tensor, peaks
             t.grad = None
         work_bytes, flops = case.bytes_fwdbwd, 3 * case.flops_fwd
     out["ms"] = round(ms, 4)
+    out["wall_ms"] = round(wall, 4)
     if flops:
         tflops = flops / ms / 1e9
         out["TFLOP/s"] = round(tflops, 1)
@@ -302,6 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--kernels", default="bias_gelu,layernorm,matmul_gelu,cross_entropy")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    p.add_argument("--quick", action="store_true",
+                   help="only the GPT-2 Large training shape of each kernel (the one the targets are checked on)")
     p.add_argument("--compile-budget-s", type=float, default=240.0,
                    help="stop adding torch.compile rows once the run has taken this long")
     args = p.parse_args(argv)
@@ -316,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = Path(args.out)
     rows: list[dict[str, object]] = []
     for kernel in args.kernels.split(","):
-        shapes = dict(SHAPES)
+        shapes = {} if args.quick else dict(SHAPES)
         if GPT2_LARGE_TRAIN[kernel] not in shapes.values():
             shapes["gpt2-large-train"] = GPT2_LARGE_TRAIN[kernel]
         for shape_name, shape in shapes.items():
