@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set up, then train gpt2-tiny for 200 steps on one device (CPU works; no hub needed).
+# Data: WikiText-2 from ../shared/data when it is there (or DATA_DIR=<folder with train/valid .txt>
+# and TOKENIZER=<tokenizer.json>), else synthetic tokens. Extra arguments go to train.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+SHARED=${SHARED_DATA:-../shared/data}
+DATA_DIR=${DATA_DIR:-$SHARED/wikitext-2}
+TOKENIZER=${TOKENIZER:-$SHARED/gpt2-tokenizer/tokenizer.json}
+if [ -d "$DATA_DIR" ] && [ -f "$TOKENIZER" ]; then
+  data=(--data-path "$DATA_DIR" --tokenizer "$TOKENIZER")
+else
+  echo "demo: $DATA_DIR or $TOKENIZER not found: training on synthetic tokens" >&2
+  data=(--data synthetic)
+fi
+export TOKENIZERS_PARALLELISM=false
+python3 train.py --mode single --model gpt2-tiny --seq-len 128 --batch-size 16 --max-steps 200 \
+  --lr 3e-3 --warmup-steps 20 --eval-interval 100 --log-interval 20 --num-proc 2 "${data[@]}" "$@"
