@@ -8,13 +8,17 @@ Layout of `--save-dir`::
       rank-00000.pt ...     per rank: RNG states (torch CPU + CUDA, numpy, python) and the train data position
       model.pt              single/baseline: model state dict (rank 0; DDP replicas are identical)
       optimizer.pt          single/baseline: AdamW, LR scheduler and GradScaler states (rank 0)
-      zero/                 hybrid: DeepSpeed's sharded checkpoint (engine.save_checkpoint, tag "zero")
+      model-tp00.pt ...     baseline with --tp-size > 1: the same two files per TP rank, in the TP layout
+      optimizer-tp00.pt ... (written by data-parallel rank 0 of each TP rank; `gpt2.export` gathers them)
+      zero/                 hybrid: DeepSpeed's sharded checkpoint (engine.save_checkpoint, tag "zero"; with
+                            TP its files carry the TP rank as DeepSpeed's `mp_rank_XX`)
     step-000020.tmp/        a save in progress, or one a crash interrupted: never read, removed by the next save
 
 A save writes everything into `step-XXXXXX.tmp/`, fsyncs it, renames it to `step-XXXXXX/` and only then
 points `latest` at it, so a crash at any moment leaves the previous checkpoint as the latest. An existing
 step folder is never overwritten. Resume restores model, optimizer, scheduler, step, data position and RNG
-states, so N steps + resume + M steps give the losses of N + M uninterrupted steps.
+states, so N steps + resume + M steps give the losses of N + M uninterrupted steps. A checkpoint resumes only
+into the same parallel layout (tp, dp, mode, ZeRO stage); to change it, export the weights and --init-from them.
 
 `Checkpointer.save(step)` may be called at any step boundary (the loop calls `maybe_save`; a preemption
 handler can call `save`). Every function here that touches the process group is collective.
@@ -163,6 +167,11 @@ def _rank_file(folder: Path, rank: int) -> Path:
     return folder / f"rank-{rank:05d}.pt"
 
 
+def state_file(folder: Path, name: str, tp_rank: int, tp_size: int) -> Path:
+    """`model` / `optimizer` state of single/baseline checkpoints: one file, or one per TP rank (TP layout)."""
+    return folder / (f"{name}.pt" if tp_size == 1 else f"{name}-tp{tp_rank:02d}.pt")
+
+
 # ------------------------------------------------------------------------------------------------
 # file-system helpers
 
@@ -237,10 +246,11 @@ def save_checkpoint(cfg: RunConfig, ctx: DistContext, engine: Any, train_loader:
                _rank_file(tmp, ctx.rank))
     if _is_deepspeed(engine):
         engine.save_sharded(tmp, client_state={"step": step})
-    elif ctx.is_main:
-        torch.save(engine.module.state_dict(), tmp / "model.pt")
+    elif ctx.dims.dp_rank == 0:  # DDP replicas are identical; each TP rank holds different shards
+        tp_rank, tp_size = ctx.dims.tp_rank, ctx.dims.tp_size
+        torch.save(engine.module.state_dict(), state_file(tmp, "model", tp_rank, tp_size))
         torch.save({"optimizer": engine.optimizer.state_dict(), "scheduler": engine.scheduler.state_dict(),
-                    "scaler": engine.scaler.state_dict()}, tmp / "optimizer.pt")
+                    "scaler": engine.scaler.state_dict()}, state_file(tmp, "optimizer", tp_rank, tp_size))
     ctx.barrier()
 
     def commit() -> None:
@@ -274,9 +284,12 @@ def load_checkpoint(step_dir: Path, cfg: RunConfig, ctx: DistContext, engine: An
             raise CheckpointError(f"{step_dir}: DeepSpeed state is from step {client_state.get('step')}, "
                                   f"meta.json says {step}")
     else:
-        model_state = torch.load(step_dir / "model.pt", map_location=ctx.device, weights_only=True)
+        tp_rank, tp_size = ctx.dims.tp_rank, ctx.dims.tp_size
+        model_state = torch.load(state_file(step_dir, "model", tp_rank, tp_size), map_location=ctx.device,
+                                 weights_only=True)
         engine.module.load_state_dict(model_state)
-        opt_state = torch.load(step_dir / "optimizer.pt", map_location=ctx.device, weights_only=True)
+        opt_state = torch.load(state_file(step_dir, "optimizer", tp_rank, tp_size), map_location=ctx.device,
+                               weights_only=True)
         engine.optimizer.load_state_dict(opt_state["optimizer"])
         engine.scheduler.load_state_dict(opt_state["scheduler"])
         engine.scaler.load_state_dict(opt_state["scaler"])

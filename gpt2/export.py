@@ -6,6 +6,11 @@
 
 single/baseline checkpoints hold the full model (model.pt); hybrid ones are DeepSpeed ZeRO shards, gathered
 into one fp32 state dict by `deepspeed.utils.zero_to_fp32` (from the fp32 master weights, any stage).
+
+Tensor-parallel checkpoints are saved in the TP layout (no gather at save time, so saving costs no extra
+memory or communication) and consolidated here, on the CPU: first each TP rank's state dict (its
+model-tpXX.pt, or its DeepSpeed files, those named `mp_rank_XX`, through zero_to_fp32), then every tensor
+is reassembled from the TP ranks' shards by the TP plan (`parallel.tp_plan.unshard_tensor`).
 """
 
 from __future__ import annotations
@@ -13,35 +18,63 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
-from gpt2.checkpoint import LATEST, CheckpointError, read_meta
+from gpt2.checkpoint import LATEST, CheckpointError, read_meta, state_file
 from gpt2.config import ModelConfig
 from gpt2.engine_deepspeed import CHECKPOINT_TAG
 from gpt2.hf_weights import hf_config_for, ours_to_hf
+from parallel.tp_plan import param_shard, unshard_tensor
 
 
 def _step_dir(path: Path) -> Path:
     return path / (path / LATEST).read_text().strip() if (path / LATEST).is_file() else path
 
 
-def consolidated_state_dict(step_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The model config and full fp32 state dict (our parameter names) of a checkpoint folder."""
-    meta = read_meta(step_dir)
-    if meta["tp_size"] != 1:
-        raise CheckpointError(f"{step_dir} was saved with --tp-size {meta['tp_size']}; exporting tensor-parallel "
-                              "checkpoints is not supported by this version")
-    cfg = ModelConfig(**meta["model"])
-    if meta["mode"] != "hybrid":
-        return cfg, torch.load(step_dir / "model.pt", map_location="cpu", weights_only=True)
+def _zero_fp32_state_dict(step_dir: Path) -> dict[str, torch.Tensor]:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # gathering shards needs no GPU
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     sd = get_fp32_state_dict_from_zero_checkpoint(str(step_dir), tag=CHECKPOINT_TAG)
     sd.setdefault("lm_head.weight", sd["wte.weight"])  # tied: DeepSpeed may store the parameter once
-    return cfg, sd
+    return sd
+
+
+def _zero_tp_rank_state_dict(step_dir: Path, tp_rank: int) -> dict[str, torch.Tensor]:
+    """One TP rank's fp32 state dict (TP layout) from a ZeRO checkpoint of several TP ranks.
+
+    zero_to_fp32 consolidates over data-parallel ranks only and expects the files of TP rank 0, so it reads
+    a temporary folder of links to this rank's files, renamed from `mp_rank_XX` to `mp_rank_00`.
+    """
+    ours, as_rank0 = f"mp_rank_{tp_rank:02d}", "mp_rank_00"
+    files = [f for f in (step_dir / CHECKPOINT_TAG).iterdir() if ours in f.name]
+    if not files:
+        raise CheckpointError(f"{step_dir / CHECKPOINT_TAG} has no files of TP rank {tp_rank} (*{ours}*)")
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / CHECKPOINT_TAG).mkdir()
+        for f in files:
+            (Path(tmp) / CHECKPOINT_TAG / f.name.replace(ours, as_rank0)).symlink_to(f.resolve())
+        return _zero_fp32_state_dict(Path(tmp))
+
+
+def consolidated_state_dict(step_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The model config and full fp32 state dict (our parameter names) of a checkpoint folder."""
+    meta = read_meta(step_dir)
+    cfg = ModelConfig(**meta["model"])
+    tp = meta["tp_size"]
+    if meta["mode"] == "hybrid":
+        if tp == 1:
+            return cfg, _zero_fp32_state_dict(step_dir)
+        shards = [_zero_tp_rank_state_dict(step_dir, r) for r in range(tp)]
+    else:
+        shards = [torch.load(state_file(step_dir, "model", r, tp), map_location="cpu", weights_only=True)
+                  for r in range(tp)]
+        if tp == 1:
+            return cfg, shards[0]
+    return cfg, {key: unshard_tensor([s[key] for s in shards], param_shard(key)) for key in shards[0]}
 
 
 def export_hf(checkpoint: Path, out_dir: Path) -> Path:
