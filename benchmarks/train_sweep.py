@@ -59,6 +59,7 @@ MODES: dict[str, Mode] = {
     "hf-zero3": Mode("HF transformers ZeRO-3", ("--mode", "zero3"), "benchmarks.hf_reference", takes_fused=False),
 }
 OOM_PATTERNS = ("OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+MIN_RUN_S = 60.0  # under --budget-s, a run with less time left than this could only be killed: not launched
 ERROR_LINE = re.compile(r"\b(\w+(?:Error|Exception)): (.+)$")
 
 
@@ -193,7 +194,7 @@ class Sweep:
         cmd = command(args, mode, fused, batch, name)
         result = RunResult(mode, fused, batch, choice, name, "skipped")
         remaining = args.budget_s - (time.perf_counter() - self.start) if args.budget_s else args.run_timeout
-        if remaining <= 0:
+        if remaining < min(MIN_RUN_S, args.run_timeout):
             result.error = "time budget spent"
         else:
             log_path = self.out / "logs" / f"{name}.log"
@@ -234,8 +235,9 @@ class Sweep:
                 return
 
     def points(self) -> list[tuple[str, str, str]]:
-        return [(mode, fused, b) for mode in self.args.modes
-                for fused in (self.args.fused if MODES[mode].takes_fused else ["none"]) for b in self.args.batches]
+        """Batch sizes outermost, then kernels, then modes: under --budget-s every mode gets its first size."""
+        return [(mode, fused, b) for b in self.args.batches for fused in self.args.fused for mode in self.args.modes
+                if MODES[mode].takes_fused or fused == self.args.fused[0]]
 
 
 def table_row(r: RunResult) -> dict[str, Any]:

@@ -95,13 +95,13 @@ def test_max_batch_search_and_failures(tmp_path, monkeypatch):
                            "--max-batches", "16", "64", "32", "48", "--out", str(tmp_path)])
     assert rc == 1  # a fixed-size run failed
     # a failure that is not OOM ends the search too (a smaller batch would not fix it)
-    assert tried == [("baseline", 8), ("baseline", 64), ("baseline", 48), ("baseline", 32), ("hf", 8), ("hf", 64)]
+    assert tried == [("baseline", 8), ("hf", 8), ("baseline", 64), ("baseline", 48), ("baseline", 32), ("hf", 64)]
     rows = read_csv(tmp_path / "sweep.csv")
     assert [(r["run"], r["status"], r["batch_choice"]) for r in rows] == [
-        ("baseline-none-b8", "ok", "fixed"), ("baseline-none-b64", "oom", "max"), ("baseline-none-b48", "oom", "max"),
-        ("baseline-none-b32", "ok", "max"), ("hf-ddp-b8", "failed", "fixed"), ("hf-ddp-b64", "failed", "max")]
-    assert rows[1]["error"].startswith("OutOfMemoryError: CUDA out of memory")
-    assert rows[4]["error"] == "exit 1: RuntimeError: boom"
+        ("baseline-none-b8", "ok", "fixed"), ("hf-ddp-b8", "failed", "fixed"), ("baseline-none-b64", "oom", "max"),
+        ("baseline-none-b48", "oom", "max"), ("baseline-none-b32", "ok", "max"), ("hf-ddp-b64", "failed", "max")]
+    assert rows[2]["error"].startswith("OutOfMemoryError: CUDA out of memory")
+    assert rows[1]["error"] == "exit 1: RuntimeError: boom"
     table = (tmp_path / "sweep.md").read_text()
     assert re.search(r"\| DDP \| none \| 32 \(max\) \| 32,000 \| 32\.0% \|", table)
     assert "| DDP | none | 64" not in table and "| DDP | none | 48" not in table  # OOM probes: a note, not rows
@@ -116,9 +116,9 @@ def test_sweep_dry_run_prints_commands(capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
     assert len(lines) == 3  # hybrid-tp2-sp x {none, triton}, hf-zero3 once (no fused kernels)
     assert all("--standalone --nproc_per_node=4" in line and "--model gpt2-large" in line for line in lines)
-    assert "--tp-size 2 --sequence-parallel" in lines[0] and "--fused-kernels triton" in lines[1]
-    assert lines[0].endswith("--compile") and "-m benchmarks.hf_reference --mode zero3" in lines[2]
-    assert "--compile" not in lines[2] and "--fused-kernels" not in lines[2]
+    assert "--tp-size 2 --sequence-parallel" in lines[0] and "--fused-kernels triton" in lines[2]
+    assert lines[0].endswith("--compile") and "-m benchmarks.hf_reference --mode zero3" in lines[1]
+    assert "--compile" not in lines[1] and "--fused-kernels" not in lines[1]
 
 
 def _tp_scaling_rank(rank: int, world: int, port: int, argv: list[str]) -> None:
