@@ -35,7 +35,7 @@ hf zero3 8
 hf zero3 32
 
 # overlap: queue each async input-gradient all-reduce before the weight-gradient GEMM it hides behind
-CUDA_DEVICE_MAX_CONNECTIONS=1 timeout 150 python3 -m benchmarks.tp_scaling --nprocs 1 2 4 --out "$OUT/tp_scaling" \
+CUDA_DEVICE_MAX_CONNECTIONS=1 timeout 200 python3 -m benchmarks.tp_scaling --nprocs 1 2 4 --out "$OUT/tp_scaling" \
   >"$OUT/tp_scaling/tp_scaling.log" 2>&1
 echo "[${SECONDS}s] tp_scaling rc=$?"
 tail -31 "$OUT/tp_scaling/tp_scaling.log"
