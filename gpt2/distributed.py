@@ -75,6 +75,10 @@ def init_distributed(cfg: RunConfig) -> DistContext:
     dims = ParallelDims(world_size=world_size, rank=rank, tp_size=cfg.parallel.tp_size)
     dims.validate_model(cfg.model)
     dims.validate_sequence(cfg.train.seq_len, cfg.parallel.sequence_parallel)
+    if device.type == "cuda" and dims.tp_size > 1 and cfg.parallel.tp_overlap:
+        # one hardware queue, so each async TP input-gradient collective is issued before the weight-gradient
+        # GEMM it overlaps (read when the CUDA context is created, i.e. by set_device below; set it to override)
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if cfg.train.mode != "single":
