@@ -87,9 +87,13 @@ gpt2_main() {
   local attempt="${SLURM_RESTART_COUNT:-0}"
   mkdir -p "$JOB_DIR"
 
-  # rendezvous from Slurm's own variables: the first node of the allocation hosts the c10d store, on a port
-  # derived from the job id (distinct for concurrent jobs, and the same after a requeue)
-  HEAD="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+  # rendezvous from Slurm's own variables: the first node of the allocation hosts the c10d store, at the
+  # address Slurm itself reaches it by (NodeAddr), on a port derived from the job id (distinct for concurrent
+  # jobs, the same after a requeue)
+  local head_node
+  head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+  HEAD="$(scontrol show node -o "$head_node" | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p' || true)"
+  HEAD="${HEAD:-$head_node}"
   PORT=$((20000 + SLURM_JOB_ID % 20000))
   AGENTS="${SLURM_NTASKS:-$SLURM_NNODES}"  # one launcher per task; the scripts ask for one task per node
   HOSTFILE="$JOB_DIR/hostfile.$attempt"   # the deepspeed launcher's view of the allocation

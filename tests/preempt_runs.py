@@ -17,7 +17,7 @@ from tests.train_runs import TINY_ARGS
 PREEMPT_ARGS = TINY_ARGS + ["--data", "synthetic", "--batch-size", "2", "--seed", "5", "--eval-batches", "1",
                             "--warmup-steps", "0", "--lr", "1e-3", "--min-lr", "1e-3"]
 NEVER_ENDS = ["--max-steps", "100000"]  # stopped by the signal long before
-REFERENCE_STEPS = 40  # an uninterrupted run this long covers the interrupted step + the resumed steps
+REFERENCE_STEPS = 16  # an uninterrupted run this long covers the interrupted step + the resumed steps
 RESUMED_STEPS = 3
 
 

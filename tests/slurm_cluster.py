@@ -109,6 +109,8 @@ class SlurmCluster:
     def _write_conf(self) -> None:
         mem_mib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
         r = self.root
+        # cred_expire: a requeued job may start again cred_expire + 1 s later (default 120 s); short scheduler
+        # intervals so that it then starts at once
         self.conf.write_text(f"""\
 ClusterName=ci
 SlurmctldHost={self.node}(127.0.0.1)
@@ -116,7 +118,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={self.socket}
+AuthInfo=socket={self.socket},cred_expire=5
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 StateSaveLocation={r / 'state'}
@@ -129,6 +131,7 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=1,bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2

@@ -26,7 +26,7 @@ from tests.train_runs import step_losses, train_env
 
 pytestmark = pytest.mark.slow
 
-STEPS = 30  # the reference job's length; the preempted job stops after step 3 + the signal's latency
+STEPS = 16  # the reference job's length; the preempted job stops after step 3 + the signal's latency
 JOB_TIMEOUT = 240
 CPU_JOB = [f"--partition={PARTITION}", "--gpus-per-node=0", "--cpus-per-task=2", "--time=10"]
 TRAIN = PREEMPT_ARGS + ["--mode", "baseline", "--max-steps", str(STEPS)]
