@@ -24,7 +24,8 @@
 #      process of the job's steps on every node (the launchers and all their workers), not this shell.
 #   3. torchrun and the deepspeed launcher would die of SIGUSR1 (its default action; torchrun handles only
 #      SIGTERM/SIGINT/SIGHUP/SIGQUIT unless told otherwise), so slurm/task.sh starts them with SIGUSR1
-#      ignored; their workers inherit that and train.py installs its own handler (gpt2/preemption.py).
+#      ignored; their workers inherit that and train.py installs its own handler (gpt2/preemption.py) once
+#      its process group is up (a SIGUSR1 before that, during start-up, is lost; SIGTERM still ends the job).
 #   4. Each worker's handler sets a flag; at the next step boundary all ranks all-reduce it (MAX), save the
 #      same step to checkpoints/ and exit 75 (EXIT_PREEMPTED). The launchers see failed workers and exit
 #      non-zero (torchrun flattens the code to 1), so srun ends non-zero.
@@ -110,6 +111,8 @@ gpt2_main() {
   PREEMPTED=0
   trap gpt2_on_usr1 USR1
   trap gpt2_on_term TERM
+  # --kill-on-bad-exit=0: after a preemption save every launcher exits non-zero; let each finish its own
+  # shutdown (rank 0 closes the metrics and wandb) instead of srun killing the slower ones
   srun --ntasks="$AGENTS" --kill-on-bad-exit=0 --output="$JOB_DIR/attempt-$attempt.task-%t.log" \
     slurm/task.sh "${train_args[@]}" &
   local step_pid=$! rc
@@ -122,8 +125,8 @@ gpt2_main() {
   gpt2_log "srun ended with status $rc"
   if [ "$PREEMPTED" = 1 ] && [ "$rc" != 0 ]; then
     gpt2_log "preempted: requeueing; the next attempt resumes from $JOB_DIR/checkpoints"
-    scontrol requeue "$SLURM_JOB_ID"
-    exit 0
+    if scontrol requeue "$SLURM_JOB_ID"; then exit 0; fi
+    gpt2_log "scontrol requeue refused (submitted with --no-requeue?): resubmit; --resume auto continues"
   fi
   exit "$rc"
 }
