@@ -11,10 +11,12 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from gpt2.preemption import EXIT_PREEMPTED
 from tests.preempt_runs import (
@@ -31,8 +33,8 @@ from tests.train_runs import ROOT, free_port, run_train, step_losses, train_env
 pytestmark = pytest.mark.slow
 
 
-def _mode(nproc: int) -> list[str]:
-    return ["--mode", "single" if nproc == 1 else "baseline"]
+def _flags(nproc: int, device: str) -> list[str]:
+    return ["--mode", "single" if nproc == 1 else "baseline", "--device", device]
 
 
 def _launch(args: list[str], out_dir: Path, nproc: int, log: Path) -> subprocess.Popen:
@@ -56,10 +58,11 @@ def _worker_pid(agent: subprocess.Popen, rank: int) -> int:
     raise AssertionError(f"no worker with RANK={rank} under torchrun {agent.pid}")
 
 
-def _interrupt(tmp: Path, nproc: int, send: str) -> tuple[int, str]:
+def _interrupt(tmp: Path, nproc: int, send: str, device: str) -> tuple[int, str]:
     """Start a never-ending run, signal it after step 3 as `send` says; returns (exit code, output)."""
     log = tmp / "interrupted.log"
-    args = PREEMPT_ARGS + _mode(nproc) + NEVER_ENDS + ["--run-name", "interrupted", "--save-dir", str(tmp / "ck")]
+    args = PREEMPT_ARGS + _flags(nproc, device) + NEVER_ENDS + ["--run-name", "interrupted",
+                                                               "--save-dir", str(tmp / "ck")]
     proc = _launch(args, tmp, nproc, log)
     try:
         wait_for(lambda: len(logged_steps(tmp / "interrupted")) >= 3, 120, "step 3", lambda: proc.poll() is None,
@@ -79,25 +82,31 @@ def _interrupt(tmp: Path, nproc: int, send: str) -> tuple[int, str]:
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory) -> dict[int, list[float]]:
-    """Uninterrupted losses for 1 and 2 processes, computed on first use."""
+def references(tmp_path_factory) -> Callable[[int, str], list[float]]:
+    """Uninterrupted losses per (processes, device), computed on first use."""
     root, cache = tmp_path_factory.mktemp("reference"), {}
 
-    def get(nproc: int) -> list[float]:
-        if nproc not in cache:
-            name = f"ref{nproc}"
-            run_train(PREEMPT_ARGS + _mode(nproc) + ["--max-steps", str(REFERENCE_STEPS), "--run-name", name], root,
-                      nproc=nproc)
-            cache[nproc] = step_losses(root / name)
-        return cache[nproc]
+    def get(nproc: int, device: str) -> list[float]:
+        if (nproc, device) not in cache:
+            name = f"ref{nproc}-{device}"
+            run_train(PREEMPT_ARGS + _flags(nproc, device) + ["--max-steps", str(REFERENCE_STEPS), "--run-name", name],
+                      root, nproc=nproc)
+            cache[nproc, device] = step_losses(root / name)
+        return cache[nproc, device]
 
     return get
 
 
-@pytest.mark.parametrize("nproc,send", [(1, "usr1"), (2, "usr1-rank1"), (2, "term-agent")])
-def test_signal_saves_at_step_boundary_and_resume_is_exact(tmp_path: Path, references, nproc: int, send: str
-                                                           ) -> None:
-    code, out = _interrupt(tmp_path, nproc, send)
+TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+
+
+@pytest.mark.parametrize("nproc,send,device", [
+    (1, "usr1", "cpu"), (2, "usr1-rank1", "cpu"), (2, "term-agent", "cpu"),
+    pytest.param(2, "usr1-rank1", "cuda", marks=TWO_GPUS),  # the flag's all-reduce over NCCL
+])
+def test_signal_saves_at_step_boundary_and_resume_is_exact(tmp_path: Path, references, nproc: int, send: str,
+                                                           device: str) -> None:
+    code, out = _interrupt(tmp_path, nproc, send, device)
     if nproc == 1:
         assert code == EXIT_PREEMPTED, out[-3000:]
     else:
@@ -115,8 +124,9 @@ def test_signal_saves_at_step_boundary_and_resume_is_exact(tmp_path: Path, refer
     if send == "term-agent":
         return  # the resume itself is the same as after SIGUSR1, checked by the other cases
 
-    run_train(PREEMPT_ARGS + _mode(nproc) + ["--max-steps", str(step + RESUMED_STEPS), "--run-name", "resumed",
-                              "--save-dir", str(ck), "--resume", "auto"], tmp_path, nproc=nproc)
-    ref = references(nproc)
+    run_train(PREEMPT_ARGS + _flags(nproc, device) + ["--max-steps", str(step + RESUMED_STEPS), "--run-name",
+                                                      "resumed", "--save-dir", str(ck), "--resume", "auto"],
+              tmp_path, nproc=nproc)
+    ref = references(nproc, device)
     assert step_losses(tmp_path / "interrupted") == ref[:step]
     assert step_losses(tmp_path / "resumed") == ref[step:step + RESUMED_STEPS]  # bit-identical
