@@ -58,7 +58,10 @@ class StepProfiler:
     def _write(self, prof: profile) -> None:
         assert self.run_dir is not None
         events = prof.key_averages()
-        kernels = [e for e in events if e.device_type == DeviceType.CUDA]  # device-side events only
+        # device-side kernels only: user annotations (ProfilerStep#, module ranges) also appear on the
+        # device timeline, spanning the kernels inside them
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+                   and not e.key.startswith("ProfilerStep")]
         on_device = bool(kernels)
         sort_key = "self_cuda_time_total" if on_device else "self_cpu_time_total"
         (self.run_dir / "profile_kernels.txt").write_text(events.table(sort_by=sort_key, row_limit=40))
