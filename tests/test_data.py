@@ -337,7 +337,8 @@ def test_seq_len_leaving_no_validation_block(tmp_path, tiny_tokenizer):
 
 def test_hub_probe_never_hangs(monkeypatch):
     def stalled(*args, **kwargs):
-        time.sleep(30)  # a connect, DNS lookup or TLS handshake that never completes
+        time.sleep(30)  # a connect, DNS lookup or TLS handshake that never completes...
+        raise TimeoutError  # ...and then fails as urllib would (a stub returning None breaks the probe thread)
 
     monkeypatch.setattr("urllib.request.urlopen", stalled)
     start = time.perf_counter()
