@@ -55,8 +55,10 @@ def _clean(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_label(mode: str, zero_stage: int, tp: int, sequence_parallel: bool) -> str:
-    """The configuration's name in reports and wandb job types: single, ddp, zero3, zero3-tp2-sp, ..."""
-    name = {"single": "single", "baseline": "ddp"}.get(mode, f"zero{zero_stage}")
+    """The configuration's name in reports and wandb job types: single, ddp, zero3, zero3-tp2-sp, ...
+
+    Modes other than ours (e.g. `hf-ddp`, `hf-zero3` from benchmarks/hf_reference.py) keep their own name."""
+    name = {"single": "single", "baseline": "ddp", "hybrid": f"zero{zero_stage}"}.get(mode, mode)
     return name + (f"-tp{tp}" if tp > 1 else "") + ("-sp" if sequence_parallel else "")
 
 
