@@ -32,6 +32,7 @@ from fused_kernels.attention import get_attention
 from gpt2.config import ConfigError, RunConfig, TrainConfig
 from gpt2.distributed import DistContext
 from gpt2.model import GPT
+from parallel.comm import CommStats
 from parallel.dims import ParallelDims
 from parallel.grads import allreduce_sequence_parallel_grads, clip_grad_norm_
 from parallel.tp_plan import apply_tensor_parallel
@@ -61,9 +62,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_model(cfg: RunConfig, device: torch.device, dims: ParallelDims) -> GPT:
+def build_model(cfg: RunConfig, device: torch.device, dims: ParallelDims, stats: CommStats | None = None) -> GPT:
     """This rank's GPT-2: the full model from the seed (identical on every rank) or --init-from, then cut
-    into this rank's tensor-parallel shards (nothing to cut for tp 1)."""
+    into this rank's tensor-parallel shards (nothing to cut for tp 1). `stats` counts the TP collectives' bytes."""
     ops = get_ops(cfg.train.fused_kernels)
     attention = get_attention(cfg.train.attn)
     torch.manual_seed(cfg.train.seed)
@@ -74,7 +75,7 @@ def build_model(cfg: RunConfig, device: torch.device, dims: ParallelDims) -> GPT
 
         model.load_state_dict(load_hf_state_dict(cfg.train.init_from, cfg.model))
     apply_tensor_parallel(model, dims, sequence_parallel=cfg.parallel.sequence_parallel,
-                          overlap=cfg.parallel.tp_overlap)
+                          overlap=cfg.parallel.tp_overlap, stats=stats)
     return model
 
 
@@ -98,7 +99,9 @@ class TorchEngine:
             # GradScaler finds inf/NaN per rank; TP ranks hold different shards and could skip different steps
             raise ConfigError("--precision fp16 with --tp-size > 1 needs a GradScaler synchronised over the TP "
                               "group, which --mode baseline lacks; use --precision bf16, or --mode hybrid")
-        model = build_model(cfg, ctx.device, ctx.dims)
+        # bytes of every TP collective (the planner compares them with its prediction); None without TP
+        self.comm_stats = CommStats() if ctx.dims.tp_size > 1 else None
+        model = build_model(cfg, ctx.device, ctx.dims, self.comm_stats)
         model.activation_checkpointing = t.activation_checkpointing
         if t.compile and t.compile_scope == "blocks":
             compile_model(model)
@@ -135,7 +138,7 @@ class TorchEngine:
                 loss, correct = self.model(x, y)
             self.scaler.scale(loss / self.cfg.train.grad_accum).backward()
         if last_micro_step and self.cfg.parallel.sequence_parallel:
-            allreduce_sequence_parallel_grads(self.module, self.ctx.dims)
+            allreduce_sequence_parallel_grads(self.module, self.ctx.dims, self.comm_stats)
         return loss.detach(), correct.detach()
 
     def optimizer_step(self) -> torch.Tensor:

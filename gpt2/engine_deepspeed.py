@@ -52,6 +52,7 @@ from gpt2.distributed import DistContext
 from gpt2.engine import build_model, compile_model, lr_at
 from gpt2.model import GPT
 from gpt2.run_logging import log
+from parallel.comm import CommStats
 from parallel.dims import ParallelDims
 from parallel.grads import register_sequence_parallel_grad_hooks
 from parallel.mpu import ModelParallelUnit
@@ -172,6 +173,7 @@ class DeepSpeedEngine:
         deepspeed = _import_deepspeed(ctx.device)
         self.ds_config = build_ds_config(cfg, ctx.dims.dp_size, ctx.device)
         log.info("DeepSpeed config: %s", json.dumps(self.ds_config, sort_keys=True))
+        self.comm_stats = CommStats() if ctx.dims.tp_size > 1 else None  # our TP collectives' bytes
         if stage == 3 and ctx.dims.tp_size == 1:
             model = _build_zero3_model(cfg, self.ds_config, ctx.dims, deepspeed)
         else:
@@ -179,12 +181,12 @@ class DeepSpeedEngine:
                 log.info("ZeRO-3 with --tp-size %d: building the full model on every device (not under zero.Init), "
                          "cutting it into TP shards, then partitioning each shard over the DP group",
                          ctx.dims.tp_size)
-            model = build_model(cfg, ctx.device, ctx.dims)
+            model = build_model(cfg, ctx.device, ctx.dims, self.comm_stats)
         model.activation_checkpointing = t.activation_checkpointing
         if t.compile:  # ZeRO-1/2 only (rejected above for ZeRO-3)
             compile_model(model)
         if cfg.parallel.sequence_parallel:  # before initialize: ZeRO consumes gradients during backward
-            register_sequence_parallel_grad_hooks(model, ctx.dims)
+            register_sequence_parallel_grad_hooks(model, ctx.dims, self.comm_stats)
         optimizer = torch.optim.AdamW(_param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                                       fused=ctx.device.type == "cuda")
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, t) / t.lr)

@@ -44,6 +44,7 @@ import json
 import math
 import os
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -291,14 +292,22 @@ def predict_communication(s: Setup) -> list[CommOp]:
     ops = step_communication(s.model, s.workload, s.layout, num.states)
     if s.tp > 1:
         t, m, tokens = s.tp, s.grad_accum, s.micro_batch * s.seq_len
+        if s.activation_checkpointing and s.model.dropout == 0:
+            # perf_model counts Megatron's full recomputed forward (2 more collectives per layer). torch's
+            # non-reentrant checkpoint stops recomputing at the block's last saved tensor (the MLP c_proj
+            # input), so the MLP output's all-reduce / reduce-scatter is not rerun (its dropout mask would be)
+            skip = "activation reduce-scatter (SP)" if s.sequence_parallel else "activation all-reduce"
+            ops = [replace(op, calls=op.calls - m * s.model.n_layer) if op.name == skip else op for op in ops]
         act = tokens * s.model.n_embd * num.states.activation_bytes
         ops.append(CommOp("top-1 all-reduce (int64)", "tp", "all_reduce", t, tokens * 8, m))
         if s.sequence_parallel:
             d, L = s.model.n_embd, s.model.n_layer
             ops.append(CommOp("position-embedding grad all-gather (SP)", "tp", "all_gather", t,
                               s.seq_len * d * num.states.activation_bytes, m))
+            # DDP/single: one coalesced all-reduce after the last micro-step; DeepSpeed: per-parameter hooks
+            # in every backward (ZeRO consumes gradients during backward), so once per micro-step
             ops.append(CommOp("SP replicated-param grad all-reduce", "tp", "all_reduce", t,
-                              (6 * L + 2) * d * num.states.grad_bytes, 1))
+                              (6 * L + 2) * d * num.states.grad_bytes, m if s.mode == "hybrid" else 1))
             if s.tp_overlap:  # the overlapped backward re-gathers c_attn's and the LM head's inputs
                 ops.append(CommOp("recomputed input all-gather (SP overlap)", "tp", "all_gather", t, act,
                                   m * (L + 1)))
@@ -308,6 +317,15 @@ def predict_communication(s: Setup) -> list[CommOp]:
 def tp_payload_bytes(ops: list[CommOp]) -> float:
     """Logical bytes of the TP collectives per step: what parallel.comm.CommStats counts."""
     return sum(op.message_bytes * op.calls for op in ops if op.group == "tp")
+
+
+def tp_payload_by_collective(ops: list[CommOp]) -> dict[str, float]:
+    """`tp_payload_bytes` per collective kind (all_reduce, all_gather, reduce_scatter)."""
+    out: dict[str, float] = {}
+    for op in ops:
+        if op.group == "tp":
+            out[op.collective] = out.get(op.collective, 0.0) + op.message_bytes * op.calls
+    return out
 
 
 # ---------------------------------------------------------------- the plan of one run
@@ -329,6 +347,7 @@ class Plan:
         out: dict[str, Any] = {f"plan/{k}_gib": v for k, v in self.memory.as_gib().items()}
         out.update({"plan/gpu_memory_gib": self.gpu_memory_gib, "plan/fits": self.fits,
                     "plan/tp_payload_bytes": tp_payload_bytes(self.comm)})
+        out.update({f"plan/tp_payload_bytes/{k}": v for k, v in tp_payload_by_collective(self.comm).items()})
         for op in self.comm:
             out[f"plan/comm/{op.group} {op.name}/wire_bytes"] = op.wire_bytes
         return out
@@ -388,28 +407,55 @@ def plan_for_run(cfg: RunConfig, world_size: int, device_type: str) -> Plan:
     return make_plan(s, device_memory_gib(cfg.plan.gpu_memory_gib))
 
 
-def measured_tp_bytes_per_step(engine: object, steps: int) -> float | None:
-    """TP payload per optimizer step from the engine's `comm_stats` (a parallel.comm.CommStats), if it has one.
+class TrainingCommMeter:
+    """Measured TP payload per optimizer step and collective kind, from the engine's `comm_stats`
+    (a parallel.comm.CommStats; engines without TP have none).
 
-    An average over the run's `steps` training steps; periodic evaluations (--eval-interval) add forward bytes.
+    Call `start_step()` before a step's first micro-batch and `end_step()` after its optimizer step: only
+    what runs in between is counted, so evaluation forwards (--eval-interval, the final one) are left out.
+    Every micro-batch of gradient accumulation is part of its step.
     """
-    stats = getattr(engine, "comm_stats", None)
-    if stats is None or steps <= 0:
-        return None
-    return sum(stats.bytes.values()) / steps
+
+    def __init__(self, engine: object):
+        self.stats = getattr(engine, "comm_stats", None)
+        self.total: Counter = Counter()
+        self.steps = 0
+
+    def start_step(self) -> None:
+        if self.stats is not None:
+            self.stats.reset()
+
+    def end_step(self) -> None:
+        if self.stats is not None:
+            for (op, _phase), n in self.stats.bytes.items():
+                self.total[op] += n
+            self.steps += 1
+
+    def per_step(self) -> dict[str, float] | None:
+        """Bytes per step by collective kind (averaged over the counted steps), or None if not measured."""
+        if self.stats is None or self.steps == 0:
+            return None
+        return {op: n / self.steps for op, n in sorted(self.total.items())}
 
 
-def compare_with_run(plan: Plan, summary: dict[str, Any], tp_bytes_per_step: float | None) -> dict[str, Any]:
-    """Predicted next to measured, for the summary record. Memory is compared on CUDA only (CPU reports RSS)."""
+def compare_with_run(plan: Plan, summary: dict[str, Any], tp_bytes_per_step: dict[str, float] | None
+                     ) -> dict[str, Any]:
+    """Predicted next to measured, for the summary record. Memory is compared on CUDA only (CPU reports RSS).
+
+    `tp_bytes_per_step`: the measured TP payload per step by collective kind (`TrainingCommMeter.per_step`).
+    """
     out = plan.record()
     measured = summary.get("mem/peak_allocated_gib")
     on_gpu = summary.get("device", "cpu") != "cpu"
     out["plan/measured_peak_gib"] = measured if on_gpu else None
     out["plan/peak_error"] = (plan.memory.peak / GIB - measured) / measured if on_gpu and measured else None
     if plan.setup.tp > 1:
-        out["plan/measured_tp_payload_bytes"] = tp_bytes_per_step
         if tp_bytes_per_step is None:
+            out["plan/measured_tp_payload_bytes"] = None
             out["plan/comm_note"] = "TP bytes not measured: the engine exposes no CommStats; predicted only"
+        else:
+            out["plan/measured_tp_payload_bytes"] = sum(tp_bytes_per_step.values())
+            out.update({f"plan/measured_tp_payload_bytes/{k}": v for k, v in tp_bytes_per_step.items()})
     return out
 
 

@@ -23,7 +23,7 @@ from gpt2.metrics import (
     memory_stats,
     model_params_for_flops,
 )
-from gpt2.planner import compare_with_run, format_plan, measured_tp_bytes_per_step, plan_for_run
+from gpt2.planner import TrainingCommMeter, compare_with_run, format_plan, plan_for_run
 from gpt2.preemption import Preempted, PreemptionWatcher
 from gpt2.profiling import StepProfiler
 from gpt2.run_logging import MetricsLogger, log
@@ -95,9 +95,11 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
     bar = tqdm(total=t.max_steps, initial=start_step, disable=not ctx.is_main, dynamic_ncols=True, unit="step")
     tokens_per_micro = t.batch_size * t.seq_len
     last: dict[str, Any] = {}
+    comm = TrainingCommMeter(engine)
     train_start = time.perf_counter()
     for step in range(start_step + 1, t.max_steps + 1):
         timer.start()
+        comm.start_step()
         loss_sum = torch.zeros((), device=ctx.device)
         correct_sum = torch.zeros((), device=ctx.device)
         for micro in range(t.grad_accum):
@@ -107,6 +109,7 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
             loss_sum += loss.float()
             correct_sum += correct.float()
         grad_norm = engine.optimizer_step()
+        comm.end_step()
         meter.record(step, timer.stop())
         profiler.step()
 
@@ -138,7 +141,6 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
     bar.close()
     profiler.stop()
     train_time = time.perf_counter() - train_start
-    tp_bytes = measured_tp_bytes_per_step(engine, t.max_steps - start_step)  # before eval adds forward passes
 
     if meter.measured_steps == 0:
         log.warning("all %d steps were throughput warm-up: no tokens/s or MFU; raise --max-steps above "
@@ -156,7 +158,7 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
         "final_loss": last.get("loss"), "final_accuracy": last.get("accuracy"), **val,
         "torch_version": torch.__version__, "profiled": t.profile,
     }
-    summary.update(compare_with_run(plan, summary, tp_bytes))  # predicted next to measured memory/communication
+    summary.update(compare_with_run(plan, summary, comm.per_step()))  # predicted next to measured memory/communication
     if logger:
         logger.log_summary(summary)
     mfu = summary["mfu"]

@@ -145,5 +145,9 @@ def test_compare_with_run():
     assert record["plan/peak_error"] == pytest.approx(plan.memory.peak / GIB / 10.0 - 1)
     assert record["plan/measured_tp_payload_bytes"] is None and "predicted only" in record["plan/comm_note"]
     assert record["plan/tp_payload_bytes"] > 0
-    on_cpu = compare_with_run(plan, {"mem/peak_allocated_gib": 10.0, "device": "cpu"}, 123.0)
+    on_cpu = compare_with_run(plan, {"mem/peak_allocated_gib": 10.0, "device": "cpu"},
+                              {"all_gather": 100.0, "all_reduce": 23.0})
     assert on_cpu["plan/peak_error"] is None and on_cpu["plan/measured_tp_payload_bytes"] == 123.0
+    assert on_cpu["plan/measured_tp_payload_bytes/all_gather"] == 100.0 and "plan/comm_note" not in on_cpu
+    assert sum(v for k, v in record.items() if k.startswith("plan/tp_payload_bytes/")) == pytest.approx(
+        record["plan/tp_payload_bytes"])
