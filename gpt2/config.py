@@ -72,6 +72,7 @@ class ParallelConfig:
     tp_overlap: bool = True
     zero_stage: int = 3
     ds_config: str | None = None
+    comm_log: bool = False  # DeepSpeed's comms logger (hybrid): measured ZeRO bytes per step in the summary
 
 
 @dataclass
@@ -237,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-tp-overlap", action="store_true")
     g.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=3)
     g.add_argument("--ds-config", help="DeepSpeed JSON config (hybrid mode)")
+    g.add_argument("--comm-log", action="store_true",
+                   help="hybrid mode: enable DeepSpeed's comms logger and put the measured ZeRO bytes per step next "
+                        "to the planner's prediction in the summary; it synchronises after every collective, "
+                        "which removes communication/compute overlap: not for throughput runs")
     # the `deepspeed` launcher appends --local_rank=N; the LOCAL_RANK environment variable is what we read
     g.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
 
@@ -310,6 +315,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     parallel = ParallelConfig(
         tp_size=args.tp_size, sequence_parallel=args.sequence_parallel,
         tp_overlap=not args.no_tp_overlap, zero_stage=args.zero_stage, ds_config=args.ds_config,
+        comm_log=args.comm_log,
     )
     log = LogConfig(
         out_dir=args.out_dir, run_name=args.run_name, wandb=args.wandb,
@@ -346,6 +352,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("--data synthetic ignores --data-path; drop one of the two")
     if t.mode != "hybrid" and cfg.parallel.ds_config:
         raise ConfigError("--ds-config only applies to --mode hybrid")
+    if t.mode != "hybrid" and cfg.parallel.comm_log:
+        raise ConfigError("--comm-log only applies to --mode hybrid (DeepSpeed's comms logger)")
     if cfg.parallel.sequence_parallel and cfg.parallel.tp_size == 1:
         raise ConfigError("--sequence-parallel shards the sequence over the tensor-parallel group; "
                           "pass --tp-size > 1 or drop --sequence-parallel")

@@ -159,6 +159,37 @@ def _build_zero3_model(cfg: RunConfig, ds_config: dict, dims: ParallelDims, deep
     return model
 
 
+class ZeroCommLog:
+    """Bytes per collective kind from DeepSpeed's comms logger (`--comm-log`), in CommStats' convention: the
+    full (unsharded) tensor of each collective. The logger records an all-gather by its input (this rank's
+    shard), so those are scaled by the data-parallel size (ZeRO gathers over the DP group).
+
+    The logger is DeepSpeed's process-wide object; `reset` clears it. It records only collectives called
+    through `deepspeed.comm` (ZeRO's), not our TP layers' (torch.distributed directly).
+    """
+
+    KINDS = {"all_gather_into_tensor": "all_gather", "all_gather": "all_gather",
+             "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter": "reduce_scatter",
+             "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce"}
+
+    def __init__(self, dp_size: int):
+        import deepspeed.comm
+
+        self.dp_size = dp_size
+        self.logger = deepspeed.comm.comms_logger
+
+    def reset(self) -> None:
+        self.logger.reset_data()
+
+    def bytes_by_collective(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, sizes in self.logger.comms_dict.items():
+            kind = self.KINDS.get(name, name)
+            scale = self.dp_size if name.startswith("all_gather") else 1
+            out[kind] = out.get(kind, 0.0) + sum(size * record[0] * scale for size, record in sizes.items())
+        return out
+
+
 class DeepSpeedEngine:
     """ZeRO-1/2/3 training; `engine` is the DeepSpeed engine, `module` our GPT inside it."""
 
@@ -172,6 +203,8 @@ class DeepSpeedEngine:
                               "graph capture); drop --compile or use --zero-stage 1/2")
         deepspeed = _import_deepspeed(ctx.device)
         self.ds_config = build_ds_config(cfg, ctx.dims.dp_size, ctx.device)
+        if cfg.parallel.comm_log:  # every collective synchronises: measurement runs only
+            self.ds_config["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True, "debug": False}
         log.info("DeepSpeed config: %s", json.dumps(self.ds_config, sort_keys=True))
         self.comm_stats = CommStats() if ctx.dims.tp_size > 1 else None  # our TP collectives' bytes
         if stage == 3 and ctx.dims.tp_size == 1:
@@ -194,6 +227,7 @@ class DeepSpeedEngine:
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
             mpu=ModelParallelUnit(ctx.dims), dist_init_required=False)
         self.module: GPT = model
+        self.zero_comm_log = ZeroCommLog(ctx.dims.dp_size) if cfg.parallel.comm_log else None
 
     def forward_backward(
         self, x: torch.Tensor, y: torch.Tensor, last_micro_step: bool

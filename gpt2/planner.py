@@ -234,6 +234,15 @@ def zero3_held_params(s: Setup) -> float:
     return sum(held.values())
 
 
+def zero3_persistent_params(s: Setup) -> float:
+    """Elements of the parameters ZeRO-3 never partitions (each under `stage3_param_persistence_threshold`)."""
+    cfg, t = s.model, s.tp
+    d = cfg.n_embd
+    block = [d, d, 3 * d * d / t, 3 * d / t, d * d / t, d, d, d, 4 * d * d / t, 4 * d / t, 4 * d * d / t, d]
+    sizes = [cfg.padded_vocab_size * d / t, cfg.n_positions * d, d, d] + block * cfg.n_layer
+    return sum(n for n in sizes if n < s.deepspeed.param_persistence_threshold)
+
+
 def loss_bytes(s: Setup, tokens: int, e: int) -> float:
     """Peak bytes of the LM head's loss per GPU (see the module docstring)."""
     cfg = s.model
@@ -290,6 +299,8 @@ def predict_communication(s: Setup) -> list[CommOp]:
     """Collectives one GPU takes part in per optimizer step: perf_model's, plus our TP implementation's extras."""
     num = numerics(s)
     ops = step_communication(s.model, s.workload, s.layout, num.states)
+    if s.mode == "hybrid" and s.zero_stage == 3 and s.dp > 1:
+        ops = zero3_gathers(s, ops, num.states.param_bytes)
     if s.tp > 1:
         t, m, tokens = s.tp, s.grad_accum, s.micro_batch * s.seq_len
         if s.activation_checkpointing and s.model.dropout == 0:
@@ -314,16 +325,36 @@ def predict_communication(s: Setup) -> list[CommOp]:
     return ops
 
 
+def zero3_gathers(s: Setup, ops: list[CommOp], param_bytes: int) -> list[CommOp]:
+    """perf_model's ZeRO-3 all-gathers (every weight in forward and again in backward), as DeepSpeed runs them
+    after its first step (the one that records the parameter trace and gathers every use separately):
+    persistent parameters are not gathered in forward or backward but refreshed once after the optimizer step;
+    weights reused within `stage3_max_reuse_distance` stay gathered from forward to backward
+    (`zero3_held_params`, the memory model's term), so backward gathers only the others."""
+    persistent, held = zero3_persistent_params(s), zero3_held_params(s)
+    out = []
+    for op in ops:
+        if op.name == "param all-gather (fwd)":
+            out.append(replace(op, message_bytes=op.message_bytes - persistent * param_bytes))
+            out.append(replace(op, name="persistent param all-gather (after step)",
+                               message_bytes=persistent * param_bytes, calls=1))
+        elif op.name == "param all-gather (bwd)":
+            out.append(replace(op, message_bytes=op.message_bytes - (persistent + held) * param_bytes))
+        else:
+            out.append(op)
+    return out
+
+
 def tp_payload_bytes(ops: list[CommOp]) -> float:
     """Logical bytes of the TP collectives per step: what parallel.comm.CommStats counts."""
     return sum(op.message_bytes * op.calls for op in ops if op.group == "tp")
 
 
-def tp_payload_by_collective(ops: list[CommOp]) -> dict[str, float]:
-    """`tp_payload_bytes` per collective kind (all_reduce, all_gather, reduce_scatter)."""
+def payload_by_collective(ops: list[CommOp], group: str) -> dict[str, float]:
+    """Logical bytes per step of one group's collectives (tp: what CommStats counts; dp: ZeRO's), by kind."""
     out: dict[str, float] = {}
     for op in ops:
-        if op.group == "tp":
+        if op.group == group:
             out[op.collective] = out.get(op.collective, 0.0) + op.message_bytes * op.calls
     return out
 
@@ -347,7 +378,9 @@ class Plan:
         out: dict[str, Any] = {f"plan/{k}_gib": v for k, v in self.memory.as_gib().items()}
         out.update({"plan/gpu_memory_gib": self.gpu_memory_gib, "plan/fits": self.fits,
                     "plan/tp_payload_bytes": tp_payload_bytes(self.comm)})
-        out.update({f"plan/tp_payload_bytes/{k}": v for k, v in tp_payload_by_collective(self.comm).items()})
+        for group in ("tp", "dp"):
+            payload = payload_by_collective(self.comm, group)
+            out.update({f"plan/{group}_payload_bytes/{k}": v for k, v in payload.items()})
         for op in self.comm:
             out[f"plan/comm/{op.group} {op.name}/wire_bytes"] = op.wire_bytes
         return out
@@ -408,41 +441,50 @@ def plan_for_run(cfg: RunConfig, world_size: int, device_type: str) -> Plan:
 
 
 class TrainingCommMeter:
-    """Measured TP payload per optimizer step and collective kind, from the engine's `comm_stats`
-    (a parallel.comm.CommStats; engines without TP have none).
+    """Measured payload per optimizer step, by group and collective kind, from what the engine exposes:
+    `comm_stats` (a parallel.comm.CommStats: our TP collectives; engines without TP have none) and
+    `zero_comm_log` (DeepSpeed's comms logger under --comm-log: ZeRO's collectives, see ZeroCommLog).
 
     Call `start_step()` before a step's first micro-batch and `end_step()` after its optimizer step: only
     what runs in between is counted, so evaluation forwards (--eval-interval, the final one) are left out.
-    Every micro-batch of gradient accumulation is part of its step.
+    Every micro-batch of gradient accumulation is part of its step. DP bytes leave out the run's first step
+    (DeepSpeed ZeRO-3 records its parameter trace there and gathers more): they need two steps or more.
     """
 
     def __init__(self, engine: object):
-        self.stats = getattr(engine, "comm_stats", None)
-        self.total: Counter = Counter()
+        self.tp = getattr(engine, "comm_stats", None)
+        self.dp = getattr(engine, "zero_comm_log", None)
+        self.total: dict[str, Counter] = {"tp": Counter(), "dp": Counter()}
         self.steps = 0
 
     def start_step(self) -> None:
-        if self.stats is not None:
-            self.stats.reset()
+        for source in (self.tp, self.dp):
+            if source is not None:
+                source.reset()
 
     def end_step(self) -> None:
-        if self.stats is not None:
-            for (op, _phase), n in self.stats.bytes.items():
-                self.total[op] += n
-            self.steps += 1
+        if self.tp is not None:
+            for (op, _phase), n in self.tp.bytes.items():
+                self.total["tp"][op] += n
+        if self.dp is not None and self.steps > 0:  # ZeRO-3's first step records its trace: not steady state
+            self.total["dp"].update(self.dp.bytes_by_collective())
+        self.steps += 1
 
-    def per_step(self) -> dict[str, float] | None:
-        """Bytes per step by collective kind (averaged over the counted steps), or None if not measured."""
-        if self.stats is None or self.steps == 0:
+    def per_step(self, group: str) -> dict[str, float] | None:
+        """Bytes per step of `group` ("tp" or "dp") by collective kind, averaged over the counted steps;
+        None if the engine does not measure that group."""
+        source, steps = (self.tp, self.steps) if group == "tp" else (self.dp, self.steps - 1)
+        if source is None or steps <= 0:
             return None
-        return {op: n / self.steps for op, n in sorted(self.total.items())}
+        return {op: n / steps for op, n in sorted(self.total[group].items())}
 
 
-def compare_with_run(plan: Plan, summary: dict[str, Any], tp_bytes_per_step: dict[str, float] | None
-                     ) -> dict[str, Any]:
+def compare_with_run(plan: Plan, summary: dict[str, Any], tp_bytes_per_step: dict[str, float] | None,
+                     dp_bytes_per_step: dict[str, float] | None = None) -> dict[str, Any]:
     """Predicted next to measured, for the summary record. Memory is compared on CUDA only (CPU reports RSS).
 
-    `tp_bytes_per_step`: the measured TP payload per step by collective kind (`TrainingCommMeter.per_step`).
+    `tp_bytes_per_step` / `dp_bytes_per_step`: measured payload per step by collective kind
+    (`TrainingCommMeter.per_step`); DP is measured only with --comm-log (DeepSpeed's comms logger).
     """
     out = plan.record()
     measured = summary.get("mem/peak_allocated_gib")
@@ -456,6 +498,8 @@ def compare_with_run(plan: Plan, summary: dict[str, Any], tp_bytes_per_step: dic
         else:
             out["plan/measured_tp_payload_bytes"] = sum(tp_bytes_per_step.values())
             out.update({f"plan/measured_tp_payload_bytes/{k}": v for k, v in tp_bytes_per_step.items()})
+    if dp_bytes_per_step is not None:
+        out.update({f"plan/measured_dp_payload_bytes/{k}": v for k, v in dp_bytes_per_step.items()})
     return out
 
 

@@ -158,7 +158,8 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
         "final_loss": last.get("loss"), "final_accuracy": last.get("accuracy"), **val,
         "torch_version": torch.__version__, "profiled": t.profile,
     }
-    summary.update(compare_with_run(plan, summary, comm.per_step()))  # predicted next to measured memory/communication
+    # predicted next to measured memory and communication
+    summary.update(compare_with_run(plan, summary, comm.per_step("tp"), comm.per_step("dp")))
     if logger:
         logger.log_summary(summary)
     mfu = summary["mfu"]

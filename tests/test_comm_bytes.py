@@ -44,3 +44,28 @@ def test_tp_bytes_measured_equal_predicted(name: str, tmp_path: Path) -> None:
     assert measured == predicted, (measured, predicted)
     assert s["plan/measured_tp_payload_bytes"] == s["plan/tp_payload_bytes"] > 0
     assert "plan/comm_note" not in s
+
+
+def test_zero3_bytes_with_comm_log(tmp_path: Path) -> None:
+    """ZeRO-3 on 2 ranks (dp 2) with --comm-log: DeepSpeed's comms logger against the planner, per step after
+    the first (DeepSpeed records its parameter trace in step 1 and gathers every use separately there:
+    measured on CPU, 4x the tied embedding + 3x the persistent parameters, ~4x steady state).
+
+    Steady state: the reduce-scatter carries every gradient once per micro-step; the all-gathers carry the
+    partitioned weights once in forward (gpt2-tiny: only the tied embedding is above the persistence
+    threshold, and it stays gathered to backward, reused by the LM head within stage3_max_reuse_distance)
+    plus the persistent parameters' refresh after the step. Partitions are padded to a multiple of dp, and
+    gpt2-tiny's embedding (50304 x 64) needs no padding, so the counts agree exactly; the tolerance (0.1%)
+    leaves room only for that padding with other shapes. all_reduce / broadcast (overflow and norm scalars,
+    a few hundred bytes) are not predicted.
+    """
+    run_train(TINY_ARGS + ["--data", "synthetic", "--max-steps", "3", "--eval-batches", "1", "--max-samples", "8",
+                           "--mode", "hybrid", "--batch-size", "2", "--comm-log", "--run-name", "z3"],
+              tmp_path, nproc=2)
+    s = summary(tmp_path / "z3")
+    predicted = _by_collective(s, "plan/dp_payload_bytes/")
+    measured = _by_collective(s, "plan/measured_dp_payload_bytes/")
+    assert set(predicted) == {"all_gather", "reduce_scatter"}, predicted
+    for kind, want in predicted.items():
+        assert measured[kind] == pytest.approx(want, rel=1e-3), (kind, measured, predicted)
+    assert sum(v for k, v in measured.items() if k not in predicted) < 4096  # scalars only

@@ -123,7 +123,9 @@ def test_search_ranks_fitting_layouts_by_step_time(capsys):
     times = [c.step_s for c in ranked]
     assert times == sorted(times)
     best = ranked[0].plan.setup
-    assert best.tp == 4 and best.mode == "hybrid" and best.zero_stage in (1, 2)
+    # ZeRO-3 ties with 1/2 on time (ds_configs/zero3.json keeps gathered weights to backward, so its DP
+    # traffic hides under compute too) and wins on memory
+    assert best.tp == 4 and best.mode == "hybrid"
     # compute time by hand: (6 N + 12 L d T) FLOPs/token, N = 12 x (12 d^2 + 13 d) + 2 d + 50257 d (unpadded)
     n = 12 * (12 * 768**2 + 13 * 768) + 2 * 768 + 50257 * 768
     fpt = 6 * n + 12 * 12 * 768 * 1024
@@ -136,7 +138,7 @@ def test_search_ranks_fitting_layouts_by_step_time(capsys):
                        "--gpus", "16", "--gpu-memory-gib", "12", "--busbw-gbs", "300", "0.5"]) == 0
     out = capsys.readouterr().out
     assert "assumptions: 400 TFLOP/s" in out and "0.5 GB/s for a group spanning nodes" in out
-    assert re.search(r"\| 1 \| zero[12]-tp4", out)
+    assert re.search(r"\| 1 \| zero[123]-tp4", out)
 
 
 def test_compare_with_run():
