@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -86,6 +86,25 @@ def compile_model(model: GPT) -> None:
         block.compile()
     model.ln_f.compile()
     model.lm_head.compile()
+
+
+@torch.no_grad()
+def evaluate_batches(
+    forward: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    ctx: DistContext,
+) -> tuple[float, float]:
+    """Token-weighted mean loss and top-1 accuracy of `forward` over `batches`, summed over the DP group."""
+    totals = torch.zeros(3, device=ctx.device, dtype=torch.float64)  # loss*tokens, correct, tokens
+    for x, y in batches:
+        x, y = x.to(ctx.device), y.to(ctx.device)
+        loss, correct = forward(x, y)
+        totals[0] += loss.double() * y.numel()
+        totals[1] += correct.double()
+        totals[2] += y.numel()
+    if ctx.distributed:
+        dist.all_reduce(totals, group=ctx.dims.dp_group)
+    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
 
 
 class TorchEngine:
@@ -161,19 +180,13 @@ class TorchEngine:
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
-    @torch.no_grad()
     def evaluate(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """Mean loss and top-1 accuracy over `batches`, averaged over the data-parallel group."""
-        self.model.eval()
-        totals = torch.zeros(3, device=self.ctx.device, dtype=torch.float64)  # loss*tokens, correct, tokens
-        for x, y in batches:
-            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+        def forward(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             with self.autocast():
-                loss, correct = self.module(x, y)
-            totals[0] += loss.double() * y.numel()
-            totals[1] += correct.double()
-            totals[2] += y.numel()
+                return self.module(x, y)
+
+        self.model.eval()
+        result = evaluate_batches(forward, batches, self.ctx)
         self.model.train()
-        if self.ctx.distributed:
-            dist.all_reduce(totals, group=self.ctx.dims.dp_group)
-        return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+        return result

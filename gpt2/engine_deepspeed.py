@@ -49,7 +49,7 @@ from fused_kernels import get_ops
 from fused_kernels.attention import get_attention
 from gpt2.config import ConfigError, RunConfig
 from gpt2.distributed import DistContext
-from gpt2.engine import build_model, compile_model, lr_at
+from gpt2.engine import build_model, compile_model, evaluate_batches, lr_at
 from gpt2.model import GPT
 from gpt2.run_logging import log
 from parallel.comm import CommStats
@@ -249,20 +249,12 @@ class DeepSpeedEngine:
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
-    @torch.no_grad()
     def evaluate(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """Mean loss and top-1 accuracy over `batches`, averaged over the data-parallel group."""
         self.engine.eval()
-        totals = torch.zeros(3, device=self.ctx.device, dtype=torch.float64)  # loss*tokens, correct, tokens
-        for x, y in batches:
-            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
-            loss, correct = self.engine(x, y)
-            totals[0] += loss.double() * y.numel()
-            totals[1] += correct.double()
-            totals[2] += y.numel()
+        result = evaluate_batches(self.engine, batches, self.ctx)
         self.engine.train()
-        dist.all_reduce(totals, group=self.ctx.dims.dp_group)
-        return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+        return result
 
     def save_sharded(self, folder: Path, client_state: dict[str, Any]) -> None:
         """DeepSpeed's sharded checkpoint into folder/zero (collective: every rank calls it)."""
