@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up, then train gpt2-tiny for 200 steps on one device (CPU works; no hub needed).
+# Set up, then train gpt2-tiny for 100 steps on one device (CPU works; no hub needed).
 # Data: WikiText-2 from ../shared/data when it is there (or DATA_DIR=<folder with train/valid .txt>
 # and TOKENIZER=<tokenizer.json>), else synthetic tokens. Extra arguments go to train.py.
 set -euo pipefail
@@ -15,5 +15,5 @@ else
   data=(--data synthetic)
 fi
 export TOKENIZERS_PARALLELISM=false
-python3 train.py --mode single --model gpt2-tiny --seq-len 128 --batch-size 16 --max-steps 200 \
-  --lr 3e-3 --warmup-steps 20 --eval-interval 100 --log-interval 20 --num-proc 2 "${data[@]}" "$@"
+python3 train.py --mode single --model gpt2-tiny --seq-len 128 --batch-size 16 --max-steps 100 \
+  --lr 3e-3 --warmup-steps 10 --eval-interval 50 --log-interval 10 --num-proc 2 "${data[@]}" "$@"
