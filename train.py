@@ -28,13 +28,14 @@ def main(argv: list[str] | None = None) -> int:
         from gpt2.checkpoint import Checkpointer, load_checkpoint, prepare_resume
         from gpt2.data import build_data
         from gpt2.distributed import init_distributed, shutdown_distributed
-        from gpt2.engine import TorchEngine
+        from gpt2.engine import TorchEngine, check_backends
         from gpt2.metrics import model_params_for_flops
         from gpt2.preemption import EXIT_PREEMPTED, Preempted, PreemptionWatcher
         from gpt2.run_logging import MetricsLogger, log, make_run_dir, setup_console
         from gpt2.trainer import run_training
 
         ctx = init_distributed(cfg)
+        check_backends(cfg)  # before data, a run folder or a model exist
     except ConfigError as err:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from fused_kernels import get_ops
+from fused_kernels import KernelUnavailableError, get_ops
 from fused_kernels.attention import get_attention
 from gpt2.config import ConfigError, RunConfig, TrainConfig
 from gpt2.distributed import DistContext
@@ -60,6 +60,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def check_backends(cfg: RunConfig) -> None:
+    """A fused-kernel or attention backend that cannot run here is a ConfigError now, not a failure later."""
+    try:
+        get_ops(cfg.train.fused_kernels)
+        get_attention(cfg.train.attn)
+    except KernelUnavailableError as err:
+        raise ConfigError(str(err)) from err
 
 
 def build_model(cfg: RunConfig, device: torch.device, dims: ParallelDims, stats: CommStats | None = None) -> GPT:

@@ -102,3 +102,22 @@ def test_missing_data_path_fails_before_model_build(tmp_path: Path) -> None:
     assert str(tmp_path / "nope") in proc.stderr
     assert elapsed < 60
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--fused-kernels", "cuda"], "--fused-kernels cuda needs a CUDA GPU"),
+    (["--attn", "flash"], "--attn flash needs the flash-attn package"),
+])
+def test_unusable_backend_fails_before_data_and_run_folder(
+    flags: list[str], needle: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    if "cuda" in flags:
+        monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails even where flash-attn is installed
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    out = tmp_path / "runs"
+    assert train.main(flags + ["--data-path", str(tmp_path / "missing"), "--out-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "missing" not in err  # the backend is checked before the data
+    assert not out.exists()
