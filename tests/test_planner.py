@@ -2,7 +2,7 @@
 
 Measured peaks (GPT-2 Large, seq 1024, 4 x H200, torch AdamW fused, SDPA, no activation checkpointing;
 DDP: bf16 autocast over fp32 weights, --compile per block; ZeRO-3: DeepSpeed bf16, no compile) are from
-benchmarks/results/ddp_zero3_gpt2_large_4xh200.md (benchmarks/gpu_train_runs.sh, mem/peak_allocated_gib).
+benchmarks/results/train/ddp_zero3_gpt2_large_4xh200.md (benchmarks/gpu_train_runs.sh, mem/peak_allocated_gib).
 """
 
 from __future__ import annotations
