@@ -354,6 +354,13 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("--ds-config only applies to --mode hybrid")
     if t.mode != "hybrid" and cfg.parallel.comm_log:
         raise ConfigError("--comm-log only applies to --mode hybrid (DeepSpeed's comms logger)")
+    if t.compile and t.mode == "hybrid" and cfg.parallel.zero_stage == 3:
+        raise ConfigError("--compile is not supported with ZeRO-3 (its parameter gather hooks break per-block "
+                          "graph capture); drop --compile or use --zero-stage 1/2")
+    if t.precision == "fp16" and t.mode != "hybrid" and cfg.parallel.tp_size > 1:
+        # GradScaler finds inf/NaN per rank; TP ranks hold different shards and could skip different steps
+        raise ConfigError("--precision fp16 with --tp-size > 1 needs a GradScaler synchronised over the TP "
+                          "group, which --mode baseline lacks; use --precision bf16, or --mode hybrid")
     if cfg.parallel.sequence_parallel and cfg.parallel.tp_size == 1:
         raise ConfigError("--sequence-parallel shards the sequence over the tensor-parallel group; "
                           "pass --tp-size > 1 or drop --sequence-parallel")

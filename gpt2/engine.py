@@ -123,10 +123,6 @@ class TorchEngine:
         self.cfg = cfg
         self.ctx = ctx
         t = cfg.train
-        if autocast_dtype(t, ctx.device) == torch.float16 and ctx.dims.tp_size > 1:
-            # GradScaler finds inf/NaN per rank; TP ranks hold different shards and could skip different steps
-            raise ConfigError("--precision fp16 with --tp-size > 1 needs a GradScaler synchronised over the TP "
-                              "group, which --mode baseline lacks; use --precision bf16, or --mode hybrid")
         # bytes of every TP collective (the planner compares them with its prediction); None without TP
         self.comm_stats = CommStats() if ctx.dims.tp_size > 1 else None
         model = build_model(cfg, ctx.device, ctx.dims, self.comm_stats)
@@ -150,6 +146,7 @@ class TorchEngine:
             param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
             fused=ctx.device.type == "cuda")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_at(s, t) / t.lr)
+        self._step_lr = self.scheduler.get_last_lr()[0]  # the lr of the last optimizer step
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype is None:
@@ -182,12 +179,14 @@ class TorchEngine:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        self._step_lr = self.scheduler.get_last_lr()[0]  # this update's lr; scheduler.step() moves to the next
         self.scheduler.step()
         return norm
 
     @property
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        """The learning rate the last optimizer step used (logged with that step; before any step: the first's)."""
+        return self._step_lr
 
     def evaluate(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """Mean loss and top-1 accuracy over `batches`, averaged over the data-parallel group."""

@@ -198,9 +198,6 @@ class DeepSpeedEngine:
         self.ctx = ctx
         t = cfg.train
         stage = cfg.parallel.zero_stage
-        if t.compile and stage == 3:
-            raise ConfigError("--compile is not supported with ZeRO-3 (its parameter gather hooks break per-block "
-                              "graph capture); drop --compile or use --zero-stage 1/2")
         deepspeed = _import_deepspeed(ctx.device)
         self.ds_config = build_ds_config(cfg, ctx.dims.dp_size, ctx.device)
         if cfg.parallel.comm_log:  # every collective synchronises: measurement runs only
@@ -216,7 +213,7 @@ class DeepSpeedEngine:
                          ctx.dims.tp_size)
             model = build_model(cfg, ctx.device, ctx.dims, self.comm_stats)
         model.activation_checkpointing = t.activation_checkpointing
-        if t.compile:  # ZeRO-1/2 only (rejected above for ZeRO-3)
+        if t.compile:  # ZeRO-1/2 only (config.validate rejects it with ZeRO-3)
             compile_model(model)
         if cfg.parallel.sequence_parallel:  # before initialize: ZeRO consumes gradients during backward
             register_sequence_parallel_grad_hooks(model, ctx.dims, self.comm_stats)
@@ -226,6 +223,7 @@ class DeepSpeedEngine:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
             mpu=ModelParallelUnit(ctx.dims), dist_init_required=False)
+        self._step_lr = self.scheduler.get_last_lr()[0]  # the lr of the last optimizer step
         self.module: GPT = model
         self.zero_comm_log = ZeroCommLog(ctx.dims.dp_size) if cfg.parallel.comm_log else None
 
@@ -241,13 +239,15 @@ class DeepSpeedEngine:
 
     def optimizer_step(self) -> torch.Tensor:
         """Clip, step, schedule (all inside DeepSpeed); returns the pre-clip global gradient norm."""
+        self._step_lr = self.scheduler.get_last_lr()[0]  # this update's lr; engine.step() schedules the next
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         return torch.as_tensor(float("nan") if norm is None else float(norm))
 
     @property
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        """The learning rate the last optimizer step used (logged with that step; before any step: the first's)."""
+        return self._step_lr
 
     def evaluate(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """Mean loss and top-1 accuracy over `batches`, averaged over the data-parallel group."""

@@ -48,6 +48,9 @@ def test_argparse_rejects(argv: list[str], needle: str, capsys: pytest.CaptureFi
         (["--data", "synthetic", "--data-path", "x"], "drop one of the two"),
         (["--ds-config", "ds_configs/zero3.json"], "--ds-config only applies to --mode hybrid"),
         (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+        # engine-level limits, caught here rather than after tokenisation and the run folder
+        (["--mode", "hybrid", "--compile"], "--compile is not supported with ZeRO-3"),
+        (["--mode", "baseline", "--tp-size", "2", "--precision", "fp16"], "--precision fp16 with --tp-size > 1"),
     ],
 )
 def test_validate_rejects(argv: list[str], needle: str) -> None:

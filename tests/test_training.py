@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_runs import SHARED_DATA, TINY_ARGS, run_train, step_losses, summary
+from gpt2.config import parse_args
+from gpt2.engine import lr_at
+from tests.train_runs import SHARED_DATA, TINY_ARGS, read_records, run_train, step_losses, summary
 
 
 def test_ddp_with_accumulation_matches_single(tmp_path: Path) -> None:
@@ -41,6 +43,10 @@ def test_run_folder_is_complete_and_never_reused(tmp_path: Path) -> None:
                 "val_loss", "val_perplexity", "flops_per_token"):
         assert s[key] is not None, key
     assert s["mfu"] is None  # CPU: no peak known and none given
+    # the logged lr is the one that step's update used (0-based lr_at), not the next step's
+    cfg = parse_args(args)
+    logged = {r["step"]: r["lr"] for r in read_records(first) if r["type"] == "step" and "lr" in r}
+    assert logged == pytest.approx({step: lr_at(step - 1, cfg.train) for step in range(1, 5)})
     assert "summary:" in (first / "console.log").read_text()
     assert "summary:" in proc.stderr
 
