@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
 
         ctx = init_distributed(cfg)
         check_backends(cfg)  # before data, a run folder or a model exist
+        if cfg.train.init_from:  # its architecture must be this run's, checked before the heavy work too
+            from gpt2.hf_weights import check_init_from
+
+            check_init_from(cfg.train.init_from, cfg.model)
     except ConfigError as err:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from gpt2.config import ModelConfig
+from gpt2.config import MODEL_PRESETS, ConfigError, ModelConfig
 
 # HF Conv1D weights that are [in, out] and need a transpose
 _CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -77,13 +77,33 @@ def model_config_from_hf(name_or_path: str) -> dict[str, int]:
                 n_positions=hf.n_positions, vocab_size=hf.vocab_size)
 
 
+def check_init_from(name_or_path: str, cfg: ModelConfig) -> None:
+    """--init-from must name HF GPT-2 weights of this run's architecture; a ConfigError that names the flags
+    otherwise. Reads only the config (cheap), so train.py calls it before data, a run folder or a model."""
+    if name_or_path not in HUB_NAMES and not Path(name_or_path).is_dir():
+        raise ConfigError(
+            f"--init-from {name_or_path!r} is neither a hub name ({', '.join(HUB_NAMES)}) "
+            "nor a local folder holding config.json and model weights")
+    try:
+        theirs = model_config_from_hf(name_or_path)
+    except OSError as err:
+        raise ConfigError(f"--init-from {name_or_path}: cannot read its GPT-2 config ({err})") from err
+    diffs = {k: v for k, v in theirs.items() if getattr(cfg, k) != v}
+    if not diffs:
+        return
+    preset = next((name for name, fields in MODEL_PRESETS.items()
+                   if all(getattr(ModelConfig(**fields), k) == v for k, v in theirs.items())), None)
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in diffs.items() if k in ("n_layer", "n_head", "n_embd"))
+    fix = (f"pass --model {preset}" if preset else f"pass {flags}" if flags
+           else "its n_positions / vocab_size differ from every preset's; this harness cannot build that model")
+    raise ConfigError(f"--init-from {name_or_path} has " + ", ".join(f"{k} {v}" for k, v in diffs.items())
+                      + ", this run's model " + ", ".join(f"{k} {getattr(cfg, k)}" for k in diffs) + f"; {fix}")
+
+
 def load_hf_state_dict(name_or_path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Load HF GPT-2 weights (hub name or local folder) and convert them to our layout."""
     from transformers import GPT2LMHeadModel
 
-    if name_or_path not in HUB_NAMES and not Path(name_or_path).is_dir():
-        raise FileNotFoundError(
-            f"--init-from {name_or_path!r} is neither a hub name ({', '.join(HUB_NAMES)}) "
-            "nor a local folder holding config.json and model weights")
+    check_init_from(name_or_path, cfg)
     hf = GPT2LMHeadModel.from_pretrained(name_or_path, torch_dtype=torch.float32)
     return hf_to_ours(hf.state_dict(), cfg)

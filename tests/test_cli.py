@@ -59,6 +59,12 @@ def test_validate_rejects(argv: list[str], needle: str) -> None:
     assert needle in str(exc.value)
 
 
+def test_validate_accepts_the_supported_neighbours() -> None:
+    parse_args(["--mode", "hybrid", "--zero-stage", "2", "--compile"])
+    parse_args(["--mode", "hybrid", "--tp-size", "2", "--precision", "fp16"])  # DeepSpeed's scaler syncs over TP
+    parse_args(["--mode", "baseline", "--tp-size", "2", "--precision", "bf16"])
+
+
 def test_global_batch_must_divide() -> None:
     cfg = parse_args(["--mode", "baseline", "--batch-size", "8", "--global-batch-size", "20"])
     with pytest.raises(ConfigError, match="not divisible by --batch-size 8 x dp-size 2 = 16; use a multiple of 16"):
@@ -123,4 +129,24 @@ def test_unusable_backend_fails_before_data_and_run_folder(
     assert train.main(flags + ["--data-path", str(tmp_path / "missing"), "--out-dir", str(out)]) == 2
     err = capsys.readouterr().err
     assert needle in err and "missing" not in err  # the backend is checked before the data
+    assert not out.exists()
+
+
+def test_init_from_mismatch_fails_before_data_and_run_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from transformers import GPT2Config
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    hf = tmp_path / "hf"
+    GPT2Config(n_layer=3, n_head=4, n_embd=64, n_positions=256).save_pretrained(hf)  # gpt2-tiny has 2 layers
+    out = tmp_path / "runs"
+    flags = ["--data-path", str(tmp_path / "missing"), "--out-dir", str(out)]
+    assert train.main(["--init-from", str(hf)] + flags) == 2
+    err = capsys.readouterr().err
+    assert "n_layer 3" in err and "--n-layer 3" in err and "missing" not in err
+    assert train.main(["--init-from", str(tmp_path / "nope")] + flags) == 2
+    err = capsys.readouterr().err
+    assert "neither a hub name" in err and "missing" not in err
     assert not out.exists()
