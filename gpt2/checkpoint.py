@@ -51,7 +51,8 @@ LATEST = "latest"
 META = "meta.json"
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 # meta.json fields that must match for a resume (the parallel layout decides how state is sharded)
-_LAYOUT_KEYS = ("mode", "world_size", "tp_size", "dp_size", "zero_stage")
+# grad_accum too: the data position counts micro-batches, so another accumulation would replay or skip data
+_LAYOUT_KEYS = ("mode", "world_size", "tp_size", "dp_size", "zero_stage", "grad_accum")
 
 
 class CheckpointError(ConfigError):

@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch-size", type=_positive_int, default=8, help="micro-batch per data-parallel rank")
-    g.add_argument("--grad-accum", type=_positive_int, default=1)
+    g.add_argument("--grad-accum", type=_positive_int, help="micro-steps per optimizer step (default 1)")
     g.add_argument("--global-batch-size", type=_positive_int,
                    help="sequences per optimizer step; sets --grad-accum to it / (batch-size x dp-size)")
     g.add_argument("--seq-len", type=_positive_int, default=256)
@@ -293,7 +293,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     model = ModelConfig(**preset, dropout=args.dropout, pad_vocab=not args.no_pad_vocab)
     train = TrainConfig(
         mode=args.mode, model=args.model, init_from=args.init_from, batch_size=args.batch_size,
-        grad_accum=args.grad_accum, global_batch_size=args.global_batch_size,
+        grad_accum=args.grad_accum or 1, global_batch_size=args.global_batch_size,
         seq_len=args.seq_len, max_steps=args.max_steps,
         warmup_steps=args.warmup_steps, throughput_warmup_steps=args.throughput_warmup_steps,
         lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
@@ -307,6 +307,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     )
     if args.use_fused_kernel and args.fused_kernels not in ("none", "cuda"):
         raise ConfigError("--use-fused-kernel means --fused-kernels cuda; drop one of the two flags")
+    if args.grad_accum is not None and args.global_batch_size is not None:
+        raise ConfigError("--global-batch-size sets the accumulation steps itself; drop --grad-accum "
+                          f"{args.grad_accum} or --global-batch-size {args.global_batch_size}")
     data = DataConfig(
         data=args.data, data_path=args.data_path, tokenizer=args.tokenizer,
         max_samples=args.max_samples, cache_dir=args.cache_dir, num_proc=args.num_proc,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt2.checkpoint import CheckpointError, check_compatible
+from gpt2.checkpoint import CheckpointError, build_meta, check_compatible
 from gpt2.config import parse_args
 from gpt2.distributed import DistContext
 from parallel.dims import ParallelDims
@@ -135,3 +135,13 @@ def test_export_loads_in_transformers_and_as_init_from(single: Path, tmp_path: P
     with torch.no_grad():
         expected, _ = ours(x, y)
     assert abs(step_losses(tmp_path / "init")[0] - expected.item()) < 1e-5
+
+
+def test_resume_with_other_grad_accum_is_refused(tmp_path: Path) -> None:
+    """The data position counts micro-batches: another accumulation would replay or skip data."""
+    ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"),
+                      dims=ParallelDims(world_size=1, rank=0))
+    meta = build_meta(parse_args(["--grad-accum", "2"]), ctx, step=5)
+    check_compatible(meta, parse_args(["--grad-accum", "2"]), ctx, tmp_path)
+    with pytest.raises(CheckpointError, match="grad_accum: checkpoint 2, this run 1"):
+        check_compatible(meta, parse_args([]), ctx, tmp_path)

@@ -150,3 +150,9 @@ def test_init_from_mismatch_fails_before_data_and_run_folder(
     err = capsys.readouterr().err
     assert "neither a hub name" in err and "missing" not in err
     assert not out.exists()
+
+
+def test_grad_accum_and_global_batch_size_are_exclusive() -> None:
+    with pytest.raises(ConfigError, match="drop --grad-accum 2 or --global-batch-size 64"):
+        parse_args(["--grad-accum", "2", "--global-batch-size", "64"])
+    assert parse_args([]).train.grad_accum == 1
