@@ -97,6 +97,14 @@ def compile_model(model: GPT) -> None:
     model.lm_head.compile()
 
 
+def step_with_scaler(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """scaler.step + update; False when the scaler skipped the update (fp16 inf/NaN gradients)."""
+    scale = scaler.get_scale() if scaler.is_enabled() else None
+    scaler.step(optimizer)
+    scaler.update()
+    return scale is None or scaler.get_scale() >= scale  # the scale backs off only after a skipped step
+
+
 @torch.no_grad()
 def evaluate_batches(
     forward: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
@@ -176,11 +184,11 @@ class TorchEngine:
             norm = clip_grad_norm_(params, max_norm, self.ctx.dims)  # sharded weights' squares summed over TP
         else:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        stepped = step_with_scaler(self.scaler, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self._step_lr = self.scheduler.get_last_lr()[0]  # this update's lr; scheduler.step() moves to the next
-        self.scheduler.step()
+        if stepped:  # like DeepSpeed: an fp16 overflow skips the update and leaves the schedule where it is
+            self.scheduler.step()
         return norm
 
     @property
