@@ -17,7 +17,7 @@ from gpt2.checkpoint import CheckpointError, build_meta, check_compatible
 from gpt2.config import parse_args
 from gpt2.distributed import DistContext
 from parallel.dims import ParallelDims
-from tests.train_runs import TINY_ARGS, run_train, step_losses
+from tests.train_runs import TINY_ARGS, assert_hf_export_matches, run_train, step_losses
 
 COMMON = TINY_ARGS + ["--data", "synthetic", "--max-steps", "8", "--seed", "11", "--eval-batches", "2"]
 
@@ -110,20 +110,13 @@ def test_zero_stage_mismatch_is_named(single: Path) -> None:
 
 
 def test_export_loads_in_transformers_and_as_init_from(single: Path, tmp_path: Path) -> None:
-    from transformers import GPT2LMHeadModel
 
     from gpt2.data import build_data
     from gpt2.export import consolidated_state_dict, export_hf
-    from gpt2.model import GPT
 
     export_hf(single / "ck" / "step-000008", tmp_path / "hf")
     cfg, sd = consolidated_state_dict(single / "ck" / "step-000008")
-    ours = GPT(cfg).eval()
-    ours.load_state_dict(sd)
-    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
-    idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(hf(idx).logits, ours(idx), atol=1e-5, rtol=1e-5)
+    ours, _ = assert_hf_export_matches(cfg, sd, tmp_path / "hf")
 
     # --init-from the export: the first logged loss is the exported model's loss on the first batch
     run_train(COMMON + ["--batch-size", "4", "--max-steps", "1", "--run-name", "init", "--init-from",

@@ -151,17 +151,22 @@ def single_device_grads(ref: GPT, dp_rank: int) -> tuple[torch.Tensor, torch.Ten
     return loss.detach(), correct, grads
 
 
-def check_activation_checkpointing(dims: ParallelDims, ref_loss: torch.Tensor, ref_grads: dict) -> None:
-    """Recomputing blocks in backward re-runs their collectives; the gradients must not change."""
-    model = build(dims, sequence_parallel=True, overlap=True)
-    model.activation_checkpointing = True
+def assert_step_matches(model: GPT, dims: ParallelDims, ref_loss: torch.Tensor, ref_grads: dict, label: str) -> None:
+    """One forward/backward of the sequence-parallel TP `model` gives the reference loss and full gradients."""
     loss, _ = model(*batch(dims.dp_rank))
     loss.backward()
     allreduce_sequence_parallel_grads(model, dims)
     torch.testing.assert_close(loss, ref_loss, **TOL)
     grads = full_grads(model, dims)
     for name, g in ref_grads.items():
-        torch.testing.assert_close(grads[name], g, **TOL, msg=f"checkpointing grad {name}")
+        torch.testing.assert_close(grads[name], g, **TOL, msg=f"{label} grad {name}")
+
+
+def check_activation_checkpointing(dims: ParallelDims, ref_loss: torch.Tensor, ref_grads: dict) -> None:
+    """Recomputing blocks in backward re-runs their collectives; the gradients must not change."""
+    model = build(dims, sequence_parallel=True, overlap=True)
+    model.activation_checkpointing = True
+    assert_step_matches(model, dims, ref_loss, ref_grads, "checkpointing")
 
 
 def check_ddp_over_dp_group(dims: ParallelDims, ref: GPT) -> None:
@@ -183,14 +188,8 @@ def check_fused_kernels(dims: ParallelDims) -> None:
     ops = get_ops("triton")
     ref = build(ops=ops)
     ref_loss, _, ref_grads = single_device_grads(ref, dims.dp_rank)
-    model = build(dims, ops=ops, sequence_parallel=True, overlap=True)
-    loss, _ = model(*batch(dims.dp_rank))
-    loss.backward()
-    allreduce_sequence_parallel_grads(model, dims)
-    torch.testing.assert_close(loss, ref_loss, **TOL)
-    grads = full_grads(model, dims)
-    for name, g in ref_grads.items():
-        torch.testing.assert_close(grads[name], g, **TOL, msg=f"triton grad {name}")
+    assert_step_matches(build(dims, ops=ops, sequence_parallel=True, overlap=True), dims, ref_loss, ref_grads,
+                        "triton")
 
 
 def check_autocast(dims: ParallelDims) -> None:

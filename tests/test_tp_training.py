@@ -31,7 +31,16 @@ import torch
 
 from gpt2.config import DataConfig
 from gpt2.data import build_data
-from tests.train_runs import ROOT, TINY_ARGS, read_records, run_train, step_losses, summary, train_env
+from tests.train_runs import (
+    ROOT,
+    TINY_ARGS,
+    assert_hf_export_matches,
+    read_records,
+    run_train,
+    step_losses,
+    summary,
+    train_env,
+)
 
 pytestmark = pytest.mark.slow
 COMMON = TINY_ARGS + ["--data", "synthetic", "--max-steps", "10", "--seed", "3", "--eval-batches", "2",
@@ -98,10 +107,8 @@ def test_resume_with_another_tp_size_names_both(runs: Path, tmp_path: Path) -> N
 def test_tp_checkpoints_export_and_init(runs: Path, tmp_path: Path) -> None:
     """TP checkpoints (DDP files per TP rank, ZeRO-3 files per mp rank) -> the single-device weights; the HF
     export gives transformers logits equal to our model's; --init-from it into TP=2 starts at transformers' loss."""
-    from transformers import GPT2LMHeadModel
 
     from gpt2.export import consolidated_state_dict, export_hf
-    from gpt2.model import GPT
 
     _, single_sd = consolidated_state_dict(runs / "ck-single" / "step-000010")
     for name in TP_RUNS:
@@ -113,12 +120,7 @@ def test_tp_checkpoints_export_and_init(runs: Path, tmp_path: Path) -> None:
 
     export_hf(runs / "ck-zero3-tp2dp2", tmp_path / "hf")  # the save dir: its latest checkpoint
     _, zero3_sd = consolidated_state_dict(runs / "ck-zero3-tp2dp2" / "step-000010")
-    ours = GPT(cfg).eval()
-    ours.load_state_dict(zero3_sd)
-    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
-    idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(hf(idx).logits, ours(idx), atol=1e-5, rtol=1e-5)
+    _, hf = assert_hf_export_matches(cfg, zero3_sd, tmp_path / "hf")
 
     # --init-from the export into TP=2 (each rank cuts its shards from the HF weights): the first step's loss
     # is transformers' loss on the run's first batch

@@ -18,7 +18,7 @@ import torch
 
 from gpt2.config import ConfigError, parse_args
 from gpt2.engine_deepspeed import build_ds_config
-from tests.train_runs import TINY_ARGS, read_records, run_train, step_losses
+from tests.train_runs import TINY_ARGS, assert_hf_export_matches, read_records, run_train, step_losses
 
 pytestmark = pytest.mark.slow
 COMMON = TINY_ARGS + ["--data", "synthetic", "--max-steps", "10", "--seed", "3", "--eval-batches", "2"]
@@ -72,10 +72,8 @@ def test_zero3_resume_is_exact(runs: Path) -> None:
 def test_zero3_checkpoint_exports_and_inits(runs: Path, tmp_path: Path) -> None:
     """ZeRO-3 shards -> one fp32 state dict (zero_to_fp32) -> HF folder whose logits equal our model's,
     and which --init-from loads under ZeRO-3 as under single."""
-    from transformers import GPT2LMHeadModel
 
     from gpt2.export import consolidated_state_dict, export_hf
-    from gpt2.model import GPT
 
     cfg, zero_sd = consolidated_state_dict(runs / "ck-zero3" / "step-000010")
     _, single_sd = consolidated_state_dict(runs / "ck-single" / "step-000010")
@@ -83,12 +81,7 @@ def test_zero3_checkpoint_exports_and_inits(runs: Path, tmp_path: Path) -> None:
     for name, tensor in single_sd.items():
         assert torch.allclose(zero_sd[name], tensor, atol=1e-4, rtol=0), name
     export_hf(runs / "ck-zero3", tmp_path / "hf")  # the save dir: its latest checkpoint
-    ours = GPT(cfg).eval()
-    ours.load_state_dict(zero_sd)
-    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
-    idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(hf(idx).logits, ours(idx), atol=1e-5, rtol=1e-5)
+    assert_hf_export_matches(cfg, zero_sd, tmp_path / "hf")
 
     # --init-from under zero.Init (rank 0 loads, each parameter re-partitioned): same first loss as single's
     args = COMMON + ["--max-steps", "1", "--init-from", str(tmp_path / "hf")]

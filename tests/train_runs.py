@@ -53,3 +53,21 @@ def step_losses(run_dir: Path) -> list[float]:
 
 def summary(run_dir: Path) -> dict:
     return next(r for r in read_records(run_dir) if r["type"] == "summary")
+
+
+def assert_hf_export_matches(cfg, state_dict: dict, hf_dir: Path):
+    """The exported Hugging Face folder computes our model's logits on `state_dict` (fp32, 1e-5).
+
+    Returns (our model, the HF model), both in eval mode, for further checks."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from gpt2.model import GPT
+
+    ours = GPT(cfg).eval()
+    ours.load_state_dict(state_dict)
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, ours(idx), atol=1e-5, rtol=1e-5)
+    return ours, hf
