@@ -71,6 +71,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     tp_overlap: bool = True
     zero_stage: int = 3
+    zero3_fetch: Literal["block", "module"] = "block"  # ZeRO-3 gather unit: a whole transformer block, or each module
     ds_config: str | None = None
     comm_log: bool = False  # DeepSpeed's comms logger (hybrid): measured ZeRO bytes per step in the summary
 
@@ -237,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--no-tp-overlap", action="store_true")
     g.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=3)
+    g.add_argument("--zero3-fetch", choices=["block", "module"], default="block",
+                   help="ZeRO-3 parameter gather unit: block = each transformer block is a DeepSpeed leaf module "
+                        "(one all-gather and one hook per block and pass; allows --compile), module = DeepSpeed's "
+                        "default hooks on every module")
     g.add_argument("--ds-config", help="DeepSpeed JSON config (hybrid mode)")
     g.add_argument("--comm-log", action="store_true",
                    help="hybrid mode: enable DeepSpeed's comms logger and put the measured ZeRO bytes per step next "
@@ -317,7 +322,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     )
     parallel = ParallelConfig(
         tp_size=args.tp_size, sequence_parallel=args.sequence_parallel,
-        tp_overlap=not args.no_tp_overlap, zero_stage=args.zero_stage, ds_config=args.ds_config,
+        tp_overlap=not args.no_tp_overlap, zero_stage=args.zero_stage, zero3_fetch=args.zero3_fetch,
+        ds_config=args.ds_config,
         comm_log=args.comm_log,
     )
     log = LogConfig(
@@ -357,9 +363,12 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("--ds-config only applies to --mode hybrid")
     if t.mode != "hybrid" and cfg.parallel.comm_log:
         raise ConfigError("--comm-log only applies to --mode hybrid (DeepSpeed's comms logger)")
-    if t.compile and t.mode == "hybrid" and cfg.parallel.zero_stage == 3:
-        raise ConfigError("--compile is not supported with ZeRO-3 (its parameter gather hooks break per-block "
-                          "graph capture); drop --compile or use --zero-stage 1/2")
+    if t.compile and t.mode == "hybrid" and cfg.parallel.zero_stage == 3 and cfg.parallel.zero3_fetch == "module":
+        raise ConfigError("--compile with ZeRO-3 needs --zero3-fetch block (per-module gather hooks inside a block "
+                          "break graph capture); drop --zero3-fetch module or --compile")
+    if t.compile and t.compile_scope == "model" and (t.mode == "hybrid" or cfg.parallel.tp_size > 1):
+        raise ConfigError("--compile-scope model (one graph cut at DDP buckets) is for single/baseline without TP; "
+                          "use --compile-scope blocks (or auto)")
     if t.precision == "fp16" and t.mode != "hybrid" and cfg.parallel.tp_size > 1:
         # GradScaler finds inf/NaN per rank; TP ranks hold different shards and could skip different steps
         raise ConfigError("--precision fp16 with --tp-size > 1 needs a GradScaler synchronised over the TP "

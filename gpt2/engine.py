@@ -31,7 +31,7 @@ from fused_kernels import KernelUnavailableError, get_ops
 from fused_kernels.attention import get_attention
 from gpt2.config import ConfigError, RunConfig, TrainConfig
 from gpt2.distributed import DistContext
-from gpt2.model import GPT
+from gpt2.model import GPT, LMHead
 from parallel.comm import CommStats
 from parallel.dims import ParallelDims
 from parallel.grads import allreduce_sequence_parallel_grads, clip_grad_norm_
@@ -90,11 +90,24 @@ def build_model(cfg: RunConfig, device: torch.device, dims: ParallelDims, stats:
 
 def compile_model(model: GPT) -> None:
     """torch.compile in place (state-dict keys unchanged): each block, and the final LayerNorm + LM head + loss,
-    so the logits slice, fp32 upcast, cross-entropy and argmax fuse instead of running as eager passes."""
+    so the logits slice, fp32 upcast, cross-entropy and argmax fuse instead of running as eager passes. The
+    vocab-parallel head (TP) stays eager: Dynamo cannot capture its autograd.Function, whose in-place softmax
+    buffer is saved for backward (and it never materialises more than this rank's logits anyway)."""
     for block in model.blocks:
         block.compile()
     model.ln_f.compile()
-    model.lm_head.compile()
+    if isinstance(model.lm_head, LMHead):
+        model.lm_head.compile()
+
+
+def compile_forwards(model: GPT) -> None:
+    """torch.compile the forward of each block, the final LayerNorm and the LM head, leaving the modules' hooks
+    outside the graphs: under ZeRO-3 (blocks as DeepSpeed leaf modules) the pre-forward hook gathers a block's
+    parameters eagerly, then the compiled forward sees them whole. The vocab-parallel head stays eager as in
+    `compile_model`."""
+    heads = [model.ln_f, model.lm_head] if isinstance(model.lm_head, LMHead) else [model.ln_f]
+    for module in [*model.blocks, *heads]:
+        module.forward = torch.compile(module.forward)
 
 
 def step_with_scaler(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:

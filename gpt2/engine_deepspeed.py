@@ -11,6 +11,12 @@ that sets one of them to another value is an error naming both. The optimizer (t
 and the LR schedule (LambdaLR over `gpt2.engine.lr_at`) are our objects passed to `deepspeed.initialize`,
 so no DeepSpeed op needs compiling.
 
+`--zero3-fetch block` (default) marks each transformer block a DeepSpeed ZeRO-3 leaf module: its parameters
+are gathered by one coalesced all-gather in one pre-forward hook (and again before its backward) instead of
+by hooks on each of its ~10 submodules, which cuts the per-step host overhead of ZeRO-3 and lets `--compile`
+compile each block's forward with the hooks outside the graph. A gathered block is 12d^2 parameters (GPT-2
+Large: 19.7M, 39 MB in bf16). `--zero3-fetch module` keeps DeepSpeed's default per-module hooks.
+
 Under ZeRO-3 the model is built inside `deepspeed.zero.Init`: each module's parameters are partitioned
 over the data-parallel group as soon as its constructor returns, so GPT-2 Large/XL never exist whole on
 one device. Our modules initialise in their constructors (see `gpt2.model`), which zero.Init runs on the
@@ -49,8 +55,8 @@ from fused_kernels import get_ops
 from fused_kernels.attention import get_attention
 from gpt2.config import ConfigError, RunConfig
 from gpt2.distributed import DistContext
-from gpt2.engine import build_model, compile_model, evaluate_batches, lr_at
-from gpt2.model import GPT
+from gpt2.engine import build_model, compile_forwards, compile_model, evaluate_batches, lr_at
+from gpt2.model import GPT, Block
 from gpt2.run_logging import log
 from parallel.comm import CommStats
 from parallel.dims import ParallelDims
@@ -213,8 +219,14 @@ class DeepSpeedEngine:
                          ctx.dims.tp_size)
             model = build_model(cfg, ctx.device, ctx.dims, self.comm_stats)
         model.activation_checkpointing = t.activation_checkpointing
-        if t.compile:  # ZeRO-1/2 only (config.validate rejects it with ZeRO-3)
-            compile_model(model)
+        zero3_blocks = stage == 3 and cfg.parallel.zero3_fetch == "block"
+        if zero3_blocks:  # before initialize, which registers the hooks: one per block instead of ~10
+            from deepspeed.utils import set_z3_leaf_modules
+
+            leaves = set_z3_leaf_modules(model, [Block])
+            log.info("ZeRO-3 gathers parameters per transformer block (%d DeepSpeed leaf modules)", len(leaves))
+        if t.compile:  # with ZeRO-3 only when blocks are leaves (config.validate)
+            compile_forwards(model) if zero3_blocks else compile_model(model)
         if cfg.parallel.sequence_parallel:  # before initialize: ZeRO consumes gradients during backward
             register_sequence_parallel_grad_hooks(model, ctx.dims, self.comm_stats)
         optimizer = torch.optim.AdamW(_param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),

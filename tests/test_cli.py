@@ -49,7 +49,9 @@ def test_argparse_rejects(argv: list[str], needle: str, capsys: pytest.CaptureFi
         (["--ds-config", "ds_configs/zero3.json"], "--ds-config only applies to --mode hybrid"),
         (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
         # engine-level limits, caught here rather than after tokenisation and the run folder
-        (["--mode", "hybrid", "--compile"], "--compile is not supported with ZeRO-3"),
+        (["--mode", "hybrid", "--compile", "--zero3-fetch", "module"], "--compile with ZeRO-3 needs"),
+        (["--mode", "hybrid", "--compile", "--compile-scope", "model"], "--compile-scope model (one graph cut at DDP"),
+        (["--mode", "baseline", "--tp-size", "2", "--compile", "--compile-scope", "model"], "--compile-scope blocks"),
         (["--mode", "baseline", "--tp-size", "2", "--precision", "fp16"], "--precision fp16 with --tp-size > 1"),
     ],
 )
@@ -61,6 +63,7 @@ def test_validate_rejects(argv: list[str], needle: str) -> None:
 
 def test_validate_accepts_the_supported_neighbours() -> None:
     parse_args(["--mode", "hybrid", "--zero-stage", "2", "--compile"])
+    parse_args(["--mode", "hybrid", "--compile"])  # ZeRO-3 with per-block gathers (the default --zero3-fetch)
     parse_args(["--mode", "hybrid", "--tp-size", "2", "--precision", "fp16"])  # DeepSpeed's scaler syncs over TP
     parse_args(["--mode", "baseline", "--tp-size", "2", "--precision", "bf16"])
 

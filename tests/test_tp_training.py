@@ -6,6 +6,9 @@ Runs (global batch 4 sequences of 32 tokens everywhere):
     zero3-tp2dp2   --mode hybrid (ZeRO-3) --tp-size 2 on 4 ranks, batch 1 x accum 2, --no-tp-overlap,
                    --activation-checkpointing
     tp2            --mode baseline --tp-size 2 on 2 ranks (dp 1), batch 4, checkpoint at step 5, resumed
+    tp2-compile    as tp2 with --compile (compiled blocks; the vocab-parallel head stays eager)
+    zero3-tp2-sp-compile  --mode hybrid --tp-size 2 --sequence-parallel --compile on 2 ranks (dp 1): compiled
+                   block forwards inside ZeRO-3's per-block (leaf-module) gather hooks
 
 lr 3e-3 on 8 repeated synthetic blocks, so the loss falls (10.84 -> 9.44 in 10 steps) and the gradient clip
 (1.0) is active on most steps: a wrong gradient shows (without the sequence-parallel all-reduce, step 2 is
@@ -50,6 +53,9 @@ TP_RUNS = {  # run name -> (processes, flags)
     "zero3-tp2dp2": (4, ["--mode", "hybrid", "--tp-size", "2", "--batch-size", "1", "--grad-accum", "2",
                          "--no-tp-overlap", "--activation-checkpointing"]),
     "tp2": (2, ["--mode", "baseline", "--tp-size", "2", "--batch-size", "4"]),
+    "tp2-compile": (2, ["--mode", "baseline", "--tp-size", "2", "--batch-size", "4", "--compile"]),
+    "zero3-tp2-sp-compile": (2, ["--mode", "hybrid", "--tp-size", "2", "--batch-size", "4", "--sequence-parallel",
+                                 "--compile"]),
 }
 REL_TOL = 1e-5
 

@@ -60,6 +60,18 @@ def test_zero1_zero2_match_single(runs: Path, stage: int) -> None:
     _assert_close(step_losses(runs / "single"), step_losses(runs / f"zero{stage}"), f"ZeRO-{stage}")
 
 
+@pytest.mark.parametrize(("name", "flags"), [("zero3-module", ["--zero3-fetch", "module"]),
+                                             ("zero3-compile", ["--compile"])])
+def test_zero3_fetch_unit_and_compile_match_single(runs: Path, name: str, flags: list[str]) -> None:
+    """The default gathers per block (DeepSpeed leaf modules); DeepSpeed's per-module hooks and compiled block
+    forwards (inside the per-block hooks) train the same function."""
+    leaf_line = "ZeRO-3 gathers parameters per transformer block (2 DeepSpeed leaf modules)"
+    assert leaf_line in (runs / "zero3" / "console.log").read_text()
+    run_train(COMMON + ["--mode", "hybrid", "--batch-size", "2", "--run-name", name] + flags, runs, nproc=2)
+    _assert_close(step_losses(runs / "single"), step_losses(runs / name), name)
+    assert (leaf_line in (runs / name / "console.log").read_text()) == (name == "zero3-compile")
+
+
 def test_zero3_resume_is_exact(runs: Path) -> None:
     full, resumed = step_losses(runs / "zero3"), step_losses(runs / "zero3-resumed")
     assert len(resumed) == 5
