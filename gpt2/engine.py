@@ -144,8 +144,9 @@ class TorchEngine:
         self.cfg = cfg
         self.ctx = ctx
         t = cfg.train
-        # bytes of every TP collective (the planner compares them with its prediction); None without TP
-        self.comm_stats = CommStats() if ctx.dims.tp_size > 1 else None
+        # bytes of every TP collective (the planner compares them with its prediction); None without TP, and
+        # under --compile (a Python counter inside the compiled graphs would break them at every collective)
+        self.comm_stats = CommStats() if ctx.dims.tp_size > 1 and not t.compile else None
         model = build_model(cfg, ctx.device, ctx.dims, self.comm_stats)
         model.activation_checkpointing = t.activation_checkpointing
         if t.compile and t.compile_scope == "blocks":

@@ -57,6 +57,13 @@ def register_sequence_parallel_grad_hooks(model: nn.Module, dims: ParallelDims,
     return [p.register_hook(hook) for p in sequence_parallel_params(model)]
 
 
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """sum of squares of all elements, fp32, with multi-tensor (foreach) kernels rather than two per tensor."""
+    if not grads:
+        return torch.zeros((), device=device, dtype=torch.float32)
+    return torch.nn.utils.get_total_norm(grads, norm_type=2.0).float().square()
+
+
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, dims: ParallelDims) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` (L2) for a TP model: the norm of the full, unsharded gradient.
 
@@ -66,19 +73,13 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, dims: P
     """
     params = [p for p in parameters if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
-    sharded_sq = torch.zeros((), device=device, dtype=torch.float32)
-    replicated_sq = torch.zeros((), device=device, dtype=torch.float32)
-    for p in params:
-        sq = p.grad.detach().float().pow(2).sum()
-        if getattr(p, "tensor_model_parallel", False):
-            sharded_sq += sq
-        else:
-            replicated_sq += sq
-    total_sq = sharded_sq + replicated_sq if dims.tp_rank == 0 else sharded_sq
+    sharded = [p.grad for p in params if getattr(p, "tensor_model_parallel", False)]
+    replicated = [p.grad for p in params if not getattr(p, "tensor_model_parallel", False)]
+    total_sq = _sum_of_squares(sharded, device)
+    if dims.tp_rank == 0:
+        total_sq = total_sq + _sum_of_squares(replicated, device)
     if dims.tp_size > 1:
         dist.all_reduce(total_sq, group=dims.tp_group)
     total = total_sq.sqrt()
-    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for p in params:
-        p.grad.detach().mul_(scale.to(p.grad.dtype))
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total

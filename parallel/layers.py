@@ -117,7 +117,9 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                            stats: CommStats | None) -> torch.Tensor:
     """x: [B, T, in] (or [B, T/tp, in] shards under SP) -> [B, T, out/tp]. Shared by the LM head."""
     x = to_compute_dtype(x)  # before f / the all-gather, so they (and their backward) move compute-dtype bytes
-    if overlap and not gelu and comm.group_size(group) > 1:
+    # under torch.compile the synchronous path: Dynamo traces its collectives into the graph (an async handle
+    # would break the graph at every layer, leaving a host-bound chain of small graphs)
+    if overlap and not gelu and comm.group_size(group) > 1 and not torch.compiler.is_compiling():
         return _ColumnParallelMatmul.apply(x, weight, bias, ops, group, sequence_parallel, stats)
     if sequence_parallel:
         x = comm.gather_from_sequence(x, group, stats)  # [B, T, in]
