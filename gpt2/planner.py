@@ -18,7 +18,10 @@ The terms, and why (GPT-2 Large, seq 1024, on 4 x H200, is the calibration case 
   16-bit casts 2 B: 36 B per token per unit width (+ the fp32 log-sum-exp). Compiled blocks (inductor's
   min-cut partitioner) keep one of the fp32 tensors in 16 bits: 34 B. This was measured on CPU with
   torch 2.13 (saved-tensor hooks around an autocast GPT-2 Large block, eager 36.1 vs compiled 34.1).
-  DeepSpeed's 16-bit model has a 16-bit residual stream: 32 B (compile changes nothing there).
+  DeepSpeed's 16-bit model has a 16-bit residual stream: 32 B; compiled (ZeRO-3 with per-block compile), 24 B:
+  the GELU output [b, s, 4h/t] is not saved but recomputed from the up-projection's output. That was read off
+  GPU memory (4 x H200, GPT-2 Large: 14.8 / 44.5 GiB at batch 8 / 32, a slope of 24 B plus the loss term),
+  not seen in a CPU saved-tensor measurement, where inductor's CPU partitioner keeps it (32 B either way).
 - Weight copies: autocast's 16-bit copy of every weight is saved for backward by its matmul (2 B per
   parameter; also under torch.compile in the same CPU measurement); with activation checkpointing only
   one block's copies and the tied embedding's are alive. ZeRO-3 keeps gathered 16-bit weights alive from
@@ -265,6 +268,8 @@ def predict_memory(s: Setup) -> MemoryPlan:
     layer = layer_activation_bytes(cfg, b, seq, t, s.sequence_parallel, activation_bytes=e, residual_bytes=r)
     if s.compile:
         layer -= (r - e) * sbh_shard  # inductor keeps one fp32 residual-stream tensor in 16 bits
+        if not num.autocast_copies:  # 16-bit model (DeepSpeed): the GELU output is recomputed in backward
+            layer -= 4 * e * b * seq * d / t
     if s.activation_checkpointing:
         activations = cfg.n_layer * r * sbh_shard + layer  # block inputs + one recomputed block
     else:
@@ -560,7 +565,7 @@ def search(base: Setup, global_batch: int, hw: Hardware) -> list[Candidate]:
 
     Varied: mode (DDP, ZeRO-1/2/3), TP size (dividing heads, width and vocab; within a node), sequence
     parallelism, activation checkpointing, micro-batch (powers of two and the whole per-replica batch; the
-    rest is gradient accumulation). --compile is on wherever the engine allows it (not with ZeRO-3).
+    rest is gradient accumulation). --compile is on everywhere (ZeRO-3 compiles its blocks inside per-block gathers).
     """
     out = []
     g = base.world_size
@@ -577,7 +582,7 @@ def search(base: Setup, global_batch: int, hw: Hardware) -> list[Candidate]:
             if sp and base.seq_len % tp:
                 continue
             s = replace(base, mode=mode, zero_stage=zero, tp=tp, sequence_parallel=sp, activation_checkpointing=ckpt,
-                        micro_batch=mb, grad_accum=per_replica // mb, compile=zero != 3, fused_loss=False)
+                        micro_batch=mb, grad_accum=per_replica // mb, compile=True, fused_loss=False)
             plan = make_plan(s, hw.gpu_memory_gib)
             if plan.fits:
                 out.append(step_time(plan, hw))

@@ -1,8 +1,8 @@
 """gpt2.planner: predicted peak memory against GPU measurements, hand-computed terms, ZeRO-3 holds, --plan / --search.
 
 Measured peaks (GPT-2 Large, seq 1024, 4 x H200, torch AdamW fused, SDPA, no activation checkpointing;
-DDP: bf16 autocast over fp32 weights, --compile per block; ZeRO-3: DeepSpeed bf16, no compile) are from
-benchmarks/results/train/ddp_zero3_gpt2_large_4xh200.md (benchmarks/gpu_train_runs.sh, mem/peak_allocated_gib).
+DDP: bf16 autocast over fp32 weights, --compile per block; ZeRO-3: DeepSpeed bf16, eager or with compiled blocks)
+are from benchmarks/results/train/ (benchmarks/gpu_train_runs.sh, mem/peak_allocated_gib).
 """
 
 from __future__ import annotations
@@ -33,6 +33,12 @@ MEASURED_4XH200 = [  # (flags, measured peak allocated GiB)
     (["--mode", "baseline", "--compile", "--batch-size", "32"], 67.30),
     (["--mode", "hybrid", "--batch-size", "8"], 20.47),
     (["--mode", "hybrid", "--batch-size", "32"], 68.22),
+    # ZeRO-3 (+ TP2) with compiled blocks: benchmarks/results/train/zero3_compile_tp_4xh200.md
+    (["--mode", "hybrid", "--compile", "--batch-size", "8"], 14.81),
+    (["--mode", "hybrid", "--compile", "--batch-size", "32"], 44.54),
+    (["--mode", "hybrid", "--compile", "--tp-size", "2", "--batch-size", "8"], 11.67),
+    (["--mode", "hybrid", "--compile", "--tp-size", "2", "--sequence-parallel", "--batch-size", "8"], 10.68),
+    (["--mode", "hybrid", "--compile", "--tp-size", "2", "--batch-size", "32"], 34.93),
 ]
 
 # GPT-2 Large by hand: d = 1280, 36 layers, 20 heads, vocab padded 50257 -> 50304, 1024 positions.
