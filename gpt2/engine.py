@@ -106,6 +106,10 @@ def compile_forwards(model: GPT) -> None:
     parameters eagerly, then the compiled forward sees them whole. The vocab-parallel head stays eager as in
     `compile_model`."""
     heads = [model.ln_f, model.lm_head] if isinstance(model.lm_head, LMHead) else [model.ln_f]
+    # On CUDA, ZeRO-3's gathered block parameters fail a guard of the previous block's graph, so Dynamo compiles
+    # the shared Block.forward once per block (reused every step after that); at its default limit of 8 the
+    # other blocks of GPT-2 Large ran eagerly (4xH200 logs: "hit config.recompile_limit (8)").
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(model.blocks) + 8)
     for module in [*model.blocks, *heads]:
         module.forward = torch.compile(module.forward)
 

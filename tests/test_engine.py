@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpt2.config import parse_args
-from gpt2.engine import lr_at, step_with_scaler
+from gpt2.config import MODEL_PRESETS, ModelConfig, parse_args
+from gpt2.engine import compile_forwards, lr_at, step_with_scaler
+from gpt2.model import GPT
 
 
 @pytest.mark.parametrize(("grad", "expect_step"), [(1.0, True), (float("inf"), False), (float("nan"), False)])
@@ -31,3 +32,16 @@ def test_lr_schedule_warmup_then_cosine_to_min() -> None:
     assert [lr_at(s, t) for s in range(4)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
     assert lr_at(9, t) == pytest.approx(5.5e-4)  # half-way through the decay: the mean of lr and min_lr
     assert lr_at(14, t) == pytest.approx(1e-4) and lr_at(20, t) == pytest.approx(1e-4)
+
+
+def test_compile_forwards_leaves_hooks_outside_and_room_for_a_graph_per_block(monkeypatch) -> None:
+    """ZeRO-3's gather hooks stay eager (module __call__ untouched, forward compiled), and Dynamo may compile
+    Block.forward once per block (on CUDA, ZeRO-3's gathered parameters fail the previous block's guards)."""
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    model = GPT(ModelConfig(**{**MODEL_PRESETS["gpt2-tiny"], "n_layer": 12}))
+    compile_forwards(model)
+    assert torch._dynamo.config.recompile_limit >= 12
+    assert all("forward" in vars(block) for block in model.blocks)  # an instance attribute: the compiled forward
+    assert "forward" in vars(model.ln_f) and "forward" not in vars(model)
