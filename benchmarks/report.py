@@ -30,7 +30,7 @@ from gpt2.run_logging import run_label  # noqa: E402
 
 COLUMNS = ["Configuration", "GPUs", "Batch/GPU", "Tokens/s", "MFU", "Peak memory (GiB)", "Training time (s)",
            "Final loss", "Accuracy", "Val loss"]
-PLAN_COLUMNS = ["Configuration", "Batch/GPU", "Predicted peak (GiB)", "Measured peak (GiB)", "Error",
+PLAN_COLUMNS = ["Configuration", "Batch/GPU", "Predicted peak at run time (GiB)", "Measured peak (GiB)", "Error",
                 "TP bytes/step predicted", "TP bytes/step measured"]
 PLOTS = ["tokens_vs_memory.png", "mfu.png", "loss.png", "memory_timeline.png"]
 
@@ -48,6 +48,8 @@ class Run:
         name = run_label(s["mode"], par.get("zero_stage", 3), s.get("tp_size", 1), par.get("sequence_parallel", False))
         if s.get("fused_kernels", "none") != "none":
             name += f" {s['fused_kernels']}"
+        if s.get("compile") not in ("off", False, None):
+            name += f" compile-{s['compile']}"
         return name
 
     @property
@@ -110,7 +112,7 @@ def plan_row(run: Run) -> dict[str, str]:
     s = run.summary
     return {
         "Configuration": run.label, "Batch/GPU": str(s["batch_size_per_gpu"]),
-        "Predicted peak (GiB)": _fmt(s.get("plan/peak_gib"), ".2f"),
+        "Predicted peak at run time (GiB)": _fmt(s.get("plan/peak_gib"), ".2f"),
         "Measured peak (GiB)": _fmt(s.get("plan/measured_peak_gib"), ".2f"),
         "Error": _fmt(s.get("plan/peak_error"), "+.1f", 100, "%"),
         "TP bytes/step predicted": _fmt(s.get("plan/tp_payload_bytes") if s.get("tp_size", 1) > 1 else None, ",.0f"),
