@@ -72,7 +72,6 @@ class ParallelConfig:
     tp_overlap: bool = True
     zero_stage: int = 3
     zero3_fetch: Literal["block", "module"] = "block"  # ZeRO-3 gather unit: a whole transformer block, or each module
-    deepcompile: bool = False  # DeepSpeed's compiler-driven ZeRO-3 (engine.compile with compile.deepcompile)
     ds_config: str | None = None
     comm_log: bool = False  # DeepSpeed's comms logger (hybrid): measured ZeRO bytes per step in the summary
 
@@ -243,9 +242,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO-3 parameter gather unit: block = each transformer block is a DeepSpeed leaf module "
                         "(one all-gather and one hook per block and pass; allows --compile), module = DeepSpeed's "
                         "default hooks on every module")
-    g.add_argument("--deepcompile", action="store_true",
-                   help="hybrid ZeRO-3 on CUDA: DeepSpeed's DeepCompile (one torch.compile graph of the whole model "
-                        "with compiler-scheduled parameter gathers and gradient reduce-scatters instead of hooks)")
     g.add_argument("--ds-config", help="DeepSpeed JSON config (hybrid mode)")
     g.add_argument("--comm-log", action="store_true",
                    help="hybrid mode: enable DeepSpeed's comms logger and put the measured ZeRO bytes per step next "
@@ -327,7 +323,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     parallel = ParallelConfig(
         tp_size=args.tp_size, sequence_parallel=args.sequence_parallel,
         tp_overlap=not args.no_tp_overlap, zero_stage=args.zero_stage, zero3_fetch=args.zero3_fetch,
-        deepcompile=args.deepcompile, ds_config=args.ds_config,
+        ds_config=args.ds_config,
         comm_log=args.comm_log,
     )
     log = LogConfig(
@@ -370,10 +366,6 @@ def validate(cfg: RunConfig) -> None:
     if t.compile and t.mode == "hybrid" and cfg.parallel.zero_stage == 3 and cfg.parallel.zero3_fetch == "module":
         raise ConfigError("--compile with ZeRO-3 needs --zero3-fetch block (per-module gather hooks inside a block "
                           "break graph capture); drop --zero3-fetch module or --compile")
-    if cfg.parallel.deepcompile and (t.mode != "hybrid" or cfg.parallel.zero_stage != 3 or t.compile
-                                     or cfg.parallel.tp_size > 1):
-        raise ConfigError("--deepcompile is DeepSpeed's compiler for ZeRO-3: use it with --mode hybrid --zero-stage 3, "
-                          "without --compile (it compiles the model itself) and without --tp-size")
     if t.compile and t.compile_scope == "model" and (t.mode == "hybrid" or cfg.parallel.tp_size > 1):
         raise ConfigError("--compile-scope model (one graph cut at DDP buckets) is for single/baseline without TP; "
                           "use --compile-scope blocks (or auto)")

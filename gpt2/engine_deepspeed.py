@@ -206,10 +206,6 @@ class DeepSpeedEngine:
         stage = cfg.parallel.zero_stage
         deepspeed = _import_deepspeed(ctx.device)
         self.ds_config = build_ds_config(cfg, ctx.dims.dp_size, ctx.device)
-        if cfg.parallel.deepcompile:
-            if ctx.device.type != "cuda":
-                raise ConfigError("--deepcompile needs CUDA (DeepSpeed builds its op on first use); drop it on CPU")
-            self.ds_config["compile"] = {"deepcompile": True}
         if cfg.parallel.comm_log:  # every collective synchronises: measurement runs only
             self.ds_config["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True, "debug": False}
         log.info("DeepSpeed config: %s", json.dumps(self.ds_config, sort_keys=True))
@@ -224,7 +220,7 @@ class DeepSpeedEngine:
                          ctx.dims.tp_size)
             model = build_model(cfg, ctx.device, ctx.dims, self.comm_stats)
         model.activation_checkpointing = t.activation_checkpointing
-        zero3_blocks = stage == 3 and cfg.parallel.zero3_fetch == "block" and not cfg.parallel.deepcompile
+        zero3_blocks = stage == 3 and cfg.parallel.zero3_fetch == "block"
         if zero3_blocks:  # before initialize, which registers the hooks: one per block instead of ~10
             from deepspeed.utils import set_z3_leaf_modules
 
@@ -240,8 +236,6 @@ class DeepSpeedEngine:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
             mpu=ModelParallelUnit(ctx.dims), dist_init_required=False)
-        if cfg.parallel.deepcompile:
-            self.engine.compile()
         self._step_lr = self.scheduler.get_last_lr()[0]  # the lr of the last optimizer step
         self.module: GPT = model
         self.zero_comm_log = ZeroCommLog(ctx.dims.dp_size) if cfg.parallel.comm_log else None
