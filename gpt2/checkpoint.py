@@ -294,10 +294,19 @@ def load_checkpoint(step_dir: Path, cfg: RunConfig, ctx: DistContext, engine: An
         engine.optimizer.load_state_dict(opt_state["optimizer"])
         engine.scheduler.load_state_dict(opt_state["scheduler"])
         engine.scaler.load_state_dict(opt_state["scaler"])
+    _resync_lr(engine.scheduler, cfg.train.lr)
     train_loader.load_state_dict(rank_state["data"])
     _set_rng_state(rank_state["rng"], ctx.device)
     log.info("checkpoint: resumed from %s (step %d)", step_dir, step)
     return step
+
+
+def _resync_lr(scheduler: torch.optim.lr_scheduler.LambdaLR, lr: float) -> None:
+    """Recompute the restored step's LR from this run's schedule: the checkpoint holds the LR its own schedule
+    gave, which is stale when a resume changes --max-steps, --lr, --min-lr or --warmup-steps."""
+    scheduler.base_lrs = [lr] * len(scheduler.base_lrs)  # every param group trains at --lr (x the schedule)
+    scheduler.last_epoch -= 1
+    scheduler.step()  # LambdaLR: lr = base_lr x lambda(last_epoch), set on the optimizer and as get_last_lr()
 
 
 def _save_due(cfg: RunConfig, step: int) -> bool:

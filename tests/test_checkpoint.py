@@ -17,7 +17,7 @@ from gpt2.checkpoint import CheckpointError, build_meta, check_compatible
 from gpt2.config import parse_args
 from gpt2.distributed import DistContext
 from parallel.dims import ParallelDims
-from tests.train_runs import TINY_ARGS, assert_hf_export_matches, run_train, step_losses
+from tests.train_runs import TINY_ARGS, assert_hf_export_matches, read_records, run_train, step_losses
 
 COMMON = TINY_ARGS + ["--data", "synthetic", "--max-steps", "8", "--seed", "11", "--eval-batches", "2"]
 
@@ -138,3 +138,18 @@ def test_resume_with_other_grad_accum_is_refused(tmp_path: Path) -> None:
     check_compatible(meta, parse_args(["--grad-accum", "2"]), ctx, tmp_path)
     with pytest.raises(CheckpointError, match="grad_accum: checkpoint 2, this run 1"):
         check_compatible(meta, parse_args([]), ctx, tmp_path)
+
+
+def test_resume_follows_the_new_schedule_when_max_steps_grows(single: Path, tmp_path: Path) -> None:
+    """Resuming the 8-step run's step-4 checkpoint with --max-steps 16: every step's LR, the first resumed one
+    included, is the 16-step schedule's (gpt2.engine.lr_at), not the checkpoint's stale 8-step value."""
+    from gpt2.config import parse_args
+    from gpt2.engine import lr_at
+
+    args = [a if a != "8" else "16" for a in COMMON] + ["--batch-size", "4"]
+    run_train(args + ["--run-name", "longer", "--resume", str(single / "ck" / "step-000004")], tmp_path)
+    t = parse_args(args).train
+    logged = {r["step"]: r["lr"] for r in read_records(tmp_path / "longer") if r["type"] == "step" and "lr" in r}
+    assert sorted(logged) == list(range(5, 17))
+    for step, lr in logged.items():
+        assert lr == pytest.approx(lr_at(step - 1, t), rel=1e-12), step  # lr_at counts optimizer steps from 0
