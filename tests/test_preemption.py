@@ -112,8 +112,11 @@ def test_signal_saves_at_step_boundary_and_resume_is_exact(tmp_path: Path, refer
     else:
         # torchrun exits 1 (a worker failed) or with its SignalException (it got SIGTERM itself)
         assert code != 0, out[-3000:]
-        if send == "usr1-rank1":  # torchrun's failure report lists both workers' own exit codes
-            assert out.count(f"exitcode  : {EXIT_PREEMPTED} ") == 2, out[-3000:]
+        if send == "usr1-rank1":  # both workers decide to stop (the signalled one and its peer, told by the flag)
+            assert "preempted by SIGUSR1 after step" in out and "preempted by a peer's signal after step" in out
+            # torchrun's failure report lists the workers' own exit codes; when one exits first, torchrun may
+            # SIGTERM the other on its way out (seen on a loaded 2-core machine), so at least one reads 75
+            assert out.count(f"exitcode  : {EXIT_PREEMPTED} ") >= 1, out[-3000:]
     assert "preempted by " in out, out[-3000:]
     ck = tmp_path / "ck"
     step = saved_step(ck)
