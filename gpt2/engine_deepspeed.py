@@ -57,6 +57,7 @@ from gpt2.config import ConfigError, RunConfig
 from gpt2.distributed import DistContext
 from gpt2.engine import build_model, compile_forwards, compile_model, evaluate_batches, lr_at
 from gpt2.model import GPT, Block
+from gpt2.planner import persistence_threshold_default
 from gpt2.run_logging import log
 from parallel.comm import CommStats
 from parallel.dims import ParallelDims
@@ -112,6 +113,9 @@ def build_ds_config(cfg: RunConfig, dp_size: int, device: torch.device) -> dict[
             raise ConfigError(f"{path} sets {'.'.join(keys)}={json.dumps(node[keys[-1]])} but {flag}; "
                               "make them agree or drop the key from the file (the command line sets it)")
         node[keys[-1]] = ours
+    if cfg.parallel.zero_stage == 3:
+        ds["zero_optimization"].setdefault("stage3_param_persistence_threshold",
+                                           persistence_threshold_default(cfg.parallel.zero3_fetch))
     if device.type != "cuda":  # CPU: fp32 (autocast_dtype's rule for the other modes)
         ds["bf16"]["enabled"] = ds["fp16"]["enabled"] = False
     ds["zero_allow_untested_optimizer"] = True  # torch AdamW: DeepSpeed only "tests" its own optimizers

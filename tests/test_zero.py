@@ -118,6 +118,11 @@ def test_ds_config_takes_cli_values_and_rejects_disagreement(tmp_path: Path) -> 
     assert ds["gradient_clipping"] == 0.5 and ds["zero_optimization"]["stage"] == 3
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
     assert ds["zero_optimization"]["overlap_comm"]  # from ds_configs/zero3.json
+    assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 0  # per-block gathers (the default)
+    cfg.parallel.zero3_fetch = "module"
+    module_ds = build_ds_config(cfg, 4, torch.device("cuda"))
+    assert module_ds["zero_optimization"]["stage3_param_persistence_threshold"] == 1e5
+    cfg.parallel.zero3_fetch = "block"
     cpu = build_ds_config(cfg, dp_size=4, device=torch.device("cpu"))
     assert not cpu["bf16"]["enabled"] and not cpu["fp16"]["enabled"]  # CPU runs are fp32
 
@@ -135,6 +140,8 @@ def test_ds_config_takes_cli_values_and_rejects_disagreement(tmp_path: Path) -> 
         build_ds_config(cfg, 4, torch.device("cpu"))
     cfg.parallel.ds_config = _write(tmp_path, {"train_batch_size": 64, "gradient_clipping": 0.5})
     assert build_ds_config(cfg, 4, torch.device("cpu"))["train_batch_size"] == 64  # agreeing values are fine
+    cfg.parallel.ds_config = _write(tmp_path, {"zero_optimization": {"stage3_param_persistence_threshold": 7}})
+    assert build_ds_config(cfg, 4, torch.device("cpu"))["zero_optimization"]["stage3_param_persistence_threshold"] == 7
 
 
 def test_weight_decay_groups_use_full_shapes_of_partitioned_params() -> None:
