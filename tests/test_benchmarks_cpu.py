@@ -152,3 +152,19 @@ def test_tp_scaling_cpu(tmp_path):
         if tp == 1:
             assert speedup == 1.0 and float(r["comm_ms"]) == 0.0
     assert (tmp_path / "tp_scaling.png").stat().st_size > 0
+
+
+def test_nanogpt_reference_model_is_gpt2_with_our_parameter_count():
+    """The compact floor model trains the same architecture: same parameter count as ours (tied embeddings,
+    padded vocabulary) and a first loss of about ln V at GPT-2's initialisation."""
+    from benchmarks.nanogpt_reference import CompactGPT
+    from gpt2.config import MODEL_PRESETS, ModelConfig
+    from gpt2.model import GPT
+
+    cfg = ModelConfig(**MODEL_PRESETS["gpt2-tiny"])
+    torch.manual_seed(0)
+    compact = CompactGPT(cfg)
+    assert sum(p.numel() for p in compact.parameters()) == GPT(cfg).num_params()
+    x = torch.randint(0, cfg.vocab_size, (2, 17))
+    loss = compact(x[:, :-1], x[:, 1:])
+    assert abs(loss.item() - math.log(cfg.padded_vocab_size)) < 0.1
