@@ -4,7 +4,9 @@
 
 Order: 4096^3 first (the target: best hand-written CUDA kernel >= 70% of cuBLAS), then square
 sizes 512..8192, then GPT-2 Large's training GEMMs (8192 tokens, d=1280; forward, dgrad, wgrad),
-until the time budget is spent. Every (kernel, shape) is first checked against an fp64 reference on
+until the time budget is spent. On a Hopper GPU (compute capability 9.0) the ladder gains `wgmma`
+(gemm_wgmma.cu: wgmma.mma_async + TMA, built as a second extension for sm_90a only; compile-checked,
+not yet run on a GPU). Every (kernel, shape) is first checked against an fp64 reference on
 fresh random inputs, with the output poisoned with NaN: relative Frobenius error <= 1e-2 (bf16
 output rounding alone gives ~2e-3) or it is reported FAIL and not timed. Each hand-written kernel is
 first run alone in a subprocess on a small shape, so one that crashes the CUDA context is reported
@@ -30,6 +32,7 @@ from benchmarks.common import device_tag, markdown_table, median_ms, tag_line, t
 
 HERE = Path(__file__).resolve().parent
 CUDA_KERNELS = ["naive", "smem", "regblock", "wmma", "mma_128x128", "mma_128x256"]
+HOPPER_KERNELS = ["wgmma"]  # sm_90a only: gemm_wgmma.cu, its own extension
 SLOW_KERNELS = {"naive", "smem"}  # timed only up to SLOW_MAX_FLOPS: 8192^3 naive takes seconds per call
 SLOW_MAX_FLOPS = 2 * 4096**3
 TOLERANCE = 1e-2
@@ -74,11 +77,29 @@ def all_shapes(quick: bool) -> list[Shape]:
     return [Shape("square", 4096, 4096, 4096)] + [Shape("square", n, n, n) for n in squares] + gpt
 
 
-def build_extension(verbose: bool = False):
+def cuda_kernels() -> list[str]:
+    """The hand-written kernels this device runs: the ladder, plus the sm_90a kernels on Hopper (9.0 only:
+    wgmma does not exist on later architectures either)."""
+    return CUDA_KERNELS + (HOPPER_KERNELS if torch.cuda.get_device_capability() == (9, 0) else [])
+
+
+def build_extension(verbose: bool = False) -> dict[str, Gemm]:
+    """kernel name -> launcher, for cuda_kernels(). gemm_wgmma.cu is a second extension: load() applies one
+    flag set to every source, and gemm_kernels.cu must keep its sm_80 build while gemm_wgmma.cu must be
+    sm_90a only (an 'arch' flag in extra_cuda_cflags replaces torch's own -gencode flags). Both bind through
+    gemm_binding.cpp; -DGEMM_WGMMA selects the wgmma binding."""
     from torch.utils.cpp_extension import load
 
-    return load(name="gemm_ladder", sources=[str(HERE / "gemm_kernels.cu"), str(HERE / "gemm_binding.cpp")],
-                extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"], extra_cflags=["-O3"], verbose=verbose)
+    cuda_flags = ["-O3", "-std=c++17", "-lineinfo"]
+    ladder = load(name="gemm_ladder", sources=[str(HERE / "gemm_kernels.cu"), str(HERE / "gemm_binding.cpp")],
+                  extra_cuda_cflags=cuda_flags, extra_cflags=["-O3"], verbose=verbose)
+    fns = {k: getattr(ladder, k) for k in CUDA_KERNELS}
+    if set(HOPPER_KERNELS) <= set(cuda_kernels()):
+        hopper = load(name="gemm_wgmma", sources=[str(HERE / "gemm_wgmma.cu"), str(HERE / "gemm_binding.cpp")],
+                      extra_cuda_cflags=[*cuda_flags, "-gencode=arch=compute_90a,code=sm_90a"],
+                      extra_cflags=["-O3", "-DGEMM_WGMMA"], verbose=verbose)
+        fns.update({k: getattr(hopper, k) for k in HOPPER_KERNELS})
+    return fns
 
 
 def relative_error(C: torch.Tensor, ref: torch.Tensor) -> float:
@@ -102,10 +123,11 @@ def check(fn: Gemm, shape: Shape, seed: int) -> tuple[float, torch.Tensor, torch
 
 
 def probe(kernel: str) -> int:
-    """Run one kernel alone on a small odd-ish shape; exit status 0 iff correct (crashes are non-zero)."""
+    """Run one kernel alone on a small odd-ish shape; exit status 0 iff correct (crashes are non-zero).
+    K = 320 is a multiple of every tiled kernel's BK and runs more k-tiles than any pipeline has stages."""
     ext = build_extension()
-    shape = Shape("probe", 200, 300, 100) if kernel in SLOW_KERNELS else Shape("probe", 256, 512, 96)
-    err, *_ = check(getattr(ext, kernel), shape, seed=0)
+    shape = Shape("probe", 200, 300, 100) if kernel in SLOW_KERNELS else Shape("probe", 256, 512, 320)
+    err, *_ = check(ext[kernel], shape, seed=0)
     print(f"probe {kernel}: rel err {err:.2e}")
     return 0 if err <= TOLERANCE else 1
 
@@ -145,16 +167,17 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
     t_start = time.time()
     ext = build_extension(verbose=args.verbose)
     print(f"built extension in {time.time() - t_start:.0f} s", flush=True)
-    probes = probe_all(CUDA_KERNELS)
+    names = cuda_kernels()
+    probes = probe_all(names)
     kernels: dict[str, Gemm] = {"cublas": lambda A, B, C: torch.matmul(A, B, out=C)}
-    kernels.update({k: getattr(ext, k) for k in CUDA_KERNELS if probes[k] == "ok"})
+    kernels.update({k: ext[k] for k in names if probes[k] == "ok"})
     kernels["triton"] = triton_matmul
 
     rows: list[dict[str, object]] = []
     for i, shape in enumerate(all_shapes(args.quick)):
         over = time.time() - t_start > args.time_budget_s
         cublas_ms = None
-        for name in ["cublas", *CUDA_KERNELS, "triton"]:
+        for name in ["cublas", *names, "triton"]:
             row: dict[str, object] = {"kernel": name, "shape": shape.name, "M": shape.M, "N": shape.N, "K": shape.K,
                                       "intensity": round(shape.intensity, 1), "tolerance": TOLERANCE}
             rows.append(row)
@@ -221,7 +244,8 @@ def summary(rows: list[dict[str, object]], bw: float, peak_gflops: float, title:
     table = [{"kernel": r["kernel"], "status": r.get("status"), "rel err": r.get("rel_err", ""),
               "TFLOP/s": round(r["gflops"] / 1e3, 1) if "gflops" in r else "",
               "% of cuBLAS": r.get("pct_cublas", "")} for r in head]
-    cuda = [r for r in head if r["kernel"] in CUDA_KERNELS and r.get("status") == "PASS" and "pct_cublas" in r]
+    hand_written = CUDA_KERNELS + HOPPER_KERNELS
+    cuda = [r for r in head if r["kernel"] in hand_written and r.get("status") == "PASS" and "pct_cublas" in r]
     best = max(cuda, key=lambda r: r["pct_cublas"], default=None)
     if best is None:
         verdict = "No hand-written CUDA kernel passed at 4096^3."
@@ -243,14 +267,16 @@ bf16 inputs, threshold {TOLERANCE}; output poisoned with NaN before each check.
 
 {verdict}
 
-What limits the gap: our tensor-core kernels use the Ampere-style `mma.sync` path (HMMA in SASS):
+What limits the `mma_*` kernels: they use the Ampere-style `mma.sync` path (HMMA in SASS):
 each warp feeds the tensor cores from registers that `ldmatrix` filled, so shared-memory reads,
 register pressure (~225 registers per thread for a 64x64 warp tile, one 8-warp block per SM) and
 issue slots sit between memory and math. On Hopper, cuBLAS uses `wgmma` (HGMMA: a warpgroup
 multiplies straight out of shared memory, asynchronously) fed by TMA bulk copies with warp
 specialisation (producer warps load, consumer warpgroups compute), and only that path reaches the
-chip's tensor-core peak; on A100 the same mma.sync kernel is the right design. Next steps: wgmma
-+ TMA (sm_90a), a persistent tile scheduler, and an epilogue staged through shared memory.
+chip's tensor-core peak; on A100 the same mma.sync kernel is the right design. `wgmma` (Hopper
+only, gemm_wgmma.cu) is that design: a TMA producer warpgroup, two consumer warpgroups issuing
+wgmma m64n256k16, a 4-stage mbarrier ring, 128x256 tile. Next steps: a persistent tile scheduler
+and an epilogue staged through shared memory.
 """
 
 
@@ -260,7 +286,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer squares; GPT-2 Large forward shapes only")
     p.add_argument("--time-budget-s", type=float, default=300, help="no new shape starts after this")
     p.add_argument("--point-budget-s", type=float, default=0.3, help="timing budget per (kernel, shape)")
-    p.add_argument("--probe", choices=CUDA_KERNELS, help=argparse.SUPPRESS)
+    p.add_argument("--probe", choices=CUDA_KERNELS + HOPPER_KERNELS, help=argparse.SUPPRESS)
     p.add_argument("--verbose", action="store_true")
     return p.parse_args(argv)
 

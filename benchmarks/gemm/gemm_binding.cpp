@@ -26,10 +26,14 @@ void run(const torch::Tensor& A, const torch::Tensor& B, const torch::Tensor& C)
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+#ifdef GEMM_WGMMA  // the second, sm_90a-only extension (gemm_wgmma.cu), see bench.py
+  m.def("wgmma", &run<gemm_wgmma>, "wgmma.mma_async + TMA + mbarrier pipeline, 128x256 tile (sm_90a)");
+#else
   m.def("naive", &run<gemm_naive>, "global-memory GEMM, one thread per output");
   m.def("smem", &run<gemm_smem>, "32x32 shared-memory tiling");
   m.def("regblock", &run<gemm_regblock>, "128x128 tile, 8x8 register blocking, vector loads");
   m.def("wmma", &run<gemm_wmma>, "WMMA tensor cores, 128x128 tile");
   m.def("mma_128x128", &run<gemm_mma_128x128>, "mma.sync + ldmatrix + 4-stage cp.async, 128x128 tile");
   m.def("mma_128x256", &run<gemm_mma_128x256>, "mma.sync + ldmatrix + 4-stage cp.async, 128x256 tile");
+#endif
 }

@@ -7,7 +7,8 @@
 //   5. mma           mma.sync.m16n8k16 fed by ldmatrix, a cp.async multi-stage shared-memory pipeline,
 //                    XOR-swizzled shared memory (no bank conflicts for ldmatrix), grouped tile order for L2
 // Launchers take raw pointers and a stream and return nullptr or an error message (the binding raises it).
-// Builds for sm_80 and sm_90; no Hopper-only (wgmma/TMA) instructions.
+// Builds for sm_80 and sm_90; no Hopper-only (wgmma/TMA) instructions: step 6 (wgmma + TMA, sm_90a) is
+// gemm_wgmma.cu.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -1,4 +1,5 @@
-// Launchers of the GEMM ladder (gemm_kernels.cu): C[M,N] = A[M,K] @ B[K,N], row-major bf16, fp32 accumulation.
+// Launchers of the GEMM ladder (gemm_kernels.cu; gemm_wgmma.cu for wgmma): C[M,N] = A[M,K] @ B[K,N],
+// row-major bf16, fp32 accumulation.
 // Each returns nullptr on a successful launch, else an error message.
 #pragma once
 #include <cuda_runtime.h>
@@ -10,4 +11,5 @@ GEMM_LAUNCHER(gemm_regblock);
 GEMM_LAUNCHER(gemm_wmma);
 GEMM_LAUNCHER(gemm_mma_128x128);
 GEMM_LAUNCHER(gemm_mma_128x256);
+GEMM_LAUNCHER(gemm_wgmma);  // sm_90a only: its own extension (bench.py), built on Hopper
 #undef GEMM_LAUNCHER
