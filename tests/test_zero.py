@@ -155,3 +155,18 @@ def test_weight_decay_groups_use_full_shapes_of_partitioned_params() -> None:
     decay, no_decay = _param_groups(model, weight_decay=0.1)
     assert decay["params"] == [matrix] and no_decay["params"] == [bias]
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+
+
+def test_zero3_resume_follows_the_new_schedule(runs: Path, tmp_path: Path) -> None:
+    """Resuming the 10-step ZeRO-3 run's step-5 checkpoint with --max-steps 20: DeepSpeed restores our LR scheduler,
+    then every step's LR, the first resumed one included, is the 20-step schedule's."""
+    from gpt2.engine import lr_at
+
+    args = [a if a != "10" else "20" for a in COMMON] + ["--mode", "hybrid", "--batch-size", "1", "--grad-accum", "2"]
+    run_train(args + ["--run-name", "zero3-longer", "--resume", str(runs / "ck-zero3" / "step-000005")], tmp_path,
+              nproc=2)
+    t = parse_args(args).train
+    logged = {r["step"]: r["lr"] for r in read_records(tmp_path / "zero3-longer") if r["type"] == "step" and "lr" in r}
+    assert sorted(logged) == list(range(6, 21))
+    for step, lr in logged.items():
+        assert lr == pytest.approx(lr_at(step - 1, t), rel=1e-12), step
