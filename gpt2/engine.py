@@ -88,29 +88,30 @@ def build_model(cfg: RunConfig, device: torch.device, dims: ParallelDims, stats:
     return model
 
 
+def _compiled_parts(model: GPT) -> list[nn.Module]:
+    """What --compile compiles: each block, the final LayerNorm and the LM head + loss. The vocab-parallel head (TP)
+    stays eager: Dynamo cannot capture its autograd.Function, whose in-place softmax buffer is saved for backward
+    (and it never materialises more than this rank's logits anyway)."""
+    head = [model.lm_head] if isinstance(model.lm_head, LMHead) else []
+    return [*model.blocks, model.ln_f, *head]
+
+
 def compile_model(model: GPT) -> None:
-    """torch.compile in place (state-dict keys unchanged): each block, and the final LayerNorm + LM head + loss,
-    so the logits slice, fp32 upcast, cross-entropy and argmax fuse instead of running as eager passes. The
-    vocab-parallel head (TP) stays eager: Dynamo cannot capture its autograd.Function, whose in-place softmax
-    buffer is saved for backward (and it never materialises more than this rank's logits anyway)."""
-    for block in model.blocks:
-        block.compile()
-    model.ln_f.compile()
-    if isinstance(model.lm_head, LMHead):
-        model.lm_head.compile()
+    """torch.compile in place (state-dict keys unchanged) the `_compiled_parts`, so the logits slice, fp32 upcast,
+    cross-entropy and argmax fuse instead of running as eager passes."""
+    for module in _compiled_parts(model):
+        module.compile()
 
 
 def compile_forwards(model: GPT) -> None:
-    """torch.compile the forward of each block, the final LayerNorm and the LM head, leaving the modules' hooks
-    outside the graphs: under ZeRO-3 (blocks as DeepSpeed leaf modules) the pre-forward hook gathers a block's
-    parameters eagerly, then the compiled forward sees them whole. The vocab-parallel head stays eager as in
-    `compile_model`."""
-    heads = [model.ln_f, model.lm_head] if isinstance(model.lm_head, LMHead) else [model.ln_f]
+    """torch.compile the forward of the `_compiled_parts`, leaving the modules' hooks outside the graphs: under
+    ZeRO-3 (blocks as DeepSpeed leaf modules) the pre-forward hook gathers a block's parameters eagerly, then the
+    compiled forward sees them whole."""
     # On CUDA, ZeRO-3's gathered block parameters fail a guard of the previous block's graph, so Dynamo compiles
     # the shared Block.forward once per block (reused every step after that); at its default limit of 8 the
     # other blocks of GPT-2 Large ran eagerly (4xH200 logs: "hit config.recompile_limit (8)").
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(model.blocks) + 8)
-    for module in [*model.blocks, *heads]:
+    for module in _compiled_parts(model):
         module.forward = torch.compile(module.forward)
 
 

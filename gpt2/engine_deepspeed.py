@@ -13,9 +13,10 @@ so no DeepSpeed op needs compiling.
 
 `--zero3-fetch block` (default) marks each transformer block a DeepSpeed ZeRO-3 leaf module: its parameters
 are gathered by one coalesced all-gather in one pre-forward hook (and again before its backward) instead of
-by hooks on each of its ~10 submodules, which cuts the per-step host overhead of ZeRO-3 and lets `--compile`
-compile each block's forward with the hooks outside the graph. A gathered block is 12d^2 parameters (GPT-2
-Large: 19.7M, 39 MB in bf16). `--zero3-fetch module` keeps DeepSpeed's default per-module hooks.
+by hooks on each of its ~10 submodules (fewer hooks and collectives: 1.3x steps/s on a 2-rank CPU run, no change
+on 4xH200 at batch 8), and lets `--compile` compile each block's forward with the hooks outside the graph.
+A gathered block is 12d^2 parameters (GPT-2 Large: 19.7M, 39 MB in bf16). `--zero3-fetch module` keeps
+DeepSpeed's default per-module hooks.
 
 Under ZeRO-3 the model is built inside `deepspeed.zero.Init`: each module's parameters are partitioned
 over the data-parallel group as soon as its constructor returns, so GPT-2 Large/XL never exist whole on
