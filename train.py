@@ -12,6 +12,7 @@ checkpoint (gpt2/preemption.py; rerun with --resume auto).
 
 from __future__ import annotations
 
+import faulthandler
 import sys
 
 from gpt2.config import ConfigError, parse_args
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2
     logger = None
+    finished = False
     # SIGUSR1 / SIGTERM from here on: checkpoint at the next step boundary, exit EXIT_PREEMPTED
     preemption = PreemptionWatcher()
     try:
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         logger = MetricsLogger(cfg, run_dir) if ctx.is_main else None
         run_training(cfg, ctx, engine, data, logger, start_step=start_step, checkpointer=checkpointer,
                      preemption=preemption)
+        finished = True
     except ConfigError as err:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2
@@ -82,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if logger:
             logger.close()
-        shutdown_distributed()
+        shutdown_distributed(all_ranks_finished=finished)
     return 0
 
 
 if __name__ == "__main__":
+    # a crash in native code (segfault, std::terminate) prints every thread's Python stack on each rank
+    faulthandler.enable()
     sys.exit(main())

@@ -89,6 +89,12 @@ def init_distributed(cfg: RunConfig) -> DistContext:
     return DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device, dims=dims)
 
 
-def shutdown_distributed() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown_distributed(all_ranks_finished: bool) -> None:
+    """Destroy the process groups; after a finished run, only once every rank has left its last collective,
+    so no rank tears its connections down while a peer still uses them. After an error the peers may be gone:
+    no barrier then."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if all_ranks_finished:
+        dist.barrier()
+    dist.destroy_process_group()

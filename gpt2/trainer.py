@@ -92,6 +92,7 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
 
     profiler = StepProfiler(t.profile, logger.run_dir if logger else None, start_step + t.throughput_warmup_steps,
                             ctx.device)
+    tqdm.monitor_interval = 0  # no daemon monitor thread: it could wake inside interpreter shutdown
     bar = tqdm(total=t.max_steps, initial=start_step, disable=not ctx.is_main, dynamic_ncols=True, unit="step")
     tokens_per_micro = t.batch_size * t.seq_len
     last: dict[str, Any] = {}
