@@ -62,9 +62,27 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, activation_checkpointing: bool) -> float:
-    """FLOPs the hardware executes: full activation checkpointing re-runs the forward (+1/3)."""
+    """FLOPs the hardware executes per token: model FLOPs, plus one more forward of the blocks when checkpointing.
+
+    `GPT.forward` recomputes only the transformer blocks in backward; the embedding lookup, final LayerNorm
+    and LM head run once. So the extra work is the blocks' forward alone:
+
+        2 N_blocks + 4 L d T,   N_blocks = L (12 d^2 + 13 d)
+
+    2 N_blocks: 2 FLOPs per multiply-add over the block weights. 4 L d T: the forward half of the 12 L d T
+    attention term (QK^T and AV, 2 T d FLOPs each per token and layer; backward is twice that, hence 12).
+    This is below the whole-model x 4/3, because the tied LM head (V d in N) is not re-run.
+    It counts a full re-run of each block. Eager (uncompiled) blocks run less: non-reentrant checkpoint stops
+    once the last saved tensor is rebuilt, skipping the MLP down-projection (CPU FlopCounterMode: 8 d^2, not
+    12 d^2, linear FLOPs per layer re-run), so there HFU is an upper bound.
+    Under tensor parallelism each rank recomputes its 1/tp share of the same blocks, so dividing this
+    per-token total by all GPUs (as MFU does) stays consistent.
+    """
     base = flops_per_token(cfg, seq_len)
-    return base * 4.0 / 3.0 if activation_checkpointing else base
+    if not activation_checkpointing:
+        return base
+    recompute = 2.0 * cfg.n_layer * non_embedding_block_params(cfg) + 4.0 * cfg.n_layer * cfg.n_embd * seq_len
+    return base + recompute
 
 
 def device_peak_tflops(device: torch.device, override: float | None = None) -> float | None:

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from gpt2.config import MODEL_PRESETS, ModelConfig
-from gpt2.metrics import ThroughputMeter, device_peak_tflops, flops_per_token, model_params_for_flops
+from gpt2.metrics import (
+    ThroughputMeter,
+    device_peak_tflops,
+    flops_per_token,
+    hardware_flops_per_token,
+    model_params_for_flops,
+)
 from gpt2.model import GPT
 
 
@@ -24,6 +30,15 @@ def test_gpt2_large_flops_per_token_by_hand() -> None:
     assert 418_000 < tok_s < 418_500
 
 
+def test_gpt2_large_hardware_flops_with_checkpointing_by_hand() -> None:
+    # Only the 36 blocks are re-run: 2 x 708,387,840 block params + 4 L d T attention forward
+    # = 1,416,775,680 + 188,743,680 on top of 5,202,547,200 model FLOPs. The LM head is not re-run,
+    # so this is x1.3086, below the whole-model x4/3 (6,936,729,600).
+    cfg = ModelConfig(**MODEL_PRESETS["gpt2-large"])
+    assert hardware_flops_per_token(cfg, 1024, activation_checkpointing=False) == 5_202_547_200
+    assert hardware_flops_per_token(cfg, 1024, activation_checkpointing=True) == 6_808_066_560
+
+
 def test_flops_parameter_count_matches_real_model() -> None:
     cfg = ModelConfig(n_layer=3, n_head=4, n_embd=96, n_positions=128)
     model = GPT(cfg)
@@ -36,8 +51,9 @@ def test_meter_excludes_warmup_and_counts_dp_replicas_only() -> None:
     # tp=2 x dp=2 on 4 GPUs: tokens per step counts the 2 replicas, MFU divides by all 4 GPUs
     cfg = ModelConfig(**MODEL_PRESETS["gpt2-large"])
     fpt = flops_per_token(cfg, 1024)
+    hw_fpt = hardware_flops_per_token(cfg, 1024, activation_checkpointing=True)
     tokens_per_step = 2 * 8 * 1 * 1024
-    meter = ThroughputMeter(tokens_per_step=tokens_per_step, flops_per_token=fpt, hw_flops_per_token=fpt * 4 / 3,
+    meter = ThroughputMeter(tokens_per_step=tokens_per_step, flops_per_token=fpt, hw_flops_per_token=hw_fpt,
                             n_devices=4, peak_tflops=989.0, warmup_steps=2)
     for step, seconds in enumerate([9.0, 9.0, 0.5, 0.5, 0.5], start=1):
         meter.record(step, seconds)
@@ -46,7 +62,7 @@ def test_meter_excludes_warmup_and_counts_dp_replicas_only() -> None:
     assert s["tokens_per_s"] == pytest.approx(tokens_per_step / 0.5)
     assert s["tokens_per_s_per_gpu"] == pytest.approx(tokens_per_step / 0.5 / 4)
     assert s["mfu"] == pytest.approx(tokens_per_step / 0.5 * fpt / (4 * 989e12))
-    assert s["hfu"] == pytest.approx(s["mfu"] * 4 / 3)
+    assert s["hfu"] == pytest.approx(s["mfu"] * hw_fpt / fpt)
 
 
 def test_meter_without_measured_steps_reports_none() -> None:
