@@ -77,8 +77,20 @@ def consolidated_state_dict(step_dir: Path) -> tuple[ModelConfig, dict[str, torc
     return cfg, {key: unshard_tensor([s[key] for s in shards], param_shard(key)) for key in shards[0]}
 
 
+class ExportTargetError(Exception):
+    """The output folder holds something already: exporting into it would overwrite the user's files."""
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """Refuse an existing non-empty folder (or a file): save_pretrained would silently replace its files."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ExportTargetError(f"output folder {out_dir} exists and is not empty; nothing was written. "
+                                "Choose a new or empty folder.")
+
+
 def export_hf(checkpoint: Path, out_dir: Path) -> Path:
-    """Write `out_dir` as a transformers GPT2LMHeadModel folder; returns it."""
+    """Write `out_dir` (new or empty) as a transformers GPT2LMHeadModel folder; returns it."""
+    check_out_dir(out_dir)  # before the gather, which can take minutes and much memory
     from transformers import GPT2LMHeadModel
 
     step_dir = _step_dir(checkpoint)
@@ -98,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         out = export_hf(args.checkpoint, args.out_dir)
-    except CheckpointError as err:
+    except (CheckpointError, ExportTargetError) as err:
         print(f"gpt2.export: error: {err}", file=sys.stderr)
         return 2
     print(f"exported {_step_dir(args.checkpoint)} -> {out}")
