@@ -35,7 +35,9 @@ EOT. Text without such headings is one continuous document per split.
 Cache: each split's flat token stream is stored under `cache_dir` as a raw uint16 array (uint32 when
 the vocab exceeds 65536 tokens) plus a JSON sidecar, keyed by sha256 of (source identity: hub
 name+config+split, or resolved path+size+mtime of each file; tokenizer fingerprint; EOT id; format
-version). Written to a temporary file and renamed, sidecar last; never depends on seq_len.
+version). Written to a temporary file and renamed, sidecar last; never depends on seq_len. The sidecar's
+n_tokens x dtype size is checked against the array file (a partial copy of --cache-dir between machines):
+the main process rebuilds a mismatched cache with a warning, other ranks name the file to delete.
 
 Blocks and batches: block i is tokens[i*T : i*T + T + 1], x = block[:-1], y = block[1:] (consecutive
 blocks share one boundary token, so every token is a target once). `--max-samples` keeps the first N
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -80,6 +83,7 @@ VAL_TAIL_FRACTION = 0.05  # validation share of a split-less corpus (a single fi
 SYNTHETIC_TRAIN_BLOCKS = 4096
 _TITLE = re.compile(r"^= [^=](.*[^=])? =$")  # " = Title = " after strip(); " = = Section = = " excluded
 _ROLE_WORDS = {"train": ("train",), "valid": ("valid", "validation", "val", "dev"), "test": ("test",)}
+_log = logging.getLogger("gpt2")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,11 +225,32 @@ def _cache_paths(split: TextSplit, key_material: dict, cache_dir: Path) -> tuple
     return cache_dir / f"{split.name}-{key[:20]}.bin", material
 
 
+def _cache_problem(bin_path: Path) -> str | None:
+    """Why an existing sidecar's cache cannot be used (unreadable sidecar, missing or wrong-size array), or None."""
+    meta_path = bin_path.with_suffix(".json")
+    try:
+        meta = json.loads(meta_path.read_text())
+        expected = int(meta["n_tokens"]) * np.dtype(meta["dtype"]).itemsize
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its sidecar {meta_path} is unreadable ({e})"
+    if not bin_path.exists():
+        return f"{bin_path} is missing"
+    size = bin_path.stat().st_size
+    if size != expected:
+        return (f"{bin_path} is {size:,} bytes but its sidecar says {meta['n_tokens']:,} {meta['dtype']} tokens "
+                f"= {expected:,} bytes (a partial copy?)")
+    return None
+
+
 def _open_cache(bin_path: Path, split: TextSplit, data_path: str | None) -> np.ndarray:
     meta_path = bin_path.with_suffix(".json")
     if not meta_path.exists():
         raise DataError(f"token cache {bin_path} is missing after the main process built it; put --cache-dir on a "
                         "filesystem every rank can see, or make one process per node the main process")
+    problem = _cache_problem(bin_path)
+    if problem is not None:  # the main process rebuilt any bad cache before the barrier: this rank sees another copy
+        raise DataError(f"token cache {bin_path} is damaged: {problem}; delete {bin_path} and {meta_path} "
+                        "and run again to rebuild it")
     meta = json.loads(meta_path.read_text())
     where = f"--data-path {data_path}" if data_path else split.label
     if meta["n_text_rows"] == 0 or meta["n_tokens"] == 0:
@@ -367,9 +392,16 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, model_vocab_si
         if is_main:
             cache_dir.mkdir(parents=True, exist_ok=True)
             for split, (bin_path, material) in zip(splits, paths):
-                if not bin_path.with_suffix(".json").exists():
-                    cache_hit = False
-                    _build_cache(split, bin_path, material, tokenizer, eot, cfg.num_proc)
+                meta_path = bin_path.with_suffix(".json")
+                if meta_path.exists():
+                    problem = _cache_problem(bin_path)
+                    if problem is None:
+                        continue
+                    # derived data: rebuilding loses nothing; other ranks wait at the barrier below meanwhile
+                    _log.warning("token cache %s is damaged: %s; rebuilding it", bin_path, problem)
+                    meta_path.unlink()  # first, so an interrupted rebuild reads as "no cache" next time
+                cache_hit = False
+                _build_cache(split, bin_path, material, tokenizer, eot, cfg.num_proc)
         barrier()
         streams = [_open_cache(p, s, cfg.data_path) for s, (p, _) in zip(splits, paths)]
         if val_split is None:

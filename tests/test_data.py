@@ -6,6 +6,7 @@ need the real GPT-2 tokenizer / WikiText-2 read ../shared/data and skip when it 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -263,6 +264,31 @@ def test_non_main_ranks_wait_for_the_main_process(tmp_path, tiny_tokenizer):
     with pytest.raises(DataError, match="missing after the main process"):
         build(DataConfig(data_path=str(tmp_path / "corpus.txt"), tokenizer=str(tiny_tokenizer),
                          cache_dir=str(tmp_path / "elsewhere")), is_main=False)
+
+
+def test_truncated_token_cache_is_rebuilt_with_a_warning(tmp_path, tiny_tokenizer, caplog, monkeypatch):
+    # a partial copy of --cache-dir: numpy's memmap used to fail with "mmap length is greater than file size"
+    lines = wiki_lines(30, seed=6)
+    write(tmp_path / "corpus.txt", lines)
+    cfg = DataConfig(data_path=str(tmp_path / "corpus.txt"), tokenizer=str(tiny_tokenizer),
+                     cache_dir=str(tmp_path / "cache"), num_proc=1)
+    build(cfg)
+    (bin_path,) = (tmp_path / "cache").glob("train-*.bin")
+    full_size = bin_path.stat().st_size
+    with open(bin_path, "r+b") as f:
+        f.truncate(full_size // 2)
+
+    with pytest.raises(DataError, match=f"{bin_path.name} is damaged.*delete {bin_path}"):
+        build(cfg, is_main=False)  # a rank that does not rebuild names the file to delete
+
+    monkeypatch.setattr(logging.getLogger("gpt2"), "propagate", True)  # a run's console set-up may disable it
+    with caplog.at_level("WARNING", logger="gpt2"):
+        rebuilt = build(cfg)
+    assert not rebuilt.cache_hit
+    assert str(bin_path) in caplog.text and "rebuilding" in caplog.text
+    assert bin_path.stat().st_size == full_size
+    full = np.concatenate([rebuilt.train.tokens, rebuilt.val.tokens]).astype(np.int64)
+    assert np.array_equal(full, reference_stream(tiny_tokenizer, lines))
 
 
 def test_max_samples_caps_training_blocks_before_sharding(tmp_path, tiny_tokenizer):
