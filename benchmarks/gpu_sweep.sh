@@ -13,6 +13,8 @@
 # b32 136.6k.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=benchmarks/run_names.sh
+source benchmarks/run_names.sh
 OUT=${OUT:-benchmarks/results/gpu_sweep}
 NGPU=${NGPU:-4}
 TOTAL_S=${TOTAL_S:-540}
@@ -24,7 +26,8 @@ python3 -c "import torch, transformers, deepspeed; print('torch', torch.__versio
 transformers.__version__, '| deepspeed', deepspeed.__version__)" | tee -a "$OUT/gpus.txt"
 
 hf() {  # hf MODE BATCH
-  local name="hf-$1-b$2"
+  local name
+  name=$(free_run_name "$OUT/hf" "$OUT/hf/runs" "hf-$1-b$2")  # a rerun gets NAME-1.log and runs/NAME-1
   timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" -m benchmarks.hf_reference \
     --mode "$1" --model gpt2-large --seq-len 1024 --batch-size "$2" --max-steps 25 --throughput-warmup-steps 5 \
     --log-interval 5 --out-dir "$OUT/hf/runs" --run-name "$name" --wandb disabled >"$OUT/hf/$name.log" 2>&1

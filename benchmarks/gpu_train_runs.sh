@@ -7,6 +7,8 @@
 # planner's calibration matrix: the report's plan table shows predicted vs measured peak memory).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=benchmarks/run_names.sh
+source benchmarks/run_names.sh
 OUT=${OUT:-benchmarks/results/raw}
 NGPU=${NGPU:-4}
 STEPS=${STEPS:-25}
@@ -24,7 +26,7 @@ if [ ${#runs[@]} -eq 0 ]; then
         "zero3-tp2-b32:--mode hybrid --tp-size 2 --batch-size 32")
 fi
 for spec in "${runs[@]}"; do
-  name=${spec%%:*}
+  name=$(free_run_name "$OUT" "$OUT/runs" "${spec%%:*}")  # a rerun gets NAME-1.log and runs/NAME-1
   flags=${spec#*:}
   # shellcheck disable=SC2086
   timeout "${RUN_TIMEOUT:-300}" python3 -m torch.distributed.run --nproc_per_node="$NGPU" train.py \

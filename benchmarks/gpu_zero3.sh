@@ -8,6 +8,8 @@
 # A short fp16 ZeRO-3 run (dynamic loss scaling) checks the fp16 path on real hardware.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=benchmarks/run_names.sh
+source benchmarks/run_names.sh
 OUT=${OUT:-benchmarks/results}
 RUNS="$OUT/runs"
 mkdir -p "$RUNS"
@@ -15,7 +17,8 @@ COMMON=(--model gpt2-large --seq-len 1024 --precision bf16 --data synthetic --ma
         --warmup-steps 5 --throughput-warmup-steps 5 --eval-batches 2 --wandb disabled --out-dir "$RUNS")
 
 run() {  # run NAME ARGS...: one torchrun launch on 4 GPUs
-  local name=$1; shift
+  local name
+  name=$(free_run_name "$RUNS" "$RUNS" "$1"); shift  # a rerun gets NAME-1.log and NAME-1/, never the old ones
   echo "=== $name: torchrun --nproc_per_node=4 train.py ${COMMON[*]} $*"
   # flags after COMMON win (argparse keeps the last value)
   if torchrun --nproc_per_node=4 --master_port=$((29500 + RANDOM % 1000)) train.py "${COMMON[@]}" "$@" \
