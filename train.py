@@ -14,8 +14,29 @@ from __future__ import annotations
 
 import faulthandler
 import sys
+from typing import TYPE_CHECKING
 
-from gpt2.config import ConfigError, parse_args
+from gpt2.config import ConfigError, RunConfig, parse_args
+
+if TYPE_CHECKING:
+    from gpt2.distributed import DistContext
+
+
+def check_before_work(cfg: RunConfig, ctx: DistContext) -> None:
+    """Start-up checks that need the launch (device, dp size) but come before data, a run folder or a model."""
+    from gpt2.engine import check_backends
+    from gpt2.run_logging import wandb_mode
+
+    check_backends(cfg)
+    wandb_mode(cfg.log.wandb)  # --wandb online without credentials
+    if cfg.train.mode == "hybrid":  # a missing or broken --ds-config, or one that contradicts the flags
+        from gpt2.engine_deepspeed import build_ds_config
+
+        build_ds_config(cfg, ctx.dims.dp_size, ctx.device)
+    if cfg.train.init_from:  # its architecture must be this run's
+        from gpt2.hf_weights import check_init_from
+
+        check_init_from(cfg.train.init_from, cfg.model)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,18 +50,18 @@ def main(argv: list[str] | None = None) -> int:
         from gpt2.checkpoint import Checkpointer, load_checkpoint, prepare_resume
         from gpt2.data import build_data
         from gpt2.distributed import init_distributed, shutdown_distributed
-        from gpt2.engine import TorchEngine, check_backends
+        from gpt2.engine import TorchEngine
         from gpt2.metrics import model_params_for_flops
         from gpt2.preemption import EXIT_PREEMPTED, Preempted, PreemptionWatcher
         from gpt2.run_logging import MetricsLogger, log, make_run_dir, setup_console
         from gpt2.trainer import run_training
 
         ctx = init_distributed(cfg)
-        check_backends(cfg)  # before data, a run folder or a model exist
-        if cfg.train.init_from:  # its architecture must be this run's, checked before the heavy work too
-            from gpt2.hf_weights import check_init_from
-
-            check_init_from(cfg.train.init_from, cfg.model)
+        try:
+            check_before_work(cfg, ctx)
+        except ConfigError:
+            shutdown_distributed(all_ranks_finished=False)
+            raise
     except ConfigError as err:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2

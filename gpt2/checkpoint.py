@@ -16,9 +16,12 @@ Layout of `--save-dir`::
 
 A save writes everything into `step-XXXXXX.tmp/`, fsyncs it, renames it to `step-XXXXXX/` and only then
 points `latest` at it, so a crash at any moment leaves the previous checkpoint as the latest. An existing
-step folder is never overwritten. Resume restores model, optimizer, scheduler, step, data position and RNG
-states, so N steps + resume + M steps give the losses of N + M uninterrupted steps. A checkpoint resumes only
-into the same parallel layout (tp, dp, mode, ZeRO stage); to change it, export the weights and --init-from them.
+step folder is never overwritten, and a `--save-dir` holding another run's checkpoints is refused unless this
+run resumes from it; `--keep-last` deletes only checkpoints older than the one just written. Resume restores
+model, optimizer, scheduler, step, data position and RNG states, so N steps + resume + M steps give the losses
+of N + M uninterrupted steps. A checkpoint resumes only into the same parallel layout (tp, dp, mode, ZeRO stage)
+and data order (batch size, accumulation, seq len, seed); to change the layout, export the weights and
+--init-from them.
 
 `Checkpointer.save(step)` may be called at any step boundary (the loop calls `maybe_save`; a preemption
 handler can call `save`). Every function here that touches the process group is collective.
@@ -51,8 +54,10 @@ LATEST = "latest"
 META = "meta.json"
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 # meta.json fields that must match for a resume (the parallel layout decides how state is sharded)
-# grad_accum too: the data position counts micro-batches, so another accumulation would replay or skip data
-_LAYOUT_KEYS = ("mode", "world_size", "tp_size", "dp_size", "zero_stage", "grad_accum")
+# batch_size, grad_accum, seq_len and seed too: the data position counts micro-batches of packed sequences in a
+# seeded order, so other values would replay or skip data (the data loader re-checks them when it restores)
+_LAYOUT_KEYS = ("mode", "world_size", "tp_size", "dp_size", "zero_stage", "batch_size", "grad_accum", "seq_len",
+                "seed")
 
 
 class CheckpointError(ConfigError):
@@ -260,8 +265,9 @@ def save_checkpoint(cfg: RunConfig, ctx: DistContext, engine: Any, train_loader:
         os.rename(tmp, final)
         _fsync_path(save_dir)
         _write_text_atomic(save_dir / LATEST, final.name + "\n")
-        if keep_last:
-            for _, old in list_checkpoints(save_dir)[:-keep_last]:
+        if keep_last:  # only checkpoints older than this one: never the one `latest` now points at
+            older = [p for s, p in list_checkpoints(save_dir) if s < step]
+            for old in older[:max(0, len(older) - (keep_last - 1))]:
                 shutil.rmtree(old)
 
     _on_rank0(ctx, commit)
@@ -314,12 +320,20 @@ def _save_due(cfg: RunConfig, step: int) -> bool:
     return step == cfg.train.max_steps or bool(interval and step % interval == 0)
 
 
-def check_save_dir(cfg: RunConfig, start_step: int) -> None:
-    """Fail before training, not after it, when a step folder this run would write already exists."""
+def check_save_dir(cfg: RunConfig, resume_from: Path | None) -> None:
+    """Fail before training, not after it, when --save-dir holds another run's checkpoints (this run would move
+    `latest` and --keep-last would delete them) or a step folder this run would write."""
     if not cfg.checkpoint.save_dir:
         return
-    ahead = [p.name for s, p in list_checkpoints(Path(cfg.checkpoint.save_dir))
-             if start_step < s <= cfg.train.max_steps and _save_due(cfg, s)]
+    save_dir = Path(cfg.checkpoint.save_dir)
+    existing = list_checkpoints(save_dir)
+    continues_here = resume_from is not None and resume_from.parent.resolve() == save_dir.resolve()
+    if existing and not continues_here:
+        raise CheckpointError(f"--save-dir {save_dir} already holds checkpoints of another run "
+                              f"({existing[0][1].name} ... {existing[-1][1].name}); nothing is overwritten: continue "
+                              "that run with --resume auto, or pass a new --save-dir")
+    start_step = read_meta(resume_from)["step"] if resume_from else 0
+    ahead = [p.name for s, p in existing if start_step < s <= cfg.train.max_steps and _save_due(cfg, s)]
     if ahead:
         raise CheckpointError(f"--save-dir {cfg.checkpoint.save_dir} already holds {', '.join(ahead)}, which this "
                               "run would write; nothing is overwritten: use another --save-dir or resume from its "
@@ -333,7 +347,7 @@ def prepare_resume(cfg: RunConfig, ctx: DistContext) -> Path | None:
     if resume_from:
         check_compatible(read_meta(resume_from), cfg, ctx, resume_from)
         cfg.checkpoint.resumed_from = str(resume_from.resolve())
-    check_save_dir(cfg, read_meta(resume_from)["step"] if resume_from else 0)
+    check_save_dir(cfg, resume_from)
     return resume_from
 
 

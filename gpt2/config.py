@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 GPT2_VOCAB_SIZE = 50257
@@ -237,9 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp-size", type=_positive_int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--no-tp-overlap", action="store_true")
-    g.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=3)
-    g.add_argument("--zero3-fetch", choices=["block", "module"], default="block",
-                   help="ZeRO-3 parameter gather unit: block = each transformer block is a DeepSpeed leaf module "
+    g.add_argument("--zero-stage", type=int, choices=[1, 2, 3], help="hybrid mode: DeepSpeed ZeRO stage (default 3)")
+    g.add_argument("--zero3-fetch", choices=["block", "module"],
+                   help="hybrid mode, ZeRO-3: the parameter gather unit (default block): block = each transformer "
+                        "block is a DeepSpeed leaf module "
                         "(one all-gather and one hook per block and pass; allows --compile), module = DeepSpeed's "
                         "default hooks on every module")
     g.add_argument("--ds-config", help="DeepSpeed JSON config (hybrid mode)")
@@ -320,9 +323,15 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         max_samples=args.max_samples, cache_dir=args.cache_dir, num_proc=args.num_proc,
         eval_batches=args.eval_batches,
     )
+    zero_flags = [flag for flag, value in (("--zero-stage", args.zero_stage), ("--zero3-fetch", args.zero3_fetch))
+                  if value is not None]
+    if zero_flags and args.mode != "hybrid":
+        raise ConfigError(f"{' / '.join(zero_flags)}: DeepSpeed ZeRO settings, used only by --mode hybrid; "
+                          f"drop {'it' if len(zero_flags) == 1 else 'them'} or use --mode hybrid")
     parallel = ParallelConfig(
-        tp_size=args.tp_size, sequence_parallel=args.sequence_parallel,
-        tp_overlap=not args.no_tp_overlap, zero_stage=args.zero_stage, zero3_fetch=args.zero3_fetch,
+        tp_size=args.tp_size, sequence_parallel=args.sequence_parallel, tp_overlap=not args.no_tp_overlap,
+        zero_stage=args.zero_stage or ParallelConfig.zero_stage,
+        zero3_fetch=args.zero3_fetch or ParallelConfig.zero3_fetch,
         ds_config=args.ds_config,
         comm_log=args.comm_log,
     )
@@ -335,7 +344,10 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     checkpoint = CheckpointConfig(save_dir=args.save_dir, save_interval=args.save_interval, resume=args.resume,
                                   keep_last=args.keep_last)
     plan = PlanConfig(plan=args.plan, search=args.search, gpus=args.gpus, gpu_memory_gib=args.gpu_memory_gib,
-                      busbw_gbs=list(args.busbw_gbs)[:2], achievable_tflops=args.achievable_tflops)
+                      busbw_gbs=list(args.busbw_gbs), achievable_tflops=args.achievable_tflops)
+    if len(args.busbw_gbs) > 2:
+        raise ConfigError(f"--busbw-gbs takes one or two values (within a node, across nodes), got "
+                          f"{len(args.busbw_gbs)}")
     if args.search and not args.plan:
         raise ConfigError("--search ranks layouts for --plan; add --plan")
     return RunConfig(train=train, model=model, data=data, parallel=parallel, log=log, checkpoint=checkpoint,
@@ -353,8 +365,14 @@ def validate(cfg: RunConfig) -> None:
     if t.seq_len > m.n_positions:
         raise ConfigError(f"--seq-len {t.seq_len} exceeds the model's {m.n_positions} positions "
                           f"({t.model}); use --seq-len <= {m.n_positions}")
-    if t.min_lr > t.lr:
-        raise ConfigError(f"--min-lr {t.min_lr} is above --lr {t.lr}")
+    if not 0.0 <= t.min_lr <= t.lr:
+        raise ConfigError(f"--min-lr must be in [0, --lr {t.lr}], got {t.min_lr}")
+    if t.weight_decay < 0:
+        raise ConfigError(f"--weight-decay must be >= 0, got {t.weight_decay}")
+    if not 0 <= t.seed < 2**32:
+        raise ConfigError(f"--seed must be in [0, 2**32) (numpy's seed range), got {t.seed}")
+    if t.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", t.device):
+        raise ConfigError(f"--device {t.device!r} is not a device this harness runs on; use cpu or cuda")
     if t.grad_clip < 0:
         raise ConfigError(f"--grad-clip must be >= 0 (0 disables), got {t.grad_clip}")
     if cfg.data.data == "synthetic" and cfg.data.data_path:
@@ -381,6 +399,18 @@ def validate(cfg: RunConfig) -> None:
                           "or --resume <checkpoint folder>")
     if (cfg.checkpoint.save_interval or cfg.checkpoint.keep_last) and not cfg.checkpoint.save_dir:
         raise ConfigError("--save-interval / --keep-last need --save-dir")
+    _check_output_paths(cfg)
+
+
+def _check_output_paths(cfg: RunConfig) -> None:
+    """Folders the run will create must be creatable: a file in the way fails now, not after training."""
+    name = cfg.log.run_name
+    if name is not None and (not name or Path(name).name != name or name in (".", "..")):
+        raise ConfigError(f"--run-name {name!r} must be a plain folder name (no '/'); --out-dir sets the parent")
+    for flag, folder in (("--out-dir", cfg.log.out_dir), ("--save-dir", cfg.checkpoint.save_dir),
+                         ("--cache-dir", cfg.data.cache_dir)):
+        if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
+            raise ConfigError(f"{flag} {folder} is a file, not a folder; pass a folder path")
 
 
 def validate_world(cfg: RunConfig, world_size: int) -> None:
@@ -390,7 +420,9 @@ def validate_world(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(f"--mode single was launched on {world_size} processes; "
                           "use --mode baseline (DDP) or launch one process")
     if world_size % p.tp_size:
-        raise ConfigError(f"world size {world_size} is not divisible by --tp-size {p.tp_size}")
+        choices = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigError(f"world size {world_size} is not divisible by --tp-size {p.tp_size}; "
+                          f"choose --tp-size from {choices}")
     dp = world_size // p.tp_size
     if t.global_batch_size is not None:
         per_step = t.batch_size * dp

@@ -12,8 +12,9 @@ import os
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
-from gpt2.config import RunConfig
+from gpt2.config import ConfigError, RunConfig
 
 log = logging.getLogger("gpt2")
 
@@ -76,13 +77,23 @@ def wandb_identity(cfg: RunConfig) -> dict[str, Any]:
             "tags": list(dict.fromkeys([*cfg.log.wandb_tags, *auto]))}
 
 
+def wandb_credentials_present() -> bool:
+    """WANDB_API_KEY, or an entry for the wandb host in the netrc file `wandb login` writes (no network)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    return netrc.is_file() and host in netrc.read_text()
+
+
 def wandb_mode(requested: str | None) -> str:
-    """online iff credentials are present (env or ~/.netrc), else offline; an explicit choice wins."""
+    """online iff credentials are present, else offline; an explicit choice wins, but online needs credentials."""
+    if requested == "online" and not wandb_credentials_present():
+        raise ConfigError("--wandb online needs credentials: run `wandb login` or set WANDB_API_KEY; or log locally "
+                          "with --wandb offline (upload later with `wandb sync`)")
     if requested:
         return requested
-    netrc = Path.home() / ".netrc"
-    has_key = bool(os.environ.get("WANDB_API_KEY")) or (netrc.exists() and "api.wandb.ai" in netrc.read_text())
-    return "online" if has_key else "offline"
+    return "online" if wandb_credentials_present() else "offline"
 
 
 class MetricsLogger:

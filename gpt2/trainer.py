@@ -92,6 +92,12 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
 
     profiler = StepProfiler(t.profile, logger.run_dir if logger else None, start_step + t.throughput_warmup_steps,
                             ctx.device)
+    if t.max_steps - start_step <= t.throughput_warmup_steps:
+        log.warning("all %d steps are throughput warm-up: no tokens/s or MFU; raise --max-steps above "
+                    "--throughput-warmup-steps %d", t.max_steps - start_step, t.throughput_warmup_steps)
+    if t.warmup_steps > t.max_steps:
+        log.warning("--warmup-steps %d exceeds --max-steps %d: the LR never reaches --lr %g", t.warmup_steps,
+                    t.max_steps, t.lr)
     tqdm.monitor_interval = 0  # no daemon monitor thread: it could wake inside interpreter shutdown
     bar = tqdm(total=t.max_steps, initial=start_step, disable=not ctx.is_main, dynamic_ncols=True, unit="step")
     tokens_per_micro = t.batch_size * t.seq_len
@@ -143,9 +149,6 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
     profiler.stop()
     train_time = time.perf_counter() - train_start
 
-    if meter.measured_steps == 0:
-        log.warning("all %d steps were throughput warm-up: no tokens/s or MFU; raise --max-steps above "
-                    "--throughput-warmup-steps %d", t.max_steps - start_step, t.throughput_warmup_steps)
     val = _evaluate(cfg, ctx, engine, data, logger, t.max_steps)
     summary = {
         "mode": t.mode, "model": t.model, "n_params": model_params_for_flops(cfg.model),

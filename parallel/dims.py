@@ -30,8 +30,9 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.world_size % self.tp_size:
+            choices = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
             raise ConfigError(f"world size {self.world_size} is not divisible by --tp-size {self.tp_size}; "
-                              f"use a tp-size that divides {self.world_size}")
+                              f"choose --tp-size from {choices}")
 
     @property
     def dp_size(self) -> int:

@@ -90,9 +90,15 @@ def test_bad_checkpoints_fail_at_start_naming_the_problem(single: Path, tmp_path
     err = _train_error(args + ["--n-layer", "3", "--resume", str(ck / "step-000004")], capsys)
     assert "model.n_layer: checkpoint 2, this run 3" in err and "--init-from" in err
 
-    # a fresh run into a save dir that holds step folders it would write: refused before training
-    err = _train_error(args + ["--save-dir", str(ck), "--save-interval", "4"], capsys)
-    assert "already holds step-000004, step-000008" in err
+    # a fresh run into a save dir that holds another run's checkpoints: refused before training, whether or not it
+    # would write the same steps (it would move `latest`, and --keep-last would delete that run's checkpoints)
+    for extra in (["--save-interval", "4"], ["--max-steps", "3", "--keep-last", "1"]):
+        err = _train_error(args + ["--save-dir", str(ck)] + extra, capsys)
+        assert "already holds checkpoints of another run (step-000004 ... step-000008)" in err
+        assert "--resume auto" in err
+    # a resume must keep the data order: batch size, sequence length and seed are checked before any work
+    err = _train_error(COMMON + ["--batch-size", "2", "--seed", "12", "--resume", str(ck / "step-000004")], capsys)
+    assert "batch_size: checkpoint 4, this run 2" in err and "seed: checkpoint 11, this run 12" in err
     # --resume auto takes `latest` (step 8), which is not before --max-steps 8
     assert "is at step 8, not before --max-steps 8" in _train_error(
         args + ["--save-dir", str(ck), "--resume", "auto"], capsys)
@@ -153,3 +159,14 @@ def test_resume_follows_the_new_schedule_when_max_steps_grows(single: Path, tmp_
     assert sorted(logged) == list(range(5, 17))
     for step, lr in logged.items():
         assert lr == pytest.approx(lr_at(step - 1, t), rel=1e-12), step  # lr_at counts optimizer steps from 0
+
+
+def test_keep_last_never_deletes_the_checkpoint_just_written(single: Path, tmp_path: Path) -> None:
+    """Resuming from an older step of a save dir that holds newer ones (a branch): --keep-last prunes only
+    checkpoints older than the new one, so `latest` never points at a deleted folder and the newer ones stay."""
+    ck = tmp_path / "ck"
+    shutil.copytree(single / "ck", ck)  # step-000004, step-000008, latest -> 8
+    run_train(COMMON + ["--batch-size", "4", "--max-steps", "6", "--run-name", "branch", "--resume",
+                        str(ck / "step-000004"), "--save-dir", str(ck), "--keep-last", "1"], tmp_path)
+    assert (ck / "latest").read_text().strip() == "step-000006"
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-000006", "step-000008"]

@@ -44,7 +44,17 @@ def test_argparse_rejects(argv: list[str], needle: str, capsys: pytest.CaptureFi
     [
         (["--model", "gpt2-tiny", "--seq-len", "512"], "--seq-len 512 exceeds the model's 256 positions"),
         (["--n-embd", "100", "--n-head", "3"], "not divisible by --n-head 3"),
-        (["--min-lr", "1", "--lr", "0.1"], "--min-lr 1.0 is above --lr 0.1"),
+        (["--min-lr", "1", "--lr", "0.1"], "--min-lr must be in [0, --lr 0.1], got 1.0"),
+        (["--min-lr", "-0.01"], "--min-lr must be in [0, --lr 0.0006], got -0.01"),
+        (["--weight-decay", "-0.1"], "--weight-decay must be >= 0"),
+        (["--seed", "-1"], "--seed must be in [0, 2**32)"),
+        (["--seed", str(2**64)], "--seed must be in [0, 2**32)"),
+        (["--device", "tpu"], "--device 'tpu' is not a device this harness runs on"),
+        (["--run-name", "a/b"], "--run-name 'a/b' must be a plain folder name"),
+        (["--run-name", ".."], "must be a plain folder name"),
+        (["--zero-stage", "2"], "--zero-stage: DeepSpeed ZeRO settings, used only by --mode hybrid; drop it"),
+        (["--mode", "baseline", "--zero-stage", "3", "--zero3-fetch", "module"], "drop them or use --mode hybrid"),
+        (["--plan", "--busbw-gbs", "1", "2", "3"], "--busbw-gbs takes one or two values"),
         (["--data", "synthetic", "--data-path", "x"], "drop one of the two"),
         (["--ds-config", "ds_configs/zero3.json"], "--ds-config only applies to --mode hybrid"),
         (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
@@ -62,7 +72,9 @@ def test_validate_rejects(argv: list[str], needle: str) -> None:
 
 
 def test_validate_accepts_the_supported_neighbours() -> None:
-    parse_args(["--mode", "hybrid", "--zero-stage", "2", "--compile"])
+    assert parse_args(["--mode", "hybrid", "--zero-stage", "2", "--compile"]).parallel.zero_stage == 2
+    assert parse_args(["--mode", "hybrid"]).parallel.zero_stage == 3  # the default
+    parse_args(["--device", "cuda:1", "--seed", "0", "--min-lr", "0"])
     parse_args(["--mode", "hybrid", "--compile"])  # ZeRO-3 with per-block gathers (the default --zero3-fetch)
     parse_args(["--mode", "hybrid", "--tp-size", "2", "--precision", "fp16"])  # DeepSpeed's scaler syncs over TP
     parse_args(["--mode", "baseline", "--tp-size", "2", "--precision", "bf16"])
@@ -87,8 +99,11 @@ def test_tp_size_must_divide_heads_and_names_the_fix() -> None:
     fix = r"--tp-size 3 does not divide n_head = 20; choose --tp-size from \[1, 2, 4\]"
     with pytest.raises(ConfigError, match=fix):
         ParallelDims(world_size=6, rank=0, tp_size=3).validate_model(large)
-    with pytest.raises(ConfigError, match="world size 4 is not divisible by --tp-size 3"):
+    with pytest.raises(ConfigError, match=r"world size 4 is not divisible by --tp-size 3; choose --tp-size from "
+                                          r"\[1, 2, 4\]"):
         ParallelDims(world_size=4, rank=0, tp_size=3)
+    with pytest.raises(ConfigError, match=r"choose --tp-size from \[1, 2, 4\]"):
+        validate_world(parse_args(["--mode", "baseline", "--tp-size", "3"]), world_size=4)
 
 
 def test_ddp_without_launcher_fails_fast(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
@@ -159,3 +174,60 @@ def test_grad_accum_and_global_batch_size_are_exclusive() -> None:
     with pytest.raises(ConfigError, match="drop --grad-accum 2 or --global-batch-size 64"):
         parse_args(["--grad-accum", "2", "--global-batch-size", "64"])
     assert parse_args([]).train.grad_accum == 1
+
+
+@pytest.mark.parametrize("flag", ["--out-dir", "--save-dir", "--cache-dir"])
+def test_a_file_where_a_folder_goes_is_rejected_at_parse_time(flag: str, tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("a user's file")
+    with pytest.raises(ConfigError, match=f"{flag} {tmp_path / 'f'} is a file, not a folder"):
+        parse_args([flag, str(tmp_path / "f")])
+
+
+def _launched_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment of a one-process torchrun launch (train.main then creates a gloo group in-process)."""
+    from tests.train_runs import free_port
+
+    for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", str(free_port()))):
+        monkeypatch.setenv(var, value)
+
+
+@pytest.mark.parametrize(("ds_config", "needle"), [
+    ("{ not json", "is not valid JSON"),
+    ('{"zero_optimization": {"stage": 2}}', "sets zero_optimization.stage=2 but --zero-stage is 3"),
+    (None, "does not exist"),
+])
+def test_bad_ds_config_fails_before_data_and_run_folder(
+    ds_config: str | None, needle: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import torch.distributed as dist
+
+    _launched_alone(monkeypatch)
+    path = tmp_path / "ds.json"
+    if ds_config is not None:
+        path.write_text(ds_config)
+    out = tmp_path / "runs"
+    argv = ["--mode", "hybrid", "--device", "cpu", "--ds-config", str(path), "--data-path", str(tmp_path / "missing"),
+            "--out-dir", str(out)]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "missing" not in err
+    assert not out.exists()
+    assert not dist.is_initialized()  # the early error also tore the process group down
+
+
+def test_wandb_online_without_credentials_fails_before_data_and_run_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WANDB_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    out = tmp_path / "runs"
+    flags = ["--wandb", "online", "--data-path", str(tmp_path / "missing"), "--out-dir", str(out)]
+    assert train.main(flags) == 2
+    err = capsys.readouterr().err
+    assert "--wandb online needs credentials: run `wandb login`" in err and "missing" not in err
+    assert not out.exists()
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password x\n")
+    assert train.main(flags) == 2  # credentials found: now it gets as far as the data
+    assert "missing" in capsys.readouterr().err
