@@ -16,8 +16,9 @@ off by 1.7e-4 relative).
 
 Tolerances (measured on CPU in brackets): per-step loss vs single <= 1e-5 relative [<= 3e-7]; pre-clip
 gradient norm vs single <= 1e-3 relative [1.1e-5 at step 1, <= 2.5e-4 after: single's clip_grad_norm_ reduces
-the 3.2M-element embedding gradient with an fp32 vector_norm that is ~1e-5 off on CPU, while TP's sum of squares
-matches fp64 to 1e-7, and Adam amplifies such differences on near-zero gradients]; resume vs uninterrupted
+the 3.2M-element embedding gradient with an fp32 vector_norm that is ~1e-5 off on CPU, and TP's fp32 sum of
+squares is off by about as much (step 1: fp64 1.5540834, single 1.554066, DDP+TP 1.554067); Adam amplifies such
+differences on near-zero gradients]; resume vs uninterrupted
 <= 1e-6 absolute [identical]; consolidated TP weights vs single's after 10 steps <= 5e-4 absolute [1.3e-4, one
 element: at lr 3e-3 one Adam step on a near-zero gradient moves a weight by up to 6e-3]; exported HF logits vs
 our model on the same weights 1e-5; --init-from first loss of TP=2 vs transformers on that batch <= 1e-5 [TODO].

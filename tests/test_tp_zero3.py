@@ -41,9 +41,15 @@ def _zero3_checks(dims: ParallelDims) -> None:
     model = build(dims, sequence_parallel=True, overlap=True)
     register_sequence_parallel_grad_hooks(model, dims)
     config = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
-              "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+              # threshold 0: every parameter, however small, is partitioned and re-gathered (the default 1e5
+              # would keep all of this tiny model's parameters whole on every rank: ZeRO-1 in effect)
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
                                       config=config, mpu=ModelParallelUnit(dims), dist_init_required=False)
+    params = list(model.parameters())
+    assert not any(p.ds_persist for p in params)
+    assert all(p.ds_tensor.numel() == -(-p.ds_numel // dims.dp_size) for p in params)  # this rank's 1/dp share
     for step, want in enumerate(ref_losses):
         loss, _ = engine(*batch(dims.dp_rank))
         engine.backward(loss)
