@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2
     except Preempted as stop:
-        log.warning("%s; exit %d (resume with --resume auto)", stop, EXIT_PREEMPTED)
+        hint = "resume with --resume auto" if stop.checkpoint else "a rerun starts from scratch: pass --save-dir"
+        log.warning("%s; exit %d (%s)", stop, EXIT_PREEMPTED, hint)
         return EXIT_PREEMPTED
     finally:
         if logger:

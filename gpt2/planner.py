@@ -68,6 +68,7 @@ from gpt2.perf_model import (
     step_communication,
 )
 from gpt2.run_logging import run_label
+from parallel.dims import ParallelDims
 
 GIB = 1024**3
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # torch's cuBLAS workspace on Hopper (CUBLAS_WORKSPACE_CONFIG :4096:8)
@@ -631,6 +632,9 @@ def run_plan_cli(cfg: RunConfig) -> int:
     if not pc.search:  # the launch-time checks, and --global-batch-size -> grad_accum for this world size
         try:
             validate_world(cfg, world)
+            dims = ParallelDims(world_size=world, rank=0, tp_size=cfg.parallel.tp_size)
+            dims.validate_model(cfg.model)
+            dims.validate_sequence(cfg.train.seq_len, cfg.parallel.sequence_parallel)
         except ConfigError as err:
             print(f"train.py: error: {err}", file=sys.stderr)
             return 2

@@ -158,7 +158,8 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
         "fused_kernels": t.fused_kernels, "attn": t.attn, "compile": t.compile_scope if t.compile else "off",
         "activation_checkpointing": t.activation_checkpointing, "device": _device_name(ctx),
         "peak_tflops_per_gpu": peak, "flops_per_token": meter.flops_per_token,
-        "steps": t.max_steps, "train_time_s": train_time, **meter.summary(), **_peak_memory(ctx),
+        "steps": t.max_steps, "start_step": start_step,  # a resumed run trained steps start_step+1..steps
+        "train_time_s": train_time, **meter.summary(), **_peak_memory(ctx),
         "final_loss": last.get("loss"), "final_accuracy": last.get("accuracy"), **val,
         "torch_version": torch.__version__, "profiled": t.profile,
     }

@@ -17,7 +17,7 @@ from gpt2.checkpoint import CheckpointError, build_meta, check_compatible
 from gpt2.config import parse_args
 from gpt2.distributed import DistContext
 from parallel.dims import ParallelDims
-from tests.train_runs import TINY_ARGS, assert_hf_export_matches, read_records, run_train, step_losses
+from tests.train_runs import TINY_ARGS, assert_hf_export_matches, read_records, run_train, step_losses, summary
 
 COMMON = TINY_ARGS + ["--data", "synthetic", "--max-steps", "8", "--seed", "11", "--eval-batches", "2"]
 
@@ -55,6 +55,8 @@ def test_single_resume_is_exact_and_layout_is_complete(single: Path) -> None:
     assert sorted(p.name for p in (single / "ck2").iterdir()) == ["latest", "step-000007", "step-000008"]
     config = json.loads((single / "resumed" / "config.json").read_text())
     assert config["checkpoint"]["resumed_from"] == str((ck / "step-000004").resolve())
+    resumed = summary(single / "resumed")
+    assert (resumed["start_step"], resumed["steps"], summary(single / "full")["start_step"]) == (4, 8, 0)
 
 
 def test_baseline_resume_is_exact_and_layout_is_checked(tmp_path: Path, capsys) -> None:

@@ -115,6 +115,13 @@ def test_plan_cli_prints_terms_without_launching(capsys, monkeypatch):
     assert train.main(["--plan", "--mode", "baseline", "--gpus", "4", "--global-batch-size", "64"]) == 0
     assert "micro-batch 8 x accum 2" in capsys.readouterr().out
     assert train.main(["--plan", "--mode", "single", "--gpus", "4"]) == 2
+    # and the model/sequence checks of a real launch: a plan for a layout train.py would refuse is refused
+    capsys.readouterr()
+    assert train.main(LARGE + ["--plan", "--mode", "hybrid", "--gpus", "6", "--tp-size", "3"]) == 2
+    assert "--tp-size 3 does not divide n_head = 20" in capsys.readouterr().err
+    assert train.main(LARGE + ["--plan", "--mode", "hybrid", "--gpus", "4", "--tp-size", "2", "--sequence-parallel",
+                               "--seq-len", "1023"]) == 2
+    assert "--sequence-parallel needs --seq-len divisible by --tp-size 2" in capsys.readouterr().err
 
 
 def test_search_ranks_fitting_layouts_by_step_time(capsys):
