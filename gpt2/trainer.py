@@ -95,6 +95,11 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
     if t.max_steps - start_step <= t.throughput_warmup_steps:
         log.warning("all %d steps are throughput warm-up: no tokens/s or MFU; raise --max-steps above "
                     "--throughput-warmup-steps %d", t.max_steps - start_step, t.throughput_warmup_steps)
+    if cfg.model.dropout > 0 and ctx.dims.tp_size > 1:  # no Megatron-style per-TP-rank RNG tracker here
+        log.warning("--dropout %g with --tp-size %d: every rank draws from one RNG stream, so dropout masks repeat "
+                    "across TP ranks' heads (and sequence shards with SP): correlated, unlike single's; training "
+                    "stays consistent across ranks but is not the same function as --mode single", cfg.model.dropout,
+                    ctx.dims.tp_size)
     if t.warmup_steps > t.max_steps:
         log.warning("--warmup-steps %d exceeds --max-steps %d: the LR never reaches --lr %g", t.warmup_steps,
                     t.max_steps, t.lr)

@@ -115,6 +115,7 @@ def test_dropout_keeps_replicated_params_identical_across_tp_ranks(single: Path,
               tmp_path, nproc=2)
     losses = step_losses(tmp_path / "dropout")
     assert len(losses) == STEPS and abs(losses[-1] - step_losses(single)[-1]) > 1e-2  # dropout is active
+    assert "dropout masks repeat across TP ranks" in (tmp_path / "dropout" / "console.log").read_text()
     folder = tmp_path / "ck" / f"step-{STEPS:06d}"
     rank0, rank1 = (torch.load(state_file(folder, "model", r, 2), weights_only=True) for r in range(2))
     assert rank0.keys() == rank1.keys()
