@@ -320,7 +320,7 @@ def _save_due(cfg: RunConfig, step: int) -> bool:
     return step == cfg.train.max_steps or bool(interval and step % interval == 0)
 
 
-def check_save_dir(cfg: RunConfig, resume_from: Path | None) -> None:
+def check_save_dir(cfg: RunConfig, resume_from: Path | None, start_step: int) -> None:
     """Fail before training, not after it, when --save-dir holds another run's checkpoints (this run would move
     `latest` and --keep-last would delete them) or a step folder this run would write."""
     if not cfg.checkpoint.save_dir:
@@ -332,7 +332,6 @@ def check_save_dir(cfg: RunConfig, resume_from: Path | None) -> None:
         raise CheckpointError(f"--save-dir {save_dir} already holds checkpoints of another run "
                               f"({existing[0][1].name} ... {existing[-1][1].name}); nothing is overwritten: continue "
                               "that run with --resume auto, or pass a new --save-dir")
-    start_step = read_meta(resume_from)["step"] if resume_from else 0
     ahead = [p.name for s, p in existing if start_step < s <= cfg.train.max_steps and _save_due(cfg, s)]
     if ahead:
         raise CheckpointError(f"--save-dir {cfg.checkpoint.save_dir} already holds {', '.join(ahead)}, which this "
@@ -344,10 +343,13 @@ def prepare_resume(cfg: RunConfig, ctx: DistContext) -> Path | None:
     """Start-up checks, cheap and before anything heavy: resolve --resume, check it matches this run, check
     --save-dir holds nothing this run would write. Records the folder in cfg.checkpoint.resumed_from."""
     resume_from = resolve_resume(cfg.checkpoint)
+    start_step = 0
     if resume_from:
-        check_compatible(read_meta(resume_from), cfg, ctx, resume_from)
+        meta = read_meta(resume_from)
+        check_compatible(meta, cfg, ctx, resume_from)
         cfg.checkpoint.resumed_from = str(resume_from.resolve())
-    check_save_dir(cfg, resume_from)
+        start_step = meta["step"]
+    check_save_dir(cfg, resume_from, start_step)
     return resume_from
 
 

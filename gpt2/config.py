@@ -413,16 +413,21 @@ def _check_output_paths(cfg: RunConfig) -> None:
             raise ConfigError(f"{flag} {folder} is a file, not a folder; pass a folder path")
 
 
+def check_tp_divides_world(world_size: int, tp_size: int) -> None:
+    """tp x dp = world size: a tp-size that does not divide it is an error listing the sizes that do."""
+    if tp_size < 1 or world_size % tp_size:
+        choices = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigError(f"world size {world_size} is not divisible by --tp-size {tp_size}; "
+                          f"choose --tp-size from {choices}")
+
+
 def validate_world(cfg: RunConfig, world_size: int) -> None:
     """Checks that need the launched world size; resolves grad_accum from --global-batch-size."""
     t, p = cfg.train, cfg.parallel
     if t.mode == "single" and world_size > 1:
         raise ConfigError(f"--mode single was launched on {world_size} processes; "
                           "use --mode baseline (DDP) or launch one process")
-    if world_size % p.tp_size:
-        choices = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ConfigError(f"world size {world_size} is not divisible by --tp-size {p.tp_size}; "
-                          f"choose --tp-size from {choices}")
+    check_tp_divides_world(world_size, p.tp_size)
     dp = world_size // p.tp_size
     if t.global_batch_size is not None:
         per_step = t.batch_size * dp

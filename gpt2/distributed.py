@@ -73,8 +73,7 @@ def init_distributed(cfg: RunConfig) -> DistContext:
     validate_world(cfg, world_size)
     device = pick_device(cfg.train.device, local_rank)
     dims = ParallelDims(world_size=world_size, rank=rank, tp_size=cfg.parallel.tp_size)
-    dims.validate_model(cfg.model)
-    dims.validate_sequence(cfg.train.seq_len, cfg.parallel.sequence_parallel)
+    dims.validate_run(cfg)
     if device.type == "cuda" and dims.tp_size > 1 and cfg.parallel.tp_overlap:
         # one hardware queue, so each async TP input-gradient collective is issued before the weight-gradient
         # GEMM it overlaps (read when the CUDA context is created, i.e. by set_device below; set it to override)

@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gpt2.config import MODEL_PRESETS, ConfigError, ModelConfig, RunConfig, validate_world
+from gpt2.config import MODEL_PRESETS, ConfigError, ModelConfig, RunConfig, check_tp_divides_world, validate_world
 from gpt2.metrics import hardware_flops_per_token
 from gpt2.perf_model import (
     AMP_FP32_WEIGHTS,
@@ -629,17 +629,14 @@ def run_plan_cli(cfg: RunConfig) -> int:
     """`train.py --plan [--search]`: print and exit; no process group, data or GPU needed."""
     pc = cfg.plan
     world = planned_world_size(pc.gpus)
-    if not pc.search:  # the launch-time checks, and --global-batch-size -> grad_accum for this world size
-        try:
+    try:
+        if pc.search:  # it varies the layout itself; the given tp-size must still fit the world
+            check_tp_divides_world(world, cfg.parallel.tp_size)
+        else:  # the launch-time checks, and --global-batch-size -> grad_accum for this world size
             validate_world(cfg, world)
-            dims = ParallelDims(world_size=world, rank=0, tp_size=cfg.parallel.tp_size)
-            dims.validate_model(cfg.model)
-            dims.validate_sequence(cfg.train.seq_len, cfg.parallel.sequence_parallel)
-        except ConfigError as err:
-            print(f"train.py: error: {err}", file=sys.stderr)
-            return 2
-    elif world % cfg.parallel.tp_size:
-        print(f"train.py: error: --gpus {world} is not divisible by --tp-size {cfg.parallel.tp_size}", file=sys.stderr)
+            ParallelDims(world_size=world, rank=0, tp_size=cfg.parallel.tp_size).validate_run(cfg)
+    except ConfigError as err:
+        print(f"train.py: error: {err}", file=sys.stderr)
         return 2
     base = setup_from_config(cfg, world)
     memory = device_memory_gib(pc.gpu_memory_gib)

@@ -11,7 +11,7 @@
 How an engine uses it, in this order (torchtitan's: TP -> activation checkpointing -> compile -> DP):
 
     dims = ParallelDims(world_size, rank, tp_size); dims.build_groups()   # every rank
-    dims.validate_model(cfg.model); dims.validate_sequence(seq_len, sequence_parallel)
+    dims.validate_run(cfg)                                                 # model and sequence vs tp
     torch.manual_seed(seed); model = GPT(cfg.model, ops, attention)        # full model, same on every rank;
     n_params = model.num_params()                                          #   not under deepspeed.zero.Init
     apply_tensor_parallel(model, dims, sequence_parallel=sp, overlap=tp_overlap)  # shards it in place

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from gpt2.config import ConfigError, ModelConfig
+from gpt2.config import ConfigError, ModelConfig, RunConfig, check_tp_divides_world
 
 
 @dataclass
@@ -29,10 +29,7 @@ class ParallelDims:
     dp_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.tp_size < 1 or self.world_size % self.tp_size:
-            choices = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
-            raise ConfigError(f"world size {self.world_size} is not divisible by --tp-size {self.tp_size}; "
-                              f"choose --tp-size from {choices}")
+        check_tp_divides_world(self.world_size, self.tp_size)
 
     @property
     def dp_size(self) -> int:
@@ -79,6 +76,11 @@ class ParallelDims:
                 raise ConfigError(f"--tp-size {tp} does not divide {what} = {value}; choose --tp-size "
                                   f"from {usable} (they divide n_head, 4*n_embd and the padded vocab) "
                                   f"or change {knob}")
+
+    def validate_run(self, cfg: RunConfig) -> None:
+        """The model and sequence checks of a launch (train.py, and `--plan` for the layout it plans)."""
+        self.validate_model(cfg.model)
+        self.validate_sequence(cfg.train.seq_len, cfg.parallel.sequence_parallel)
 
     def validate_sequence(self, seq_len: int, sequence_parallel: bool) -> None:
         """Sequence parallelism shards the sequence into tp_size equal blocks."""
