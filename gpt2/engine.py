@@ -29,9 +29,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fused_kernels import KernelUnavailableError, get_ops
 from fused_kernels.attention import get_attention
+from gpt2.compiling import compile_model, compile_whole
 from gpt2.config import ConfigError, RunConfig, TrainConfig
 from gpt2.distributed import DistContext
-from gpt2.model import GPT, LMHead
+from gpt2.model import GPT
 from parallel.comm import CommStats
 from parallel.dims import ParallelDims
 from parallel.grads import allreduce_sequence_parallel_grads, clip_grad_norm_
@@ -88,33 +89,6 @@ def build_model(cfg: RunConfig, device: torch.device, dims: ParallelDims, stats:
     return model
 
 
-def _compiled_parts(model: GPT) -> list[nn.Module]:
-    """What --compile compiles: each block, the final LayerNorm and the LM head + loss. The vocab-parallel head (TP)
-    stays eager: Dynamo cannot capture its autograd.Function, whose in-place softmax buffer is saved for backward
-    (and it never materialises more than this rank's logits anyway)."""
-    head = [model.lm_head] if isinstance(model.lm_head, LMHead) else []
-    return [*model.blocks, model.ln_f, *head]
-
-
-def compile_model(model: GPT) -> None:
-    """torch.compile in place (state-dict keys unchanged) the `_compiled_parts`, so the logits slice, fp32 upcast,
-    cross-entropy and argmax fuse instead of running as eager passes."""
-    for module in _compiled_parts(model):
-        module.compile()
-
-
-def compile_forwards(model: GPT) -> None:
-    """torch.compile the forward of the `_compiled_parts`, leaving the modules' hooks outside the graphs: under
-    ZeRO-3 (blocks as DeepSpeed leaf modules) the pre-forward hook gathers a block's parameters eagerly, then the
-    compiled forward sees them whole."""
-    # On CUDA, ZeRO-3's gathered block parameters fail a guard of the previous block's graph, so Dynamo compiles
-    # the shared Block.forward once per block (reused every step after that); at its default limit of 8 the
-    # other blocks of GPT-2 Large ran eagerly (4xH200 logs: "hit config.recompile_limit (8)").
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(model.blocks) + 8)
-    for module in _compiled_parts(model):
-        module.forward = torch.compile(module.forward)
-
-
 def step_with_scaler(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
     """scaler.step + update; False when the scaler skipped the update (fp16 inf/NaN gradients)."""
     scale = scaler.get_scale() if scaler.is_enabled() else None
@@ -164,9 +138,7 @@ class TorchEngine:
                 process_group=ctx.dims.dp_group, gradient_as_bucket_view=True, bucket_cap_mb=t.ddp_bucket_mb)
         self.model: nn.Module = self.ddp or model
         if t.compile and t.compile_scope == "model":
-            # compiling the DDP wrapper lets Dynamo's DDPOptimizer cut the graph at bucket boundaries,
-            # so gradient all-reduces still overlap the backward pass
-            self.model = torch.compile(self.model)
+            self.model = compile_whole(self.model)
         self.dtype = autocast_dtype(t, ctx.device)
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.dtype == torch.float16)
         self.optimizer = torch.optim.AdamW(

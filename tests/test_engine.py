@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpt2.compiling import compile_forwards
 from gpt2.config import MODEL_PRESETS, ModelConfig, parse_args
-from gpt2.engine import compile_forwards, lr_at, step_with_scaler
+from gpt2.engine import lr_at, step_with_scaler
 from gpt2.model import GPT
 
 
