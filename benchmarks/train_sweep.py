@@ -25,11 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import shlex
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,9 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report
-from benchmarks.common import markdown_table, write_csv
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import ROOT, free_run_name, last_error, launch, markdown_table, write_csv
 
 
 @dataclass(frozen=True)
@@ -60,7 +54,6 @@ MODES: dict[str, Mode] = {
 }
 OOM_PATTERNS = ("OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 MIN_RUN_S = 60.0  # under --budget-s, a run with less time left than this could only be killed: not launched
-ERROR_LINE = re.compile(r"\b(\w+(?:Error|Exception)): (.+)$")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -132,37 +125,6 @@ def run_name(mode: str, fused: str, batch: int) -> str:
     return f"{mode}-b{batch}" if not MODES[mode].takes_fused else f"{mode}-{fused}-b{batch}"
 
 
-def last_error(log: str) -> str:
-    """The last `SomethingError: message` line of a run's output (launcher wrapper errors skipped)."""
-    for line in reversed(log.splitlines()):
-        match = ERROR_LINE.search(line)
-        if match and match.group(1) != "ChildFailedError":
-            return f"{match.group(1)}: {match.group(2)}"[:300]
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
-    return lines[-1][:300] if lines else "no output"
-
-
-def launch(cmd: list[str], log_path: Path, timeout: float) -> tuple[int | None, float]:
-    """Run cmd in its own process group, output to log_path; (exit code or None on timeout, seconds)."""
-    start = time.perf_counter()
-    with log_path.open("w") as log:
-        log.write("$ " + shlex.join(cmd) + "\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                                env={**os.environ, "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"})
-        try:
-            rc: int | None = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)  # torchrun and its workers
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            rc = None
-    return rc, time.perf_counter() - start
-
-
 def read_run(run_dir: Path) -> dict[str, Any]:
     """summary.json (and the sequence-parallel flag from config.json) of a run folder, {} if it has none."""
     summary_path = run_dir / "summary.json"
@@ -182,15 +144,9 @@ class Sweep:
         self.results: list[RunResult] = []
         self.start = time.perf_counter()
 
-    def unique_name(self, name: str) -> str:
-        candidate, n = name, 1
-        while (self.out / "runs" / candidate).exists() or (self.out / "logs" / f"{candidate}.log").exists():
-            candidate, n = f"{name}-{n}", n + 1
-        return candidate
-
     def run(self, mode: str, fused: str, batch: int, choice: str) -> RunResult:
         args = self.args
-        name = self.unique_name(run_name(mode, fused, batch))
+        name = free_run_name(self.out, run_name(mode, fused, batch))
         cmd = command(args, mode, fused, batch, name)
         result = RunResult(mode, fused, batch, choice, name, "skipped")
         remaining = args.budget_s - (time.perf_counter() - self.start) if args.budget_s else args.run_timeout
