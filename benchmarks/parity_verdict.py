@@ -33,6 +33,7 @@ from gpt2.run_logging import run_label
 # the worst of them. `reference` and `noise` are the rows the others are measured against: they pass by definition.
 VERDICTS = ("reference", "noise", "pass", "skipped", "fail", "error")
 PASSING = frozenset({"reference", "noise", "pass"})
+TRAIN_MODES = ("single", "baseline", "hybrid")  # train.py's --mode choices
 # default floor of the tolerance, by the reference run's precision. Settings, not measurements (the noise row
 # measures): the floor keeps the tolerance from collapsing when the noise run happens to track the reference closely
 # (fp32 on CPU: ~1e-6 apart over 6 steps of gpt2-tiny, so a real difference of 1e-4 still fails)
@@ -139,23 +140,22 @@ def read_verdicts(paths: list[Path]) -> dict[str, str]:
 
 
 def run_key(run_dir: Path) -> str | None:
-    """The config_key of a train.py run folder; None for a folder without config.json and summary.json, or one
-    written by another trainer (benchmarks.hf_reference: its mode is not a train.py mode)."""
+    """The config_key of a finished train.py run folder; None without its config.json and summary.json."""
     config_path, summary_path = run_dir / "config.json", run_dir / "summary.json"
     if not (config_path.is_file() and summary_path.is_file()):
         return None
-    config, summary = json.loads(config_path.read_text()), json.loads(summary_path.read_text())
-    if summary.get("mode") not in ("single", "baseline", "hybrid"):
-        return None
-    return config_key(config, summary["world_size"])
+    return config_key(json.loads(config_path.read_text()), json.loads(summary_path.read_text())["world_size"])
 
 
 def verdict_of(run_dir: Path, verdicts: dict[str, str]) -> str:
-    """`pass` etc. for the run's configuration; `none` when no parity row checked it; `n/a` without a key."""
-    key = run_key(run_dir)
-    if key is None:
+    """The parity verdict of the run's configuration: `pass`, `fail`, `error`, `skipped`; `none` when no parity row
+    checked it; `n/a` for a folder without a summary or one another trainer wrote (benchmarks.hf_reference: parity
+    checks train.py's configurations)."""
+    summary = run_dir / "summary.json"
+    if not summary.is_file() or json.loads(summary.read_text()).get("mode") not in TRAIN_MODES:
         return "n/a"
-    verdict = verdicts.get(key, "none")
+    key = run_key(run_dir)
+    verdict = verdicts.get(key, "none") if key else "none"
     return "pass" if verdict in PASSING else verdict
 
 
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = read_verdicts(args.parity)
     results = {run: verdict_of(run, verdicts) for run in args.runs}
     for run, verdict in results.items():
-        print(f"{verdict:8s} {run}  [{run_key(run) or 'not a train.py run'}]")
+        print(f"{verdict:8s} {run}  [{run_key(run) or 'no configuration key'}]")
     return 0 if all(v == "pass" for v in results.values()) else 1
 
 
