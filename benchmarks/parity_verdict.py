@@ -13,7 +13,7 @@ activation checkpointing, precision): a throughput run and a parity row with the
 
 Also a CLI for the GPU result scripts, which make run folders outside the sweep:
 
-    python -m benchmarks.parity_verdict --parity PARITY.csv RUN_DIR...   # one verdict per run; exit 1 unless all pass
+    python -m benchmarks.parity_verdict RUN_DIR... --parity PARITY.csv...  # a verdict per run; exit 1 unless all pass
 """
 
 from __future__ import annotations
