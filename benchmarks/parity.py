@@ -161,6 +161,13 @@ def run_all(jobs: list[Job], out: Path, n_parallel: int, timeout: float) -> dict
     return outcomes
 
 
+def package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:  # the ZeRO rows are then errors naming the missing module
+        return "not installed"
+
+
 def row_tolerance(tol: float, precision: str, ref_precision: str) -> tuple[float, str]:
     """The tolerance one row is judged by, and a note: every row gets the noise-derived tolerance; a row computing
     in another precision than the reference (fp32 against bf16 on a GPU) is noted, its delta is not noise."""
@@ -174,16 +181,20 @@ def judge(jobs: list[Job], outcomes: dict[Job, Outcome], args: argparse.Namespac
     """One model's rows against its reference, and the tolerance (None without a reference curve)."""
     curves: dict[Job, Curve] = {}
     errors: dict[Job, str] = {}
-    for job, outcome in outcomes.items():
+    for job in jobs:
         try:
-            curves[job] = outcome.curve()
+            if job in outcomes:
+                curves[job] = outcomes[job].curve()
         except CurveError as err:
             errors[job] = str(err)
     ref = next((curves.get(j) for j in jobs if j.row == REFERENCE), None)
     noise_curve = next((curves.get(j) for j in jobs if j.row == NOISE), None)
     tol = None
     if ref is not None:
-        noise = max_abs_dloss(ref, noise_curve) if noise_curve is not None else None
+        try:
+            noise = max_abs_dloss(ref, noise_curve) if noise_curve is not None else None
+        except CurveError:  # other steps logged: the noise row itself is an error below
+            noise = None
         floor = args.tol_floor if args.tol_floor is not None else default_floor(ref.precision)
         tol = Tolerance(noise, args.tol_factor, floor, tolerance(noise, args.tol_factor, floor), ref.precision)
     results = []
@@ -261,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         if tol is not None:
             tolerances[model] = tol
 
-    tag = {**device_tag(device), "deepspeed": importlib.metadata.version("deepspeed")}
+    tag = {**device_tag(device), "deepspeed": package_version("deepspeed")}
     header = {
         "command": f"`python -m benchmarks.parity {shlex.join(sys.argv[1:] if argv is None else argv)}`",
         "device": f"{tag['device']} x{tag['device_count']}" if device == "cuda" else tag["device"],

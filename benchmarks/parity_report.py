@@ -69,7 +69,7 @@ def markdown(results: list[RowResult], tolerances: dict[str, Tolerance], header:
               "A row compared in another precision than the reference's (fp32 against the bf16 reference on a GPU) "
               "gets the same rule; its difference measures precision, not noise.", ""]
     for model, tol in tolerances.items():
-        noise = "not measured (the noise run failed): the floor alone" if tol.noise is None else f"{tol.noise:.3e}"
+        noise = "not measured (no usable noise run): the floor alone" if tol.noise is None else f"{tol.noise:.3e}"
         lines.append(f"- {model} ({tol.precision}): noise {noise}; factor {tol.factor:g}, floor {tol.floor:g} "
                      f"-> tolerance **{tol.value:.3e}**")
     for model in dict.fromkeys(r.model for r in results):
