@@ -255,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
                      device) for model in args.models for row in rows]
     except ConfigError as err:
         p.error(str(err))
+    except ModuleNotFoundError as err:  # tokenising needs `datasets`, which a GPU machine may lack
+        p.error(f"building the token cache needs the {err.name} package; build it where {err.name} is installed "
+                "(python -m gpt2.data --data-path ... --tokenizer ... --cache-dir DIR) and pass --cache-dir DIR")
     runnable = [job for job in jobs if not job.skip]
     if args.dry_run:
         for job in jobs:

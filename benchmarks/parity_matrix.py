@@ -112,17 +112,22 @@ def plan(row: Row, model: str, common: list[str], batch: int, eval_batches: int,
     decides whether the kernel and attention backends can run here."""
     try:
         cfg = parse_args([*common, *row.flags])
-        check_backends(cfg)
     except ConfigError as err:
         return Job(row, model, skip=str(err))
     world, tp, accum = row.nproc or 1, cfg.parallel.tp_size, cfg.train.grad_accum
+    key = config_key(cfg.to_dict(), world)
+    try:
+        check_backends(cfg)
+    except ConfigError as err:
+        return Job(row, model, key=key, skip=str(err))
     if world % tp:
-        return Job(row, model, skip=f"--tp-size {tp} does not divide the {world} processes")
+        return Job(row, model, key=key, skip=f"--tp-size {tp} does not divide the {world} processes")
     dp = world // tp
     if batch % (dp * accum):
-        return Job(row, model, skip=f"batch {batch} is not divisible by dp {dp} x grad-accum {accum}")
+        return Job(row, model, key=key, skip=f"batch {batch} is not divisible by dp {dp} x grad-accum {accum}")
     if device == "cpu" and cfg.train.precision == "fp32":
-        return Job(row, model, skip="CPU runs are fp32 whatever --precision says: this would repeat the reference")
+        return Job(row, model, key=key, skip="CPU runs are fp32 whatever --precision says: this would repeat the "
+                                             "reference")
     argv = (*common, *row.flags, "--batch-size", str(batch // (dp * accum)), "--eval-batches",
             str(eval_batches * accum))
-    return Job(row, model, argv, config_key(cfg.to_dict(), world))
+    return Job(row, model, argv, key)
