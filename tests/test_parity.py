@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks import parity, parity_verdict, train_sweep
 from benchmarks.common import write_csv
+from benchmarks.parity_matrix import Row, matrix, plan
 from benchmarks.parity_verdict import (
     Curve,
     CurveError,
@@ -100,6 +101,27 @@ def test_another_function_fails_and_a_broken_run_errors(tmp_path, cpu_env, text_
     md = (tmp_path / "parity.md").read_text()
     assert "| lr-x2 | python | `--lr 1.2e-3` |" in md and "**fail**" in md
     assert "### gpt2-tiny broken" in md and "checkpoint /nonexistent does not exist" in md  # its last output lines
+
+
+def test_matrix_keeps_the_global_batch_in_every_layout():
+    """With 4 GPUs the matrix adds DDP/ZeRO at world 4 and the TP rows; every row trains on 8 sequences per step and
+    evaluates the same 2 x 8, whatever its dp x grad-accum split (what the CPU runs above cannot show)."""
+    common = ["--model", "gpt2-tiny", "--seq-len", "32", "--data", "synthetic"]
+    jobs = {row.name: plan(row, "gpt2-tiny", common, 8, 2, "cuda") for row in matrix(4)}
+    assert {"ddp-w4", "zero1-w4", "zero3-w4", "ddp-tp2-w4", "ddp-tp2-sp-w4", "zero3-tp2-sp-w4",
+            "zero3-tp2-compile-w4"} <= set(jobs)
+
+    def flag(job, name: str) -> int:
+        return int(job.argv[job.argv.index(name) + 1])
+
+    for name in ("single", "grad-accum", "ddp", "ddp-w4", "zero3-tp2-w4", "zero3-tp2-sp-w4"):
+        job = jobs[name]
+        dp = (job.row.nproc or 1) // (2 if "tp2" in name else 1)
+        accum = flag(job, "--grad-accum") if "--grad-accum" in job.argv else 1
+        assert flag(job, "--batch-size") * dp * accum == 8 and flag(job, "--eval-batches") == 2 * accum, name
+    assert jobs["zero3-tp2-sp-w4"].key.startswith("gpt2-tiny zero3-tp2-sp w4 ")
+    assert "does not divide" in plan(Row("tp2-w3", ("--mode", "baseline", "--tp-size", "2"), 3), "gpt2-tiny",
+                                     common, 8, 2, "cuda").skip
 
 
 def curve(losses: list[float], val: float = 5.0, precision: str = "bf16") -> Curve:
