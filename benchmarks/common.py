@@ -1,16 +1,26 @@
-"""Shared helpers of the benchmarks: timing, the device/version tag every result row carries, CSV output."""
+"""Shared helpers of the benchmarks: timing, the device/version tag every result row carries, CSV output, and
+launching train.py runs as subprocesses (a free port, a time limit, the error line of a failed run)."""
 
 from __future__ import annotations
 
 import csv
 import datetime
+import os
 import platform
+import re
+import shlex
+import signal
+import socket
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+ERROR_LINE = re.compile(r"\b(\w+(?:Error|Exception)): (.+)$")
 
 
 def device_tag(device: torch.device | str | None = None) -> dict[str, str]:
@@ -85,3 +95,53 @@ def markdown_table(rows: list[dict[str, object]], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(row.get(c, "")) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def free_port() -> int:
+    """A TCP port free right now on this host (for torchrun's --master_port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_run_name(out: Path, name: str) -> str:
+    """NAME, or NAME-1, NAME-2, ... (train.py's suffix rule): the first with neither out/runs/<it> nor
+    out/logs/<it>.log, so that as --run-name it is the run folder's exact name and a rerun never truncates a log."""
+    candidate, n = name, 1
+    while (out / "runs" / candidate).exists() or (out / "logs" / f"{candidate}.log").exists():
+        candidate, n = f"{name}-{n}", n + 1
+    return candidate
+
+
+def last_error(log: str) -> str:
+    """The last `SomethingError: message` line of a run's output (launcher wrapper errors skipped)."""
+    for line in reversed(log.splitlines()):
+        match = ERROR_LINE.search(line)
+        if match and match.group(1) != "ChildFailedError":
+            return f"{match.group(1)}: {match.group(2)}"[:300]
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "no output"
+
+
+def launch(cmd: list[str], log_path: Path, timeout: float,
+           env: dict[str, str] | None = None) -> tuple[int | None, float]:
+    """Run cmd from the repository root in its own process group, output to log_path; (exit code or None on
+    timeout, seconds). `env` replaces os.environ for the child."""
+    start = time.perf_counter()
+    with log_path.open("w") as log:
+        log.write("$ " + shlex.join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                env={**(os.environ if env is None else env), "WANDB_SILENT": "true",
+                                     "PYTHONUNBUFFERED": "1"})
+        try:
+            rc: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)  # torchrun and its workers
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            rc = None
+    return rc, time.perf_counter() - start

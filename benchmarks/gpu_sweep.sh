@@ -9,6 +9,9 @@
 #      with the HF runs and any run folders in INCLUDE added to its tables -> $OUT/sweep/{sweep.md,sweep.csv,...}
 #   OUT=/tmp/out bash benchmarks/gpu_sweep.sh
 #   OUT=/tmp/out2 HF_RUNS="" TP_SCALING=0 SWEEP_MODES="hybrid-tp2" INCLUDE="/tmp/out/sweep/runs/*" bash ...  # a 2nd call
+# No speed without parity: PARITY="a/parity.csv [b/parity.csv]" (python -m benchmarks.parity) gives each sweep row the
+# loss-parity verdict of its configuration, and report.md keeps only the runs that pass; without it every row reads
+# "unchecked".
 # Issue-author numbers (4x H200) to compare stage 1 with: HF DDP b8 139.7k tok/s, b16 152.1k; HF ZeRO-3 b8 38.9k,
 # b32 136.6k.
 set -uo pipefail
@@ -53,6 +56,6 @@ if [ "$left" -gt 60 ]; then
   python3 -m benchmarks.train_sweep --gpus "$NGPU" --model gpt2-large --seq-len 1024 --steps 25 --warmup 10 \
     --modes ${SWEEP_MODES:-baseline hybrid hybrid-tp2} --fused none triton --batches 8 max \
     --max-batches 64 48 32 24 16 --extra-args="--compile" --run-timeout 150 --budget-s "$left" --out "$OUT/sweep" \
-    --include "$OUT"/hf/runs/* ${INCLUDE:-} 2>&1 | tail -40
+    --include "$OUT"/hf/runs/* ${INCLUDE:-} ${PARITY:+--parity $PARITY} 2>&1 | tail -40
 fi
 echo "[${SECONDS}s] done; results under $OUT"

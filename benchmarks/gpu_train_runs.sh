@@ -4,7 +4,8 @@
 # and plots to $OUT/report.
 #   NGPU=4 OUT=benchmarks/results/raw bash benchmarks/gpu_train_runs.sh "ddp-b8:--mode baseline --batch-size 8 --compile" ...
 # Each argument is NAME:FLAGS. Defaults: DDP with --compile at 8/16/32, ZeRO-3 and ZeRO-3 + TP 2 at 8/32 (the
-# planner's calibration matrix: the report's plan table shows predicted vs measured peak memory).
+# planner's calibration matrix: the report's plan table shows predicted vs measured peak memory). With
+# PARITY="a/parity.csv ..." each run's loss-parity verdict is printed and saved to $OUT/parity_verdicts.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=benchmarks/run_names.sh
@@ -37,3 +38,11 @@ for spec in "${runs[@]}"; do
   grep -hE "Error|error:|OutOfMemory" "$OUT/$name.log" | tail -3
 done
 python3 -m benchmarks.report "$OUT"/runs/* --out "$OUT/report"
+
+# no speed without parity: each run's loss-parity verdict, from PARITY="a/parity.csv ..." (python -m benchmarks.parity)
+if [ -n "${PARITY:-}" ]; then
+  # shellcheck disable=SC2086  # PARITY is a list of files
+  python3 -m benchmarks.parity_verdict "$OUT/runs"/*/ --parity $PARITY | tee "$OUT/parity_verdicts.txt"
+else
+  echo "no PARITY=parity.csv given: these runs carry no loss-parity verdict (python -m benchmarks.parity)"
+fi

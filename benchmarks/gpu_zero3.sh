@@ -5,7 +5,8 @@
 #   OUT=/tmp/out bash benchmarks/gpu_zero3.sh          # run folders under $OUT/runs
 #
 # A run that fails (e.g. DDP out of memory at batch 32 on 80 GB) is reported and the next one still runs.
-# A short fp16 ZeRO-3 run (dynamic loss scaling) checks the fp16 path on real hardware.
+# A short fp16 ZeRO-3 run (dynamic loss scaling) checks the fp16 path on real hardware. With PARITY="a/parity.csv ..."
+# each run's loss-parity verdict is printed and saved to $OUT/parity_verdicts.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=benchmarks/run_names.sh
@@ -45,3 +46,11 @@ run zero3-b32 --mode hybrid --zero-stage 3 --batch-size 32
 run ddp-b8 --mode baseline --batch-size 8
 run ddp-b32 --mode baseline --batch-size 32
 run zero3-fp16-b8 --mode hybrid --zero-stage 3 --batch-size 8 --precision fp16 --max-steps 10
+
+# no speed without parity: each run's loss-parity verdict, from PARITY="a/parity.csv ..." (python -m benchmarks.parity)
+if [ -n "${PARITY:-}" ]; then
+  # shellcheck disable=SC2086  # PARITY is a list of files
+  python3 -m benchmarks.parity_verdict "$RUNS"/*/ --parity $PARITY | tee "$OUT/parity_verdicts.txt"
+else
+  echo "no PARITY=parity.csv given: these runs carry no loss-parity verdict (python -m benchmarks.parity)"
+fi

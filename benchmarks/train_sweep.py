@@ -3,6 +3,7 @@
     python -m benchmarks.train_sweep --gpus 4 --out benchmarks/results/sweep                  # the full matrix
     python -m benchmarks.train_sweep --gpus 4 --modes baseline hybrid --fused none --batches 8 --dry-run
     python -m benchmarks.train_sweep --gpus 4 --modes hybrid-tp2 --batches 8 max --extra-args="--compile"
+    python -m benchmarks.train_sweep --gpus 4 --parity benchmarks/results/parity/4xh200/parity.csv   # gated tables
 
 Modes (train.py flags): baseline (DDP), hybrid (ZeRO-3), hybrid-tp2 (ZeRO-3 + TP 2), hybrid-tp2-sp (+ sequence
 parallelism), and the reference rows hf-ddp / hf-zero3 (`benchmarks.hf_reference`: Hugging Face GPT-2 as users
@@ -19,17 +20,19 @@ peak memory, step and run time, failures with their last error line) are rewritt
 `benchmarks.report`'s report.md and plots (tokens_vs_memory.png, mfu.png, loss.png, memory_timeline.png) over
 the runs that finished, so an interrupted sweep still leaves its tables. `--include RUN_DIR...` adds runs
 made elsewhere (e.g. the reference runs of benchmarks/gpu_sweep.sh).
+
+No speed without parity: `--parity PARITY.csv...` (written by `python -m benchmarks.parity`) gives every row the
+loss-parity verdict of its configuration (same model, layout and world size, kernels, attention, compile scope,
+activation checkpointing and precision: benchmarks/parity_verdict.py `config_key`), in a `parity` column of
+sweep.csv and sweep.md; report.md and its plots then keep only the runs that pass (and the Hugging Face
+reference runs, which are not train.py's). Without --parity every row reads `unchecked`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import shlex
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,9 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report
-from benchmarks.common import markdown_table, write_csv
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import ROOT, free_run_name, last_error, launch, markdown_table, write_csv
+from benchmarks.parity_verdict import read_verdicts, verdict_of
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,6 @@ MODES: dict[str, Mode] = {
 }
 OOM_PATTERNS = ("OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 MIN_RUN_S = 60.0  # under --budget-s, a run with less time left than this could only be killed: not launched
-ERROR_LINE = re.compile(r"\b(\w+(?:Error|Exception)): (.+)$")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -88,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=0.0, help="stop launching runs after this many seconds (0: no)")
     p.add_argument("--wandb", choices=["online", "offline", "disabled"], default="disabled")
     p.add_argument("--wandb-group", default=None, help="default: sweep-<date-time>")
+    p.add_argument("--parity", type=Path, nargs="+",
+                   help="parity.csv files of benchmarks.parity: every row gets the verdict of its configuration, and "
+                        "report.md and its plots keep only the runs that pass")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = p.parse_args(argv)
     for b in args.batches:
@@ -132,37 +136,6 @@ def run_name(mode: str, fused: str, batch: int) -> str:
     return f"{mode}-b{batch}" if not MODES[mode].takes_fused else f"{mode}-{fused}-b{batch}"
 
 
-def last_error(log: str) -> str:
-    """The last `SomethingError: message` line of a run's output (launcher wrapper errors skipped)."""
-    for line in reversed(log.splitlines()):
-        match = ERROR_LINE.search(line)
-        if match and match.group(1) != "ChildFailedError":
-            return f"{match.group(1)}: {match.group(2)}"[:300]
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
-    return lines[-1][:300] if lines else "no output"
-
-
-def launch(cmd: list[str], log_path: Path, timeout: float) -> tuple[int | None, float]:
-    """Run cmd in its own process group, output to log_path; (exit code or None on timeout, seconds)."""
-    start = time.perf_counter()
-    with log_path.open("w") as log:
-        log.write("$ " + shlex.join(cmd) + "\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                                env={**os.environ, "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"})
-        try:
-            rc: int | None = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)  # torchrun and its workers
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            rc = None
-    return rc, time.perf_counter() - start
-
-
 def read_run(run_dir: Path) -> dict[str, Any]:
     """summary.json (and the sequence-parallel flag from config.json) of a run folder, {} if it has none."""
     summary_path = run_dir / "summary.json"
@@ -182,15 +155,9 @@ class Sweep:
         self.results: list[RunResult] = []
         self.start = time.perf_counter()
 
-    def unique_name(self, name: str) -> str:
-        candidate, n = name, 1
-        while (self.out / "runs" / candidate).exists() or (self.out / "logs" / f"{candidate}.log").exists():
-            candidate, n = f"{name}-{n}", n + 1
-        return candidate
-
     def run(self, mode: str, fused: str, batch: int, choice: str) -> RunResult:
         args = self.args
-        name = self.unique_name(run_name(mode, fused, batch))
+        name = free_run_name(self.out, run_name(mode, fused, batch))
         cmd = command(args, mode, fused, batch, name)
         result = RunResult(mode, fused, batch, choice, name, "skipped")
         remaining = args.budget_s - (time.perf_counter() - self.start) if args.budget_s else args.run_timeout
@@ -289,20 +256,33 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
                                            f"{_fmt(r['peak_reserved_gib'], '.1f')}",
         "step (s)": _fmt(r["step_time_s"], ".3f"), "run time (s)": _fmt(r["run_time_s"], ".0f"),
         "status": r["status"] + (f": {r['error']}" if r["status"] != "ok" else ""),
+        "parity": r["parity"],
     } for r in rows]
     devices = sorted({r["device"] for r in rows if r["device"]})
+    if args.parity:
+        gate = (f"parity: the verdict of each run's configuration in {', '.join(map(str, args.parity))} "
+                "(benchmarks.parity); a run without `pass` trains an unchecked or a different function: its "
+                "throughput is not for publication, and report.md leaves it out (`n/a`: not a train.py run).")
+    else:
+        gate = "parity: unchecked (no --parity): these throughput numbers carry no parity verdict; do not publish them."
     header = (f"# Training sweep: {args.model}, seq {args.seq_len}, {args.precision}, {args.data} data, "
               f"{args.gpus} processes, {args.steps} steps ({args.warmup} warm-up)\n\n"
               f"device: {', '.join(devices) or 'n/a'}; peak memory is the max over ranks; "
-              "tokens/s and MFU average the post-warm-up steps.\n\n")
+              f"tokens/s and MFU average the post-warm-up steps.\n\n{gate}\n\n")
     return header + markdown_table(shown, list(shown[0])) + "\n"
 
 
 def write_outputs(sweep: Sweep) -> list[dict[str, Any]]:
     """sweep.csv (every launch, OOM probes included) and sweep.md (one row per point, included runs first, with
-    each failure's status), then benchmarks.report's report.md and plots over the runs that finished."""
-    included = [row for row in (included_row(Path(p)) for p in sweep.args.include) if row]
-    launched = [table_row(r) for r in sweep.results]
+    each failure's status and each run's parity verdict), then benchmarks.report's report.md and plots over the runs
+    that finished (with --parity: and pass, or are not train.py runs)."""
+    verdicts = read_verdicts(sweep.args.parity) if sweep.args.parity else None
+
+    def parity(run_dir: Path) -> str:
+        return "unchecked" if verdicts is None else verdict_of(run_dir, verdicts)
+
+    included = [{**row, "parity": parity(Path(p))} for p in sweep.args.include if (row := included_row(Path(p)))]
+    launched = [{**table_row(r), "parity": parity(sweep.out / "runs" / r.name)} for r in sweep.results]
     write_csv(sweep.out / "sweep.csv", included + launched)
     probes = {(r.mode, r.fused, r.batch) for r in sweep.results if r.batch_choice == "max" and r.status == "oom"}
     shown = included + [row for row, r in zip(launched, sweep.results)
@@ -312,6 +292,8 @@ def write_outputs(sweep: Sweep) -> list[dict[str, Any]]:
             f"\nout of memory in the max-batch search: {MODES[m].label}, {f}, batch {b}" for m, f, b in sorted(probes)))
     folders = [Path(p) for p in sweep.args.include] + [sweep.out / "runs" / r.name for r in sweep.results
                                                        if r.status == "ok"]
+    if verdicts is not None:  # no speed without parity
+        folders = [f for f in folders if parity(f) in ("pass", "n/a")]
     runs = [run for run in map(report.load_run, dict.fromkeys(folders)) if run is not None]
     if runs:
         (sweep.out / "report.md").write_text(report.markdown(runs))

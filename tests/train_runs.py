@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmarks.common import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 TINY_ARGS = ["--model", "gpt2-tiny", "--seq-len", "32", "--warmup-steps", "2", "--log-interval", "1",
              "--wandb", "disabled", "--precision", "fp32", "--device", "cpu"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_env() -> dict[str, str]:

@@ -1,0 +1,300 @@
+"""Loss parity: does every configuration train the same function as `--mode single` eager, on real text, in the
+precision the runs use (bf16 on a GPU, fp32 on CPU)?
+
+    python -m benchmarks.parity --out benchmarks/results/parity/h100 --models gpt2 gpt2-large --jobs 2
+    python -m benchmarks.parity --out /tmp/p --models gpt2 --rows 'zero*' ddp --steps 10   # a subset (names, globs)
+    python -m benchmarks.parity --out /tmp/p --models gpt2 --extra-row lr-x2='--lr 1.2e-3'  # a row of your own
+    python -m benchmarks.parity --out /tmp/p --dry-run                                      # the commands only
+
+Each row of benchmarks/parity_matrix.py (one-device rows; with more GPUs visible, DDP/ZeRO at that world size and
+tensor parallelism) trains --steps steps from the same seed on the same global batches of --batch-size sequences,
+its loss logged every step, then its validation loss. Data: WikiText-2 from ../shared/data by default, or
+--data-path any text (--cache-dir a pre-built token cache); the training set is cut to whole global batches so
+that every row's epochs line up. The reference (`single`) and the `noise` row run in the same call, up to --jobs
+rows at a time; the verdicts (benchmarks/parity_verdict.py) come at the end. Written to --out: parity.csv,
+parity.md (command, device, versions, the tolerance rule with the measured noise, one table per model) and
+parity_<model>.png; run folders in OUT/runs, each launch's output in OUT/logs. Exit status 1 if a row fails or
+errors, 2 on bad flags or data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import shlex
+import sys
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks import parity_report
+from benchmarks.common import ROOT, device_tag, free_port, free_run_name, last_error, launch
+from benchmarks.parity_matrix import NOISE, REFERENCE, Job, extra_row, matrix, plan, select
+from benchmarks.parity_report import RowResult, Tolerance
+from benchmarks.parity_verdict import (
+    Curve,
+    CurveError,
+    compare,
+    default_floor,
+    load_curve,
+    max_abs_dloss,
+    tolerance,
+)
+from gpt2.config import MODEL_PRESETS, ConfigError, DataConfig
+from gpt2.config import parse_args as parse_train_args
+from gpt2.distributed import LAUNCHER_VARS
+
+SHARED_DATA = ROOT.parent / "shared" / "data"
+DEFAULT_DATA = SHARED_DATA / "wikitext-2"
+DEFAULT_TOKENIZER = SHARED_DATA / "gpt2-tokenizer" / "tokenizer.json"
+LOG_TAIL_LINES = 20
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.parity", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="folder for parity.csv/.md/.png, runs/ and logs/")
+    p.add_argument("--models", nargs="+", default=["gpt2", "gpt2-large"], choices=sorted(MODEL_PRESETS))
+    p.add_argument("--rows", nargs="+", metavar="NAME", help="row names or globs (default: all); single and noise "
+                   "always run")
+    p.add_argument("--extra-row", action="append", default=[], metavar="NAME=FLAGS",
+                   help="another row (repeatable; always run): train.py flags on top of the common ones, e.g. "
+                        "lr-x2='--lr 1.2e-3'")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=8, help="global batch: sequences per optimizer step")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup-steps", type=int, default=10, help="LR warm-up")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--eval-batches", type=int, default=8, help="validation batches of --batch-size sequences")
+    p.add_argument("--data", choices=["wikitext", "synthetic"], default="wikitext",
+                   help="synthetic: random tokens (smoke tests; no text)")
+    p.add_argument("--data-path", help=f"text file or folder (default {DEFAULT_DATA}, where it exists)")
+    p.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="tokenizer.json, folder or hub name")
+    p.add_argument("--cache-dir", help=f"token cache (default: train.py's, {ROOT / DataConfig.cache_dir})")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    p.add_argument("--jobs", type=int, default=1, help="rows run at once")
+    p.add_argument("--tol-factor", type=float, default=3.0, help="tolerance = max(floor, factor x noise)")
+    p.add_argument("--tol-floor", type=float,
+                   help="default by the reference's precision: 0.02 for bf16, 1e-4 for fp32")
+    p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per run before it is killed")
+    p.add_argument("--dry-run", action="store_true", help="print each row's command (or why it is skipped)")
+    return p, p.parse_args(argv)
+
+
+def data_flags(args: argparse.Namespace, p: argparse.ArgumentParser) -> list[str]:
+    """train.py's data flags, paths made absolute (the runs start in the repository root)."""
+    if args.data == "synthetic":
+        if args.data_path:
+            p.error("--data synthetic ignores --data-path; drop one of the two")
+        return ["--data", "synthetic"]
+    path = Path(args.data_path) if args.data_path else DEFAULT_DATA
+    if not path.exists():
+        p.error(f"--data-path {path} does not exist: pass --data-path (a text file, or a folder of train/valid "
+                "text files), or --data synthetic")
+    tokenizer = Path(args.tokenizer).resolve() if Path(args.tokenizer).exists() else args.tokenizer  # or a hub name
+    cache = Path(args.cache_dir).resolve() if args.cache_dir else ROOT / DataConfig.cache_dir
+    return ["--data-path", str(path.resolve()), "--tokenizer", str(tokenizer), "--cache-dir", str(cache)]
+
+
+def prepare_data(common: list[str], batch: int, eval_batches: int) -> tuple[int, int]:
+    """Build the token cache once, here (the runs then hit it), and return (--max-samples, --eval-batches).
+
+    --max-samples: the training blocks of whole global batches. The loader's epoch is floor(blocks / its batch)
+    micro-batches, so with a remainder a run with micro-batch B/4 and 4 accumulation steps would roll over at a
+    different step than the reference. --eval-batches: at most the validation batches there are."""
+    from gpt2.data import build_data
+
+    cfg = parse_train_args([*common, "--batch-size", str(batch)])
+    bundle = build_data(cfg.data, seq_len=cfg.train.seq_len, batch_size=batch, model_vocab_size=cfg.model.vocab_size,
+                        dp_rank=0, dp_size=1, seed=cfg.train.seed, is_main=True, barrier=lambda: None)
+    return len(bundle.train) * batch, min(eval_batches, len(bundle.val))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    command: str
+    rc: int | None  # None: killed at --run-timeout
+    wall_s: float
+    run_dir: Path
+    log: Path
+
+    def curve(self) -> Curve:
+        if self.rc is None:
+            raise CurveError(f"killed after {self.wall_s:.0f} s (--run-timeout)")
+        if self.rc != 0:
+            raise CurveError(f"exit {self.rc}: {last_error(self.log.read_text(errors='replace'))}")
+        return load_curve(self.run_dir)
+
+    def log_tail(self) -> list[str]:
+        return self.log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+
+
+def run_all(jobs: list[Job], out: Path, n_parallel: int, timeout: float) -> dict[Job, Outcome]:
+    """Launch every runnable job, up to n_parallel at once (torchrun rows each on a port free at their start)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on shared machines
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    names = {}
+    for job in jobs:  # distinct names within this call; free of earlier calls' runs in the same --out
+        names[job] = free_run_name(out, f"{job.row.name}-{job.model}")
+        (out / "logs" / f"{names[job]}.log").touch()
+
+    def run(job: Job) -> Outcome:
+        cmd = job.command(names[job], free_port())
+        log = out / "logs" / f"{names[job]}.log"
+        rc, wall = launch(cmd, log, timeout, env)
+        return Outcome(shlex.join(cmd), rc, wall, out / "runs" / names[job], log)
+
+    outcomes: dict[Job, Outcome] = {}
+    with ThreadPoolExecutor(max_workers=n_parallel) as pool:
+        futures = {pool.submit(run, job): job for job in jobs}
+        for future in as_completed(futures):
+            job, outcome = futures[future], future.result()
+            outcomes[job] = outcome
+            status = "ok" if outcome.rc == 0 else f"exit {outcome.rc}" if outcome.rc is not None else "timeout"
+            print(f"[{len(outcomes)}/{len(jobs)}] {job.model} {job.row.name}: {status} in {outcome.wall_s:.0f} s",
+                  flush=True)
+    return outcomes
+
+
+def package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:  # the ZeRO rows are then errors naming the missing module
+        return "not installed"
+
+
+def row_tolerance(tol: float, precision: str, ref_precision: str) -> tuple[float, str]:
+    """The tolerance one row is judged by, and a note: every row gets the noise-derived tolerance; a row computing
+    in another precision than the reference (fp32 against bf16 on a GPU) is noted, its delta is not noise."""
+    if precision == ref_precision:
+        return tol, ""
+    return tol, f"{precision} against the {ref_precision} reference: the difference measures precision, not noise"
+
+
+def judge(jobs: list[Job], outcomes: dict[Job, Outcome], args: argparse.Namespace
+          ) -> tuple[list[RowResult], Tolerance | None]:
+    """One model's rows against its reference, and the tolerance (None without a reference curve)."""
+    curves: dict[Job, Curve] = {}
+    errors: dict[Job, str] = {}
+    for job in jobs:
+        try:
+            if job in outcomes:
+                curves[job] = outcomes[job].curve()
+        except CurveError as err:
+            errors[job] = str(err)
+    ref = next((curves.get(j) for j in jobs if j.row == REFERENCE), None)
+    noise_curve = next((curves.get(j) for j in jobs if j.row == NOISE), None)
+    tol = None
+    if ref is not None:
+        try:
+            noise = max_abs_dloss(ref, noise_curve) if noise_curve is not None else None
+        except CurveError:  # other steps logged: the noise row itself is an error below
+            noise = None
+        floor = args.tol_floor if args.tol_floor is not None else default_floor(ref.precision)
+        tol = Tolerance(noise, args.tol_factor, floor, tolerance(noise, args.tol_factor, floor), ref.precision)
+    results = []
+    for job in jobs:
+        r = RowResult(job.row.name, job.model, "skipped", "python" if job.row.nproc is None else
+                      f"torchrun x{job.row.nproc}", job.row.flags, note=job.skip, key=job.key)
+        results.append(r)
+        if job.skip:
+            continue
+        outcome = outcomes[job]
+        r.command, r.run_dir, r.curve = outcome.command, str(outcome.run_dir), curves.get(job)
+        if job in errors:
+            r.verdict, r.note, r.log_tail = "error", errors[job], outcome.log_tail()
+            continue
+        if ref is None or tol is None:
+            r.verdict, r.note = "error", "no reference curve: the single run failed"
+            continue
+        row_tol, r.note = row_tolerance(tol.value, r.curve.precision, ref.precision)
+        try:
+            r.comparison = compare(ref, r.curve, row_tol)
+        except CurveError as err:
+            r.verdict, r.note = "error", str(err)
+            continue
+        if job.row == REFERENCE:
+            r.verdict = "reference"
+        elif job.row == NOISE:
+            r.verdict, r.note = "noise", "sets the tolerance"
+        else:
+            r.verdict = "pass" if r.comparison.passed else "fail"
+    return results, tol
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, args = parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    world = torch.cuda.device_count() if device == "cuda" else 1
+    try:
+        rows = select(matrix(world), args.rows) + [extra_row(spec) for spec in args.extra_row]
+    except ValueError as err:
+        p.error(str(err))
+    if len({r.name for r in rows}) < len(rows):
+        p.error("--extra-row names must differ from each other and from the matrix rows")
+    if args.jobs < 1:
+        p.error("--jobs must be >= 1")
+    out = args.out.resolve()
+    data = data_flags(args, p)
+
+    def common(model: str) -> list[str]:
+        return ["--model", model, "--seq-len", str(args.seq_len), "--max-steps", str(args.steps),
+                "--log-interval", "1", "--eval-interval", "0", "--warmup-steps", str(args.warmup_steps),
+                "--lr", str(args.lr), "--seed", str(args.seed), "--wandb", "disabled",
+                "--throughput-warmup-steps", "0",  # throughput is not what this measures
+                "--device", device, "--out-dir", str(out / "runs"), *data]
+
+    try:
+        max_samples, eval_batches = prepare_data(common(args.models[0]), args.batch_size, args.eval_batches)
+        jobs = [plan(row, model, [*common(model), "--max-samples", str(max_samples)], args.batch_size, eval_batches,
+                     device) for model in args.models for row in rows]
+    except ConfigError as err:
+        p.error(str(err))
+    except ModuleNotFoundError as err:  # tokenising needs `datasets`, which a GPU machine may lack
+        p.error(f"building the token cache needs the {err.name} package; build it where {err.name} is installed "
+                "(python -m gpt2.data --data-path ... --tokenizer ... --cache-dir DIR) and pass --cache-dir DIR")
+    runnable = [job for job in jobs if not job.skip]
+    if args.dry_run:
+        for job in jobs:
+            print(f"# {job.model} {job.row.name}: skipped: {job.skip}" if job.skip else
+                  shlex.join(job.command(f"{job.row.name}-{job.model}", 0)))
+        return 0
+
+    print(f"{len(runnable)} runs ({len(jobs) - len(runnable)} skipped), {args.jobs} at a time, on {device}", flush=True)
+    outcomes = run_all(runnable, out, args.jobs, args.run_timeout)
+    results: list[RowResult] = []
+    tolerances: dict[str, Tolerance] = {}
+    for model in args.models:
+        model_results, tol = judge([j for j in jobs if j.model == model], outcomes, args)
+        results += model_results
+        if tol is not None:
+            tolerances[model] = tol
+
+    tag = {**device_tag(device), "deepspeed": package_version("deepspeed")}
+    header = {
+        "command": f"`python -m benchmarks.parity {shlex.join(sys.argv[1:] if argv is None else argv)}`",
+        "device": f"{tag['device']} x{tag['device_count']}" if device == "cuda" else tag["device"],
+        "versions": f"torch {tag['torch']}, CUDA {tag['cuda']}, triton {tag['triton']}, deepspeed {tag['deepspeed']}",
+        "date": tag["date"],
+        "settings": f"seq {args.seq_len}, global batch {args.batch_size} sequences per step (micro-batch x "
+                    f"grad-accum x dp), {args.steps} steps, lr {args.lr:g} (warm-up {args.warmup_steps}), seed "
+                    f"{args.seed}, validation loss over {eval_batches} x {args.batch_size} sequences",
+        "data": f"`{shlex.join(data)}`, the first {max_samples} training sequences",
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    parity_report.write(out, results, tolerances, header, tag)
+    for r in results:
+        c = r.comparison
+        delta = f"max |dloss| {c.max_abs_dloss:.2e}, dval {c.val_dloss:+.2e}, tol {c.tolerance:.2e}" if c else ""
+        print(f"{r.model:12s} {r.config:22s} {r.verdict:9s} {delta} {r.note}")
+    print(f"wrote {out}/parity.csv, parity.md and " + ", ".join(f"parity_{m}.png" for m in tolerances))
+    return 1 if any(r.verdict in ("fail", "error") for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

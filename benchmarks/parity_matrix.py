@@ -1,0 +1,133 @@
+"""The configurations `benchmarks.parity` checks: named rows of train.py flags, each launched like a user would.
+
+Every row trains the reference's function: the same global batch of B sequences per optimizer step (per-rank
+micro-batch = B / (dp x grad-accum)) and the same validation sequences (--eval-batches scaled by grad-accum), so
+only the code path differs. Rows whose backend cannot run here are skipped with train.py's own reason.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import shlex
+import sys
+from dataclasses import dataclass
+
+from benchmarks.common import ROOT
+from benchmarks.parity_verdict import config_key
+from gpt2.config import ConfigError, build_parser, parse_args
+from gpt2.engine import check_backends
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    flags: tuple[str, ...] = ()  # train.py flags on top of the common ones
+    nproc: int | None = None  # None: `python train.py`; N: torchrun with N processes (DDP/ZeRO need a launcher)
+
+
+REFERENCE = Row("single")  # eager: the function every other row must train
+NOISE = Row("noise", ("--grad-accum", "2"))  # the same function and data, another float summation order
+DDP = ("--mode", "baseline")
+TP2 = ("--tp-size", "2")
+
+
+def _zero(stage: int) -> tuple[str, ...]:
+    return ("--mode", "hybrid", "--zero-stage", str(stage))
+
+
+def one_device_rows() -> list[Row]:
+    """Every configuration on one device; DDP and ZeRO at world size 1 under torchrun."""
+    rows = [REFERENCE, NOISE,
+            Row("compile-model", ("--compile", "--compile-scope", "model")),
+            Row("compile-blocks", ("--compile", "--compile-scope", "blocks")),
+            Row("fp32", ("--precision", "fp32"))]
+    for backend in ("triton", "cuda"):
+        rows += [Row(backend, ("--fused-kernels", backend)),
+                 Row(f"{backend}-compile", ("--fused-kernels", backend, "--compile"))]
+    rows += [Row("attn-flash", ("--attn", "flash")), Row("act-ckpt", ("--activation-checkpointing",)),
+             Row("grad-accum", ("--grad-accum", "4"))]
+    for name, flags in [("ddp", DDP)] + [(f"zero{s}", _zero(s)) for s in (1, 2, 3)]:
+        rows += [Row(name, flags, nproc=1), Row(f"{name}-compile", (*flags, "--compile"), nproc=1)]
+    return rows
+
+
+def multi_device_rows(world: int) -> list[Row]:
+    """DDP and ZeRO at `world` processes, and tensor parallelism (TP 2, +- sequence parallel) under DDP and ZeRO-3."""
+    w = f"-w{world}"
+    rows = [Row("ddp" + w, DDP, world)] + [Row(f"zero{s}{w}", _zero(s), world) for s in (1, 2, 3)]
+    for name, flags in (("ddp-tp2", (*DDP, *TP2)), ("zero3-tp2", (*_zero(3), *TP2))):
+        rows += [Row(name + w, flags, world), Row(f"{name}-sp{w}", (*flags, "--sequence-parallel"), world)]
+    return rows + [Row(f"zero3-tp2-compile{w}", (*_zero(3), *TP2, "--compile"), world)]
+
+
+def matrix(world: int) -> list[Row]:
+    return one_device_rows() + (multi_device_rows(world) if world > 1 else [])
+
+
+def extra_row(spec: str) -> Row:
+    """`NAME=FLAGS` (--extra-row): a row of your own, e.g. `lr-x2=--lr 1.2e-3`. --mode single runs under plain
+    python, other modes under torchrun with one process per TP rank (dp 1)."""
+    name, sep, flags = spec.partition("=")
+    if not sep or not name.strip():
+        raise ValueError(f"--extra-row {spec!r}: expected NAME=FLAGS, e.g. lr-x2='--lr 1.2e-3'")
+    args = build_parser().parse_args(shlex.split(flags))  # a bad flag stops here, with train.py's message
+    return Row(name.strip(), tuple(shlex.split(flags)), None if args.mode == "single" else args.tp_size)
+
+
+def select(rows: list[Row], patterns: list[str] | None) -> list[Row]:
+    """The rows matching any name or glob in `patterns` (all rows for None); the reference and noise rows always,
+    since every verdict is measured against them."""
+    if patterns is None:
+        return rows
+    unknown = [p for p in patterns if not any(fnmatch.fnmatchcase(r.name, p) for r in rows)]
+    if unknown:
+        raise ValueError(f"--rows {' '.join(unknown)} matches no row; rows: {' '.join(r.name for r in rows)}")
+    return [r for r in rows if r in (REFERENCE, NOISE) or any(fnmatch.fnmatchcase(r.name, p) for p in patterns)]
+
+
+@dataclass(frozen=True)
+class Job:
+    """One row for one model: its train.py flags (or why it cannot run here) and its configuration key."""
+
+    row: Row
+    model: str
+    argv: tuple[str, ...] = ()
+    key: str = ""
+    skip: str = ""
+
+    def command(self, run_name: str, port: int) -> list[str]:
+        train = str(ROOT / "train.py")
+        if self.row.nproc is None:
+            launcher = [sys.executable, train]
+        else:
+            launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={self.row.nproc}",
+                        f"--master_port={port}", train]
+        return [*launcher, *self.argv, "--run-name", run_name]
+
+
+def plan(row: Row, model: str, common: list[str], batch: int, eval_batches: int, device: str) -> Job:
+    """The row's flags for `model` with the global batch `batch` split over dp x grad-accum, or a skip reason.
+
+    train.py's own parser resolves the flags (tp size, accumulation, kernels, precision) and its start-up check
+    decides whether the kernel and attention backends can run here."""
+    try:
+        cfg = parse_args([*common, *row.flags])
+    except ConfigError as err:
+        return Job(row, model, skip=str(err))
+    world, tp, accum = row.nproc or 1, cfg.parallel.tp_size, cfg.train.grad_accum
+    key = config_key(cfg.to_dict(), world)
+    try:
+        check_backends(cfg)
+    except ConfigError as err:
+        return Job(row, model, key=key, skip=str(err))
+    if world % tp:
+        return Job(row, model, key=key, skip=f"--tp-size {tp} does not divide the {world} processes")
+    dp = world // tp
+    if batch % (dp * accum):
+        return Job(row, model, key=key, skip=f"batch {batch} is not divisible by dp {dp} x grad-accum {accum}")
+    if device == "cpu" and cfg.train.precision == "fp32":
+        return Job(row, model, key=key, skip="CPU runs are fp32 whatever --precision says: this would repeat the "
+                                             "reference")
+    argv = (*common, *row.flags, "--batch-size", str(batch // (dp * accum)), "--eval-batches",
+            str(eval_batches * accum))
+    return Job(row, model, argv, key)

@@ -1,0 +1,216 @@
+"""benchmarks.parity, the loss-parity tool: end to end on CPU (gpt2-tiny, fp32, real text), its verdict API on
+synthetic curves, and the parity gate of benchmarks.train_sweep."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from benchmarks import parity, parity_verdict, train_sweep
+from benchmarks.common import write_csv
+from benchmarks.parity_matrix import Row, matrix, plan
+from benchmarks.parity_verdict import (
+    Curve,
+    CurveError,
+    compare,
+    config_key,
+    load_curve,
+    read_verdicts,
+    tolerance,
+)
+from gpt2.config import parse_args
+from gpt2.distributed import LAUNCHER_VARS
+from tests.test_data import tiny_tokenizer, wiki_lines, write  # noqa: F401 (tiny_tokenizer: a fixture)
+from tests.train_runs import ROOT, SHARED_DATA, train_env
+
+TINY = ["--models", "gpt2-tiny", "--seq-len", "32", "--batch-size", "8", "--steps", "6", "--warmup-steps", "2",
+        "--eval-batches", "2", "--device", "cpu", "--jobs", "2"]
+REQUIRED_COLUMNS = {"config", "model", "max_abs_dloss", "final_dloss", "val_dloss", "tolerance", "verdict", "steps",
+                    "command"}
+
+
+@pytest.fixture
+def cpu_env(monkeypatch):
+    """What the launched runs need on a 2-core CPU machine (one thread each, DeepSpeed's CPU accelerator)."""
+    for key, value in train_env().items():
+        monkeypatch.setenv(key, value)
+    for var in LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture(scope="module")
+def text_data(tmp_path_factory, request) -> list[str]:
+    """Data flags: WikiText-2 and the GPT-2 tokenizer from ../shared/data, else a small corpus written here with a
+    tiny BPE trained on it; one token cache for the module."""
+    cache = ["--cache-dir", str(tmp_path_factory.mktemp("cache"))]
+    wikitext, tokenizer = SHARED_DATA / "wikitext-2", SHARED_DATA / "gpt2-tokenizer" / "tokenizer.json"
+    if wikitext.is_dir() and tokenizer.is_file():
+        return ["--data-path", str(wikitext), "--tokenizer", str(tokenizer), *cache]
+    corpus = tmp_path_factory.mktemp("corpus")
+    write(corpus / "train.txt", wiki_lines(300, seed=1))
+    write(corpus / "valid.txt", wiki_lines(60, seed=2))
+    return ["--data-path", str(corpus), "--tokenizer", str(request.getfixturevalue("tiny_tokenizer")), *cache]
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_equivalent_configurations_pass(tmp_path, cpu_env, text_data):
+    """single, noise, grad accumulation, DDP and ZeRO-3 (torchrun, world 1) train one function: all pass."""
+    rc = parity.main([*TINY, *text_data, "--rows", "grad-accum", "ddp", "zero3", "--out", str(tmp_path)])
+    rows = read_csv(tmp_path / "parity.csv")
+    assert rc == 0, [(r["config"], r["verdict"], r["note"]) for r in rows]
+    assert set(rows[0]) >= REQUIRED_COLUMNS
+    assert {r["config"]: r["verdict"] for r in rows} == {
+        "single": "reference", "noise": "noise", "grad-accum": "pass", "ddp": "pass", "zero3": "pass"}
+    by_name = {r["config"]: r for r in rows}
+    noise, tol = float(by_name["noise"]["max_abs_dloss"]), float(by_name["single"]["tolerance"])
+    assert tol == pytest.approx(max(1e-4, 3 * noise))  # the fp32 floor: CPU runs compute in fp32
+    assert all(r["steps"] == "6" and float(r["max_abs_dloss"]) <= tol for r in rows)
+    # the same global batch of 8 and the same 2 x 8 validation sequences in every layout
+    accum = by_name["grad-accum"]["command"]
+    assert "--grad-accum 4 --batch-size 2 --eval-batches 8" in accum and accum.startswith(f"{parity.sys.executable} ")
+    assert int(re.search(r"--max-samples (\d+)", accum).group(1)) % 8 == 0  # whole global batches: epochs line up
+    assert re.search(r"torch\.distributed\.run --nproc_per_node=1 --master_port=\d+ ", by_name["zero3"]["command"])
+    for r in rows:  # every run trained and logged each step
+        assert load_curve(Path(r["run_dir"])).steps == (1, 2, 3, 4, 5, 6)
+    md = (tmp_path / "parity.md").read_text()
+    assert "tolerance = max(floor, factor x noise)" in md and "- device: cpu" in md and "deepspeed 0." in md
+    assert re.search(r"\| grad-accum \| python \| `--grad-accum 4` \| [\d.e+-]+ \|", md)
+    assert (tmp_path / "parity_gpt2-tiny.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_another_function_fails_and_a_broken_run_errors(tmp_path, cpu_env, text_data):
+    """A row with twice the learning rate is `fail`, one whose run cannot start is `error`: exit status 1."""
+    rc = parity.main([*TINY, *text_data, "--rows", "single", "--extra-row", "lr-x2=--lr 1.2e-3",
+                      "--extra-row", "broken=--resume /nonexistent", "--out", str(tmp_path)])
+    assert rc == 1
+    rows = {r["config"]: r for r in read_csv(tmp_path / "parity.csv")}
+    assert set(rows) == {"single", "noise", "lr-x2", "broken"}
+    lr = rows["lr-x2"]
+    assert lr["verdict"] == "fail" and float(lr["max_abs_dloss"]) > 10 * float(lr["tolerance"])
+    assert rows["broken"]["verdict"] == "error" and "exit 2" in rows["broken"]["note"]
+    md = (tmp_path / "parity.md").read_text()
+    assert "| lr-x2 | python | `--lr 1.2e-3` |" in md and "**fail**" in md
+    assert "### gpt2-tiny broken" in md and "checkpoint /nonexistent does not exist" in md  # its last output lines
+
+
+def test_matrix_keeps_the_global_batch_in_every_layout():
+    """With 4 GPUs the matrix adds DDP/ZeRO at world 4 and the TP rows; every row trains on 8 sequences per step and
+    evaluates the same 2 x 8, whatever its dp x grad-accum split (what the CPU runs above cannot show)."""
+    common = ["--model", "gpt2-tiny", "--seq-len", "32", "--data", "synthetic"]
+    jobs = {row.name: plan(row, "gpt2-tiny", common, 8, 2, "cuda") for row in matrix(4)}
+    assert {"ddp-w4", "zero1-w4", "zero3-w4", "ddp-tp2-w4", "ddp-tp2-sp-w4", "zero3-tp2-sp-w4",
+            "zero3-tp2-compile-w4"} <= set(jobs)
+
+    def flag(job, name: str) -> int:
+        return int(job.argv[job.argv.index(name) + 1])
+
+    for name in ("single", "grad-accum", "ddp", "ddp-w4", "zero3-tp2-w4", "zero3-tp2-sp-w4"):
+        job = jobs[name]
+        dp = (job.row.nproc or 1) // (2 if "tp2" in name else 1)
+        accum = flag(job, "--grad-accum") if "--grad-accum" in job.argv else 1
+        assert flag(job, "--batch-size") * dp * accum == 8 and flag(job, "--eval-batches") == 2 * accum, name
+    assert jobs["zero3-tp2-sp-w4"].key.startswith("gpt2-tiny zero3-tp2-sp w4 ")
+    assert "does not divide" in plan(Row("tp2-w3", ("--mode", "baseline", "--tp-size", "2"), 3), "gpt2-tiny",
+                                     common, 8, 2, "cuda").skip
+
+
+def curve(losses: list[float], val: float = 5.0, precision: str = "bf16") -> Curve:
+    return Curve(tuple(range(1, len(losses) + 1)), tuple(losses), val, precision)
+
+
+def test_compare_on_synthetic_curves():
+    ref = curve([10.0, 8.0, 7.0, 6.5])
+    same = compare(ref, ref, tol=0.02)
+    assert same.passed and (same.max_abs_dloss, same.final_dloss, same.val_dloss, same.steps) == (0, 0, 0, 4)
+    wobble = compare(ref, curve([10.0, 8.015, 6.99, 6.51], val=5.01), tol=0.02)
+    assert wobble.passed and wobble.max_abs_dloss == pytest.approx(0.015) and wobble.final_dloss == pytest.approx(0.01)
+    diverged = compare(ref, curve([10.0, 8.0, 7.5, 9.0]), tol=0.02)
+    assert not diverged.passed and diverged.max_abs_dloss == pytest.approx(2.5)
+    assert not compare(ref, curve([10.0, 8.0, 7.0, 6.5], val=5.03), tol=0.02).passed  # validation alone fails it
+    assert compare(ref, curve([10.0, 8.0, 7.0, 6.75]), tol=0.25).passed  # the bound is inclusive (exact in binary)
+    with pytest.raises(CurveError, match="steps differ"):
+        compare(ref, curve([10.0, 8.0, 7.0]), tol=0.02)
+
+
+def test_tolerance_rule():
+    assert tolerance(noise=0.004, factor=3, floor=0.02) == 0.02  # quiet noise: the floor
+    assert tolerance(noise=0.01, factor=3, floor=0.02) == pytest.approx(0.03)  # else factor x noise
+    assert tolerance(noise=None, factor=3, floor=0.02) == 0.02  # noise not measured
+
+
+def test_load_curve_needs_a_finished_run(tmp_path):
+    records = [{"type": "step", "step": s, "loss": 10.0 - s} for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(CurveError, match="did not finish"):
+        load_curve(tmp_path)
+    summary = {"type": "summary", "val_loss": 7.5, "precision": "fp32"}
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(summary) + "\n")
+    assert load_curve(tmp_path) == Curve((1, 2), (9.0, 8.0), 7.5, "fp32")
+
+
+def _config(flags: list[str]) -> dict:
+    return parse_args(["--model", "gpt2-large", *flags]).to_dict()
+
+
+def test_config_key_names_the_code_path():
+    assert config_key(_config(["--mode", "hybrid", "--compile"]), 4) == (
+        "gpt2-large zero3 w4 kernels=none attn=sdpa compile=blocks ckpt=off bf16 fetch=block")
+    assert config_key(_config(["--mode", "baseline", "--tp-size", "2", "--sequence-parallel",
+                               "--fused-kernels", "triton", "--activation-checkpointing"]), 2) == (
+        "gpt2-large ddp-tp2-sp w2 kernels=triton attn=sdpa compile=off ckpt=on bf16")
+    # batch, accumulation and learning rate do not change the code path
+    assert config_key(_config(["--batch-size", "2", "--grad-accum", "4", "--lr", "1e-3"]), 1) == config_key(
+        _config([]), 1)
+
+
+def test_sweep_records_parity_and_publishes_only_passing_runs(tmp_path, monkeypatch):
+    """Each sweep row gets its configuration's verdict; report.md keeps the passing runs and the HF reference."""
+    def fake_launch(cmd: list[str], log_path: Path, timeout: float) -> tuple[int, float]:
+        name = cmd[cmd.index("--run-name") + 1]
+        run_dir = Path(cmd[cmd.index("--out-dir") + 1]) / name
+        run_dir.mkdir(parents=True)
+        ours = str(ROOT / "train.py") in cmd
+        if ours:
+            (run_dir / "config.json").write_text(json.dumps(parse_args(cmd[cmd.index(str(ROOT / "train.py")) + 1:])
+                                                            .to_dict()))
+        mode = cmd[cmd.index("--mode") + 1]
+        (run_dir / "summary.json").write_text(json.dumps(
+            {"mode": mode if ours else f"hf-{mode}", "world_size": 4, "batch_size_per_gpu": 8, "tokens_per_s": 1e3,
+             "mfu": 0.1, "mem/peak_allocated_gib": 1.0, "mem/peak_reserved_gib": 1.0, "step_time_s": 1.0,
+             "final_loss": 5.0, "device": "fake"}))
+        log_path.write_text("ok\n")
+        return 0, 1.0
+
+    monkeypatch.setattr(train_sweep, "launch", fake_launch)
+    key = {mode: config_key(_config(["--mode", mode]), 4) for mode in ("baseline", "hybrid")}
+    write_csv(tmp_path / "parity.csv", [{"config": "ddp-w4", "key": key["baseline"], "verdict": "pass"},
+                                        {"config": "zero3-w4", "key": key["hybrid"], "verdict": "fail"}])
+    sweep = ["--modes", "baseline", "hybrid", "hybrid-tp2", "hf-ddp", "--fused", "none", "--batches", "8"]
+    assert train_sweep.main([*sweep, "--out", str(tmp_path / "gated"), "--parity", str(tmp_path / "parity.csv")]) == 0
+    rows = read_csv(tmp_path / "gated" / "sweep.csv")
+    assert [(r["run"], r["parity"]) for r in rows] == [
+        ("baseline-none-b8", "pass"), ("hybrid-none-b8", "fail"), ("hybrid-tp2-none-b8", "none"),
+        ("hf-ddp-b8", "n/a")]
+    assert "| ok | fail |" in (tmp_path / "gated" / "sweep.md").read_text()
+    report = (tmp_path / "gated" / "report.md").read_text()
+    assert "| ddp |" in report and "| hf-ddp |" in report and "zero3" not in report
+    assert read_verdicts([tmp_path / "parity.csv"]) == {key["baseline"]: "pass", key["hybrid"]: "fail"}
+    runs = tmp_path / "gated" / "runs"  # the GPU scripts' check of run folders made outside the sweep
+    assert parity_verdict.main([str(runs / "baseline-none-b8"), "--parity", str(tmp_path / "parity.csv")]) == 0
+    assert parity_verdict.main([str(runs / "baseline-none-b8"), str(runs / "hybrid-none-b8"),
+                                "--parity", str(tmp_path / "parity.csv")]) == 1
+
+    assert train_sweep.main([*sweep, "--out", str(tmp_path / "ungated")]) == 0  # no --parity: nothing is checked
+    assert {r["parity"] for r in read_csv(tmp_path / "ungated" / "sweep.csv")} == {"unchecked"}
+    assert "zero3" in (tmp_path / "ungated" / "report.md").read_text()
