@@ -170,3 +170,15 @@ def test_zero3_resume_follows_the_new_schedule(runs: Path, tmp_path: Path) -> No
     assert sorted(logged) == list(range(6, 21))
     for step, lr in logged.items():
         assert lr == pytest.approx(lr_at(step - 1, t), rel=1e-12), step
+
+
+def test_zero3_keeps_torch_linear_and_refuses_deepspeeds_under_compile(tmp_path: Path) -> None:
+    """DeepSpeed's memory-efficient linear (its default) replaces F.linear process-wide and loses its gradients in
+    a compiled graph (GPU, torch 2.11): ZeRO-3 turns it off unless the file asks, and refuses it with --compile."""
+    cfg = parse_args(["--mode", "hybrid", "--zero-stage", "3"])
+    assert build_ds_config(cfg, 1, torch.device("cuda"))["zero_optimization"]["memory_efficient_linear"] is False
+    cfg.parallel.ds_config = path = _write(tmp_path, {"zero_optimization": {"memory_efficient_linear": True}})
+    assert build_ds_config(cfg, 1, torch.device("cuda"))["zero_optimization"]["memory_efficient_linear"]  # eager
+    compiled = parse_args(["--mode", "hybrid", "--zero-stage", "3", "--compile", "--ds-config", path])
+    with pytest.raises(ConfigError, match=f"{path} sets zero_optimization.memory_efficient_linear=true.*--compile"):
+        build_ds_config(compiled, 1, torch.device("cuda"))
