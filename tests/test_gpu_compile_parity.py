@@ -64,7 +64,8 @@ def test_whole_model_compile_at_large_width_matches_eager() -> None:
 
 
 def _zero3_run(tmp: Path, name: str, *flags: str) -> list[dict]:
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep carried packages
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONPATH": path, "WANDB_MODE": "disabled"}
     env.pop("DS_ACCELERATOR", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
            str(ROOT / "train.py"), "--mode", "hybrid", "--model", "gpt2", "--n-layer", "2", "--data", "synthetic",
