@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpt2.compiling import compile_forwards
+from gpt2.compiling import INDUCTOR_SETTINGS, compile_forwards, compile_model, compile_whole
 from gpt2.config import MODEL_PRESETS, ModelConfig, parse_args
 from gpt2.engine import lr_at, step_with_scaler
 from gpt2.model import GPT
@@ -46,3 +46,14 @@ def test_compile_forwards_leaves_hooks_outside_and_room_for_a_graph_per_block(mo
     assert torch._dynamo.config.recompile_limit >= 12
     assert all("forward" in vars(block) for block in model.blocks)  # an instance attribute: the compiled forward
     assert "forward" in vars(model.ln_f) and "forward" not in vars(model)
+
+
+@pytest.mark.parametrize("compile_fn", [compile_forwards, compile_model, compile_whole])
+def test_every_compile_applies_the_inductor_settings(compile_fn) -> None:
+    """Each compile path turns off loop re-ordering after fusion, which mis-compiled GPT-2 Large's whole-model
+    training graph on the GPU (the GPU regression is tests/test_gpu_compile_parity.py)."""
+    import torch._inductor.config
+
+    with torch._inductor.config.patch(loop_ordering_after_fusion=True), torch._dynamo.config.patch(recompile_limit=8):
+        compile_fn(GPT(ModelConfig(**MODEL_PRESETS["gpt2-tiny"])))
+        assert {k: getattr(torch._inductor.config, k) for k in INDUCTOR_SETTINGS} == INDUCTOR_SETTINGS
