@@ -8,6 +8,9 @@
 # A short fp16 ZeRO-3 run (dynamic loss scaling) checks the fp16 path on real hardware.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/python_env.sh
+source scripts/python_env.sh  # PYTHON, and its torchrun/deepspeed first on PATH
+gpt2_python_env
 # shellcheck source=benchmarks/run_names.sh
 source benchmarks/run_names.sh
 OUT=${OUT:-benchmarks/results}
@@ -24,7 +27,7 @@ run() {  # run NAME ARGS...: one torchrun launch on 4 GPUs
   if torchrun --nproc_per_node=4 --master_port=$((29500 + RANDOM % 1000)) train.py "${COMMON[@]}" "$@" \
       --run-name "$name" >"$RUNS/$name.log" 2>&1; then
     grep -h "summary:" "$RUNS/$name/console.log"
-    python - "$RUNS/$name/summary.json" <<'EOF'
+    "$PYTHON" - "$RUNS/$name/summary.json" <<'EOF'
 import json, sys
 s = json.load(open(sys.argv[1]))
 mfu = f"{100 * s['mfu']:.1f}%" if s["mfu"] is not None else "n/a"
@@ -39,7 +42,7 @@ EOF
 }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python -c "import torch, deepspeed; print('torch', torch.__version__, '| deepspeed', deepspeed.__version__)"
+"$PYTHON" -c "import torch, deepspeed; print('torch', torch.__version__, '| deepspeed', deepspeed.__version__)"
 run zero3-b8 --mode hybrid --zero-stage 3 --batch-size 8
 run zero3-b32 --mode hybrid --zero-stage 3 --batch-size 32
 run ddp-b8 --mode baseline --batch-size 8
