@@ -14,9 +14,11 @@
 #   BENCH_ARGS="--compile-budget-s 240" bash benchmarks/gpu_kernels.sh   # every shape (about 5 minutes alone)
 set -u
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/python_env.sh
+source scripts/python_env.sh  # PYTHON, and its torchrun/deepspeed first on PATH
+gpt2_python_env
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
-PY=${PYTHON:-python3}
 STAGES=${STAGES:-build tests bench}
 BENCH_ARGS=${BENCH_ARGS:---quick --compile-budget-s 60}
 export MAX_JOBS=${MAX_JOBS:-16}  # parallel nvcc/c++ jobs for the extension build
@@ -24,7 +26,7 @@ export MAX_JOBS=${MAX_JOBS:-16}  # parallel nvcc/c++ jobs for the extension buil
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
-  $PY -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
+  "$PYTHON" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
   command -v nvcc && nvcc --version | tail -1
 } > "$OUT/kernels_env.txt" 2>&1
 cat "$OUT/kernels_env.txt"
@@ -40,10 +42,10 @@ stage() {  # stage NAME LIMIT_S LOG CMD...; skipped unless NAME is in $STAGES
   echo "=== $name rc=$rc $((SECONDS - start))s"
 }
 
-stage build 80 kernels_build.txt $PY -c \
+stage build 80 kernels_build.txt "$PYTHON" -c \
   'import time; t = time.time(); from fused_kernels.cuda import load_extension; load_extension(); print(f"built in {time.time() - t:.0f}s")'
-stage tests 120 kernels_tests.txt $PY -m pytest -q -p no:cacheprovider --durations=15 \
+stage tests 120 kernels_tests.txt "$PYTHON" -m pytest -q -p no:cacheprovider --durations=15 \
   tests/test_fused_triton.py tests/test_fused_cuda.py tests/test_fused_attention.py tests/test_fused_training.py
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-stage bench 100 kernels_bench.txt $PY -m benchmarks.kernels --out "$OUT" $BENCH_ARGS
+stage bench 100 kernels_bench.txt "$PYTHON" -m benchmarks.kernels --out "$OUT" $BENCH_ARGS
 echo "=== done in ${SECONDS}s; results in $OUT"

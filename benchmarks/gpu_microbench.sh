@@ -9,6 +9,9 @@
 #   bash benchmarks/gpu_microbench.sh [--quick]          # STAGES="gemm micro coll" picks stages
 set -u
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/python_env.sh
+source scripts/python_env.sh  # PYTHON, and its torchrun/deepspeed first on PATH
+gpt2_python_env
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 # NVLink multicast (NVLS) stays off on shared machines
@@ -16,13 +19,12 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 QUICK=""
 [[ "${1:-}" == "--quick" ]] && QUICK="--quick"
 STAGES=${STAGES:-"gemm micro coll"}
-PY=${PYTHON:-python3}
-NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())')
+NGPU=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
 
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1
-  $PY -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
+  "$PYTHON" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
 } > "$OUT/env.txt"
 cat "$OUT/env.txt"
 : > "$OUT/stages.txt"
@@ -39,10 +41,10 @@ stage() {  # stage NAME LIMIT_S CMD...
 if [[ $STAGES == *gemm* ]]; then
   budget=160
   [[ -n $QUICK ]] && budget=100
-  stage gemm 250 $PY -m benchmarks.gemm.bench --out "$OUT" --time-budget-s $budget $QUICK
+  stage gemm 250 "$PYTHON" -m benchmarks.gemm.bench --out "$OUT" --time-budget-s $budget $QUICK
 fi
 if [[ $STAGES == *micro* ]]; then
-  stage microbench 90 $PY -m benchmarks.microbench --model gpt2-large --batch-size 8 --seq-len 1024 --dtype bf16 \
+  stage microbench 90 "$PYTHON" -m benchmarks.microbench --model gpt2-large --batch-size 8 --seq-len 1024 --dtype bf16 \
     --detailed --out "$OUT" --export-csv "$OUT/microbench_gpt2-large.csv"
 fi
 if [[ $STAGES == *coll* ]]; then

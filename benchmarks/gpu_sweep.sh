@@ -16,6 +16,9 @@
 # b32 136.6k.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/python_env.sh
+source scripts/python_env.sh  # PYTHON, and its torchrun/deepspeed first on PATH
+gpt2_python_env
 # shellcheck source=benchmarks/run_names.sh
 source benchmarks/run_names.sh
 OUT=${OUT:-benchmarks/results/gpu_sweep}
@@ -25,13 +28,13 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} WANDB_MODE=disabled WANDB_SILENT=true PYTHONUNBUFFERED=1
 mkdir -p "$OUT/hf/runs" "$OUT/tp_scaling"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
-python3 -c "import torch, transformers, deepspeed; print('torch', torch.__version__, '| transformers', \
+"$PYTHON" -c "import torch, transformers, deepspeed; print('torch', torch.__version__, '| transformers', \
 transformers.__version__, '| deepspeed', deepspeed.__version__)" | tee -a "$OUT/gpus.txt"
 
 hf() {  # hf MODE BATCH
   local name
   name=$(free_run_name "$OUT/hf" "$OUT/hf/runs" "hf-$1-b$2")  # a rerun gets NAME-1.log and runs/NAME-1
-  timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" -m benchmarks.hf_reference \
+  timeout 150 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" -m benchmarks.hf_reference \
     --mode "$1" --model gpt2-large --seq-len 1024 --batch-size "$2" --max-steps 25 --throughput-warmup-steps 5 \
     --log-interval 5 --out-dir "$OUT/hf/runs" --run-name "$name" --wandb disabled >"$OUT/hf/$name.log" 2>&1
   echo "[${SECONDS}s] $name rc=$? $(grep -ho 'summary:.*' "$OUT/hf/$name.log" | tail -1)"
@@ -43,7 +46,7 @@ done
 
 if [ "${TP_SCALING:-1}" = 1 ]; then
   # overlap: queue each async input-gradient all-reduce before the weight-gradient GEMM it hides behind
-  CUDA_DEVICE_MAX_CONNECTIONS=1 timeout 200 python3 -m benchmarks.tp_scaling --nprocs 1 2 4 --out "$OUT/tp_scaling" \
+  CUDA_DEVICE_MAX_CONNECTIONS=1 timeout 200 "$PYTHON" -m benchmarks.tp_scaling --nprocs 1 2 4 --out "$OUT/tp_scaling" \
     >"$OUT/tp_scaling/tp_scaling.log" 2>&1
   echo "[${SECONDS}s] tp_scaling rc=$?"
   tail -31 "$OUT/tp_scaling/tp_scaling.log"
@@ -53,7 +56,7 @@ left=$((TOTAL_S - SECONDS - 20))
 echo "[${SECONDS}s] train sweep with ${left}s left"
 if [ "$left" -gt 60 ]; then
   # shellcheck disable=SC2086
-  python3 -m benchmarks.train_sweep --gpus "$NGPU" --model gpt2-large --seq-len 1024 --steps 25 --warmup 10 \
+  "$PYTHON" -m benchmarks.train_sweep --gpus "$NGPU" --model gpt2-large --seq-len 1024 --steps 25 --warmup 10 \
     --modes ${SWEEP_MODES:-baseline hybrid hybrid-tp2} --fused none triton --batches 8 max \
     --max-batches 64 48 32 24 16 --extra-args="--compile" --run-timeout 150 --budget-s "$left" --out "$OUT/sweep" \
     --include "$OUT"/hf/runs/* ${INCLUDE:-} ${PARITY:+--parity $PARITY} 2>&1 | tail -40

@@ -6,6 +6,9 @@
 # if any check failed. Logs and tp_overlap_tp{2,4}.csv land in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/python_env.sh
+source scripts/python_env.sh  # PYTHON, and its torchrun/deepspeed first on PATH
+gpt2_python_env
 OUT=${OUT:-benchmarks/results/tp}
 MODEL=${MODEL:-gpt2-large}
 mkdir -p "$OUT"
@@ -14,12 +17,12 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} PYTHONUNBUFFERED=1
 # queue each async input-gradient collective before the weight-gradient GEMM it should overlap with
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpus.txt"
+"$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpus.txt"
 
 fail=0
 check() {  # check NPROC NAME TP
   local log="$OUT/check_$2_n$1_tp$3.log"
-  timeout "${CHECK_TIMEOUT:-300}" python3 -m torch.distributed.run --nproc_per_node="$1" \
+  timeout "${CHECK_TIMEOUT:-300}" "$PYTHON" -m torch.distributed.run --nproc_per_node="$1" \
     -m tests._tp_harness --check "$2" --tp "$3" >"$log" 2>&1
   local rc=$?
   echo "check $2 nproc=$1 tp=$3 rc=$rc $(grep -ho 'OK:.*' "$log" | tail -1)"
@@ -34,7 +37,7 @@ check 4 model 4
 check 4 model 2   # TP=2 x DP=2
 
 for tp in 2 4; do
-  timeout "${BENCH_TIMEOUT:-600}" python3 -m torch.distributed.run --nproc_per_node="$tp" -m benchmarks.tp_overlap \
+  timeout "${BENCH_TIMEOUT:-600}" "$PYTHON" -m torch.distributed.run --nproc_per_node="$tp" -m benchmarks.tp_overlap \
     --tp "$tp" --model "$MODEL" --out "$OUT" >"$OUT/tp_overlap_tp$tp.log" 2>&1
   echo "tp_overlap tp=$tp rc=$?"; grep -h "^{" "$OUT/tp_overlap_tp$tp.log"
 done

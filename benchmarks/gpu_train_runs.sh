@@ -8,6 +8,9 @@
 # PARITY="a/parity.csv ..." each run's loss-parity verdict is printed and saved to $OUT/parity_verdicts.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/python_env.sh
+source scripts/python_env.sh  # PYTHON, and its torchrun/deepspeed first on PATH
+gpt2_python_env
 # shellcheck source=benchmarks/run_names.sh
 source benchmarks/run_names.sh
 OUT=${OUT:-benchmarks/results/raw}
@@ -30,19 +33,19 @@ for spec in "${runs[@]}"; do
   name=$(free_run_name "$OUT" "$OUT/runs" "${spec%%:*}")  # a rerun gets NAME-1.log and runs/NAME-1
   flags=${spec#*:}
   # shellcheck disable=SC2086
-  timeout "${RUN_TIMEOUT:-300}" python3 -m torch.distributed.run --nproc_per_node="$NGPU" train.py \
+  timeout "${RUN_TIMEOUT:-300}" "$PYTHON" -m torch.distributed.run --nproc_per_node="$NGPU" train.py \
     --model gpt2-large --seq-len 1024 --data synthetic --precision bf16 --max-steps "$STEPS" \
     --warmup-steps 5 --throughput-warmup-steps 10 --log-interval 5 --wandb disabled \
     --out-dir "$OUT/runs" --run-name "$name" $flags >"$OUT/$name.log" 2>&1
   echo "$name rc=$? $(grep -ho 'summary:.*' "$OUT/$name.log" | tail -1)"
   grep -hE "Error|error:|OutOfMemory" "$OUT/$name.log" | tail -3
 done
-python3 -m benchmarks.report "$OUT"/runs/* --out "$OUT/report"
+"$PYTHON" -m benchmarks.report "$OUT"/runs/* --out "$OUT/report"
 
 # no speed without parity: each run's loss-parity verdict, from PARITY="a/parity.csv ..." (python -m benchmarks.parity)
 if [ -n "${PARITY:-}" ]; then
   # shellcheck disable=SC2086  # PARITY is a list of files
-  python3 -m benchmarks.parity_verdict "$OUT/runs"/*/ --parity $PARITY | tee "$OUT/parity_verdicts.txt"
+  "$PYTHON" -m benchmarks.parity_verdict "$OUT/runs"/*/ --parity $PARITY | tee "$OUT/parity_verdicts.txt"
 else
   echo "no PARITY=parity.csv given: these runs carry no loss-parity verdict (python -m benchmarks.parity)"
 fi

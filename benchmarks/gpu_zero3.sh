@@ -9,6 +9,9 @@
 # each run's loss-parity verdict is printed and saved to $OUT/parity_verdicts.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/python_env.sh
+source scripts/python_env.sh  # PYTHON, and its torchrun/deepspeed first on PATH
+gpt2_python_env
 # shellcheck source=benchmarks/run_names.sh
 source benchmarks/run_names.sh
 OUT=${OUT:-benchmarks/results}
@@ -25,7 +28,7 @@ run() {  # run NAME ARGS...: one torchrun launch on 4 GPUs
   if torchrun --nproc_per_node=4 --master_port=$((29500 + RANDOM % 1000)) train.py "${COMMON[@]}" "$@" \
       --run-name "$name" >"$RUNS/$name.log" 2>&1; then
     grep -h "summary:" "$RUNS/$name/console.log"
-    python - "$RUNS/$name/summary.json" <<'EOF'
+    "$PYTHON" - "$RUNS/$name/summary.json" <<'EOF'
 import json, sys
 s = json.load(open(sys.argv[1]))
 mfu = f"{100 * s['mfu']:.1f}%" if s["mfu"] is not None else "n/a"
@@ -40,7 +43,7 @@ EOF
 }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python -c "import torch, deepspeed; print('torch', torch.__version__, '| deepspeed', deepspeed.__version__)"
+"$PYTHON" -c "import torch, deepspeed; print('torch', torch.__version__, '| deepspeed', deepspeed.__version__)"
 run zero3-b8 --mode hybrid --zero-stage 3 --batch-size 8
 run zero3-b32 --mode hybrid --zero-stage 3 --batch-size 32
 run ddp-b8 --mode baseline --batch-size 8
@@ -50,7 +53,7 @@ run zero3-fp16-b8 --mode hybrid --zero-stage 3 --batch-size 8 --precision fp16 -
 # no speed without parity: each run's loss-parity verdict, from PARITY="a/parity.csv ..." (python -m benchmarks.parity)
 if [ -n "${PARITY:-}" ]; then
   # shellcheck disable=SC2086  # PARITY is a list of files
-  python3 -m benchmarks.parity_verdict "$RUNS"/*/ --parity $PARITY | tee "$OUT/parity_verdicts.txt"
+  "$PYTHON" -m benchmarks.parity_verdict "$RUNS"/*/ --parity $PARITY | tee "$OUT/parity_verdicts.txt"
 else
   echo "no PARITY=parity.csv given: these runs carry no loss-parity verdict (python -m benchmarks.parity)"
 fi

@@ -152,5 +152,8 @@ def eot_token_id(tok) -> int:
 
 
 def tokenizer_fingerprint(tok) -> str:
-    """sha256 of the serialised Rust tokenizer (vocab, merges, normaliser, added tokens): same tokens iff same hash."""
+    """sha256 of the serialised Rust tokenizer (vocab, merges, normaliser, added tokens): same tokens iff same hash.
+
+    Content only, never the file's path: a copied tokenizer.json keys the same token cache.
+    """
     return hashlib.sha256(tok.backend_tokenizer.to_str().encode()).hexdigest()

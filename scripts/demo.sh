@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Set up, then train gpt2-tiny for 100 steps on one device (CPU works; no hub needed).
+# Set up (scripts/setup.sh: the project's .venv unless an environment is active), then train gpt2-tiny
+# for 100 steps on one device (CPU works; no hub needed).
 # Data: WikiText-2 from ../shared/data when it is there (or DATA_DIR=<folder with train/valid .txt>
 # and TOKENIZER=<tokenizer.json>), else synthetic tokens. Extra arguments go to train.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+source scripts/python_env.sh
+gpt2_python_env
 SHARED=${SHARED_DATA:-../shared/data}
 DATA_DIR=${DATA_DIR:-$SHARED/wikitext-2}
 TOKENIZER=${TOKENIZER:-$SHARED/gpt2-tokenizer/tokenizer.json}
@@ -15,5 +18,5 @@ else
   data=(--data synthetic)
 fi
 export TOKENIZERS_PARALLELISM=false
-python3 train.py --mode single --model gpt2-tiny --seq-len 128 --batch-size 16 --max-steps 100 \
+"$PYTHON" train.py --mode single --model gpt2-tiny --seq-len 128 --batch-size 16 --max-steps 100 \
   --lr 3e-3 --warmup-steps 10 --eval-interval 50 --log-interval 10 --num-proc 2 "${data[@]}" "$@"

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Set up, then run the CPU test suite (multi-process gloo, DeepSpeed on CPU, Triton interpreter).
+# Set up (scripts/setup.sh: the project's .venv unless an environment is active), then run ruff and the CPU
+# test suite (multi-process gloo, DeepSpeed on CPU, Triton interpreter) with that environment's Python.
 # GPU tests are marked `gpu` and skipped without CUDA; run them with `pytest -m gpu` on a GPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+source scripts/python_env.sh
+gpt2_python_env
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} DS_ACCELERATOR=${DS_ACCELERATOR:-cpu} TOKENIZERS_PARALLELISM=false
 export WANDB_MODE=${WANDB_MODE:-disabled} WANDB_SILENT=true
-ruff check .
-python3 -m pytest -q "$@"
+"$PYTHON" -m ruff check .
+"$PYTHON" -m pytest -q "$@"

@@ -8,7 +8,8 @@
 #   OUT_DIR         parent of job folders (default: runs)
 #   RUN_NAME        job folder name (default: <job name>-<job id>; array tasks: <name>-<array id>_<task id>)
 #   WANDB_GROUP     wandb group of every attempt of this job (default: $RUN_NAME; sweep.sh: the whole array)
-#   PYTHON          interpreter with the harness installed (default: python3)
+#   PYTHON          interpreter with the harness installed (default: as scripts/python_env.sh chooses: an
+#                   active venv/conda env, else the repository's .venv); torchrun/deepspeed come from it
 #
 # Job folder $OUT_DIR/$RUN_NAME/:
 #   batch.log             this script's messages (also in Slurm's --output file)
@@ -50,10 +51,12 @@
 
 set -euo pipefail
 
+# shellcheck source=scripts/python_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../scripts/python_env.sh"
+gpt2_python_env
 : "${LAUNCHER:=torchrun}"
 : "${NPROC_PER_NODE:=${SLURM_GPUS_ON_NODE:-1}}"
 : "${OUT_DIR:=runs}"
-: "${PYTHON:=python3}"
 : "${NCCL_NVLS_ENABLE:=0}"
 : "${NCCL_DEBUG:=WARN}"
 : "${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:=100}"  # SIGTERM -> SIGKILL grace for torchrun's workers: a checkpoint

@@ -6,7 +6,13 @@ need the real GPT-2 tokenizer / WikiText-2 read ../shared/data and skip when it 
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -289,6 +295,75 @@ def test_truncated_token_cache_is_rebuilt_with_a_warning(tmp_path, tiny_tokenize
     assert bin_path.stat().st_size == full_size
     full = np.concatenate([rebuilt.train.tokens, rebuilt.val.tokens]).astype(np.int64)
     assert np.array_equal(full, reference_stream(tiny_tokenizer, lines))
+
+
+# Loads data in a process where `import datasets` fails (as on a GPU machine without it): argv is
+# data_path tokenizer cache_dir; prints whether the cache hit and the train + val tokens.
+_NO_DATASETS_LOAD = textwrap.dedent("""
+    import json, sys
+    sys.modules["datasets"] = None  # any `import datasets` now raises ImportError
+    from gpt2.config import DataConfig
+    from gpt2.data import DataError, build_data
+    cfg = DataConfig(data_path=sys.argv[1], tokenizer=sys.argv[2], cache_dir=sys.argv[3], num_proc=1)
+    try:
+        b = build_data(cfg, seq_len=16, batch_size=2, model_vocab_size=50257, dp_rank=0, dp_size=1, seed=0,
+                       is_main=True, barrier=lambda: None)
+    except DataError as e:
+        print(json.dumps({"error": str(e)}))
+    else:
+        print(json.dumps({"hit": b.cache_hit, "train": b.train.tokens.tolist(), "val": b.val.tokens.tolist()}))
+""")
+
+
+def load_without_datasets(data_path: Path, tokenizer: Path, cache_dir: Path) -> dict:
+    out = subprocess.run([sys.executable, "-c", _NO_DATASETS_LOAD, str(data_path), str(tokenizer), str(cache_dir)],
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_cache_travels_by_content_and_a_hit_needs_no_datasets(tmp_path, tiny_tokenizer):
+    """A --cache-dir built here is a hit for the same text + tokenizer copied elsewhere, without `datasets`."""
+    here = tmp_path / "machine-a"
+    write(here / "corpus" / "train.txt", wiki_lines(30, seed=9))
+    write(here / "corpus" / "valid.txt", wiki_lines(8, seed=10))
+    shutil.copy(tiny_tokenizer, here / "tokenizer.json")
+    built = build(DataConfig(data_path=str(here / "corpus"), tokenizer=str(here / "tokenizer.json"),
+                             cache_dir=str(here / "cache"), num_proc=1))
+    assert not built.cache_hit
+
+    there = tmp_path / "machine-b" / "elsewhere"  # other paths, other mtimes, the original gone
+    shutil.copytree(here / "corpus", there / "text", copy_function=shutil.copy)
+    shutil.copy(here / "tokenizer.json", there / "gpt2.json")
+    shutil.copytree(here / "cache", there / "carried-cache", copy_function=shutil.copy)
+    for f in (there / "text").iterdir():
+        os.utime(f, ns=(1, 1))
+    shutil.rmtree(here)
+
+    loaded = load_without_datasets(there / "text", there / "gpt2.json", there / "carried-cache")
+    assert loaded.get("hit") is True, loaded
+    assert loaded["train"] == built.train.tokens.tolist() and loaded["val"] == built.val.tokens.tolist()
+    missing = load_without_datasets(there / "text", there / "gpt2.json", there / "empty-cache")
+    assert "needs the `datasets` package" in missing.get("error", ""), missing
+
+
+def test_cache_of_another_format_is_not_read_and_is_named(tmp_path, tiny_tokenizer, caplog, monkeypatch):
+    corpus = write(tmp_path / "corpus.txt", wiki_lines(30, seed=11))
+    cfg = DataConfig(data_path=str(corpus), tokenizer=str(tiny_tokenizer), cache_dir=str(tmp_path / "cache"),
+                     num_proc=1)
+    build(cfg)
+    (current,) = (tmp_path / "cache").glob("train-*.json")
+    old = tmp_path / "cache" / "train-0123456789abcdef0123.json"  # a version-1 cache (keyed by path + mtime)
+    old.with_suffix(".bin").write_bytes(np.zeros(4, dtype=np.uint16).tobytes())
+    old.write_text(json.dumps({"version": 1, "source": {"files": [[str(corpus), 1, 1]]}, "dtype": "uint16",
+                               "n_tokens": 4, "n_text_rows": 1, "n_rows": 1}))
+    write(corpus, wiki_lines(31, seed=11))  # new text: a miss, built next to both caches
+    monkeypatch.setattr(logging.getLogger("gpt2"), "propagate", True)
+    with caplog.at_level("WARNING", logger="gpt2"):
+        bundle = build(cfg)
+    assert not bundle.cache_hit and len(bundle.train.tokens) > 4
+    assert f"ignoring {old} (another cache format" in caplog.text
+    assert str(current) not in caplog.text  # a current-format cache of other text is not called old
 
 
 def test_max_samples_caps_training_blocks_before_sharding(tmp_path, tiny_tokenizer):
