@@ -47,5 +47,5 @@ if [ -n "${PARITY:-}" ]; then
   # shellcheck disable=SC2086  # PARITY is a list of files
   "$PYTHON" -m benchmarks.parity_verdict "$OUT/runs"/*/ --parity $PARITY | tee "$OUT/parity_verdicts.txt"
 else
-  echo "no PARITY=parity.csv given: these runs carry no loss-parity verdict (python -m benchmarks.parity)"
+  echo "no PARITY=parity.csv given: these runs carry no loss-parity verdict (make one with the benchmarks.parity module)"
 fi
