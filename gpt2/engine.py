@@ -32,18 +32,12 @@ from fused_kernels.attention import get_attention
 from gpt2.compiling import compile_model, compile_whole
 from gpt2.config import ConfigError, RunConfig, TrainConfig
 from gpt2.distributed import DistContext
+from gpt2.layout import RunLayout
 from gpt2.model import GPT
 from parallel.comm import CommStats
 from parallel.dims import ParallelDims
 from parallel.grads import allreduce_sequence_parallel_grads, clip_grad_norm_
 from parallel.tp_plan import apply_tensor_parallel
-
-
-def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype, or None for fp32. CPU runs are always fp32."""
-    if device.type != "cuda" or cfg.precision == "fp32":
-        return None
-    return torch.bfloat16 if cfg.precision == "bf16" else torch.float16
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -119,27 +113,27 @@ def evaluate_batches(
 class TorchEngine:
     """Single-device or DDP training with autocast, GradScaler (fp16), clipping and fused AdamW."""
 
-    def __init__(self, cfg: RunConfig, ctx: DistContext):
-        self.cfg = cfg
+    def __init__(self, layout: RunLayout, ctx: DistContext):
+        self.cfg = cfg = layout.cfg
+        self.layout = layout
         self.ctx = ctx
         t = cfg.train
-        # bytes of every TP collective (the planner compares them with its prediction); None without TP, and
-        # under --compile (a Python counter inside the compiled graphs would break them at every collective)
-        self.comm_stats = CommStats() if ctx.dims.tp_size > 1 and not t.compile else None
+        # bytes of every TP collective (the planner compares them with its prediction); see RunLayout.counts_tp_comm
+        self.comm_stats = CommStats() if layout.counts_tp_comm else None
         model = build_model(cfg, ctx.device, ctx.dims, self.comm_stats)
         model.activation_checkpointing = t.activation_checkpointing
-        if t.compile and t.compile_scope == "blocks":
+        if layout.compile_scope == "blocks":
             compile_model(model)
         self.module = model
         self.ddp: DistributedDataParallel | None = None
-        if t.mode == "baseline":
+        if layout.mode == "baseline":
             self.ddp = DistributedDataParallel(
                 model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                 process_group=ctx.dims.dp_group, gradient_as_bucket_view=True, bucket_cap_mb=t.ddp_bucket_mb)
         self.model: nn.Module = self.ddp or model
-        if t.compile and t.compile_scope == "model":
+        if layout.compile_scope == "model":
             self.model = compile_whole(self.model)
-        self.dtype = autocast_dtype(t, ctx.device)
+        self.dtype = layout.autocast_dtype
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.dtype == torch.float16)
         self.optimizer = torch.optim.AdamW(
             param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
@@ -160,8 +154,8 @@ class TorchEngine:
         with contextlib.nullcontext() if sync else self.ddp.no_sync():
             with self.autocast():
                 loss, correct = self.model(x, y)
-            self.scaler.scale(loss / self.cfg.train.grad_accum).backward()
-        if last_micro_step and self.cfg.parallel.sequence_parallel:
+            self.scaler.scale(loss / self.layout.grad_accum).backward()
+        if last_micro_step and self.layout.sequence_parallel:
             allreduce_sequence_parallel_grads(self.module, self.ctx.dims, self.comm_stats)
         return loss.detach(), correct.detach()
 

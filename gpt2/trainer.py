@@ -14,6 +14,7 @@ from gpt2.checkpoint import Checkpointer
 from gpt2.config import RunConfig
 from gpt2.data import DataBundle
 from gpt2.distributed import DistContext
+from gpt2.layout import RunLayout
 from gpt2.metrics import (
     StepTimer,
     ThroughputMeter,
@@ -66,7 +67,7 @@ def _device_name(ctx: DistContext) -> str:
     return torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
 
 
-def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBundle,
+def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: DataBundle,
                  logger: MetricsLogger | None, start_step: int = 0,
                  checkpointer: Checkpointer | None = None,
                  preemption: PreemptionWatcher | None = None) -> dict[str, Any]:
@@ -76,9 +77,9 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
     Then, before the last step, all ranks agree on `preemption.should_stop`: if any rank got a preemption
     signal, every rank saves this step (unless just saved) and raises Preempted.
     """
-    t = cfg.train
-    dp = ctx.dims.dp_size
-    tokens_per_step = dp * t.batch_size * t.grad_accum * t.seq_len
+    cfg, t = layout.cfg, layout.cfg.train
+    dp, grad_accum = layout.dp_size, layout.grad_accum
+    tokens_per_step = layout.tokens_per_step
     peak = device_peak_tflops(ctx.device, cfg.log.peak_tflops)
     meter = ThroughputMeter(
         tokens_per_step=tokens_per_step, flops_per_token=flops_per_token(cfg.model, t.seq_len),
@@ -86,8 +87,8 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
         n_devices=ctx.world_size, peak_tflops=peak, warmup_steps=start_step + t.throughput_warmup_steps)
     timer = StepTimer(ctx.device)
     log.info("tokens/step %d (dp %d x batch %d x accum %d x seq %d); FLOPs/token %.3e; peak %s TFLOP/s",
-             tokens_per_step, dp, t.batch_size, t.grad_accum, t.seq_len, meter.flops_per_token, peak)
-    plan = plan_for_run(cfg, ctx.world_size, ctx.device.type)
+             tokens_per_step, dp, t.batch_size, grad_accum, t.seq_len, meter.flops_per_token, peak)
+    plan = plan_for_run(layout)
     log.info("%s", format_plan(plan))
 
     profiler = StepProfiler(t.profile, logger.run_dir if logger else None, start_step + t.throughput_warmup_steps,
@@ -114,10 +115,10 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
         comm.start_step()
         loss_sum = torch.zeros((), device=ctx.device)
         correct_sum = torch.zeros((), device=ctx.device)
-        for micro in range(t.grad_accum):
+        for micro in range(grad_accum):
             x, y = data.train.next_batch()
             x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
-            loss, correct = engine.forward_backward(x, y, last_micro_step=micro == t.grad_accum - 1)
+            loss, correct = engine.forward_backward(x, y, last_micro_step=micro == grad_accum - 1)
             loss_sum += loss.float()
             correct_sum += correct.float()
         grad_norm = engine.optimizer_step()
@@ -126,8 +127,8 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
         profiler.step()
 
         if step % cfg.log.log_interval == 0 or step in (start_step + 1, t.max_steps):
-            loss_acc = _dp_mean(torch.stack([loss_sum / t.grad_accum,
-                                             correct_sum / (t.grad_accum * tokens_per_micro)]), ctx).tolist()
+            loss_acc = _dp_mean(torch.stack([loss_sum / grad_accum,
+                                             correct_sum / (grad_accum * tokens_per_micro)]), ctx).tolist()
             rates = meter.current()
             last = {"loss": loss_acc[0], "accuracy": loss_acc[1], "grad_norm": float(grad_norm),
                     "lr": engine.lr, "step_time_s": meter.last_step_time, **rates, **_peak_memory(ctx),
@@ -158,9 +159,9 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
     summary = {
         "mode": t.mode, "model": t.model, "n_params": model_params_for_flops(cfg.model),
         "world_size": ctx.world_size, "tp_size": ctx.dims.tp_size, "dp_size": dp,
-        "batch_size_per_gpu": t.batch_size, "grad_accum": t.grad_accum, "seq_len": t.seq_len,
-        "tokens_per_step": tokens_per_step, "precision": t.precision if ctx.device.type == "cuda" else "fp32",
-        "fused_kernels": t.fused_kernels, "attn": t.attn, "compile": t.compile_scope if t.compile else "off",
+        "batch_size_per_gpu": t.batch_size, "grad_accum": grad_accum, "seq_len": t.seq_len,
+        "tokens_per_step": tokens_per_step, "precision": layout.precision,
+        "fused_kernels": t.fused_kernels, "attn": t.attn, "compile": layout.compile_scope,
         "activation_checkpointing": t.activation_checkpointing, "device": _device_name(ctx),
         "peak_tflops_per_gpu": peak, "flops_per_token": meter.flops_per_token,
         "steps": t.max_steps, "start_step": start_step,  # a resumed run trained steps start_step+1..steps

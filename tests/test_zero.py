@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt2.config import ConfigError, parse_args
-from gpt2.engine_deepspeed import build_ds_config
+from gpt2.config import ConfigError, RunConfig, parse_args
+from gpt2.ds_config import build_ds_config as build_layout_ds_config
+from gpt2.layout import RunLayout
 from tests.train_runs import TINY_ARGS, assert_hf_export_matches, read_records, run_train, step_losses
 
 pytestmark = pytest.mark.slow
@@ -101,6 +102,11 @@ def test_zero3_checkpoint_exports_and_inits(runs: Path, tmp_path: Path) -> None:
     run_train(args + ["--mode", "hybrid", "--batch-size", "2", "--run-name", "init-zero3"], tmp_path, nproc=2)
     (a,), (b,) = step_losses(tmp_path / "init-single"), step_losses(tmp_path / "init-zero3")
     assert abs(a - b) <= 1e-5 and abs(a - step_losses(runs / "single")[0]) > 1e-3  # trained, not fresh, weights
+
+
+def build_ds_config(cfg: RunConfig, dp_size: int, device: torch.device) -> dict:
+    """The DeepSpeed config of `cfg` on dp_size ranks (tp 1) of `device`."""
+    return build_layout_ds_config(RunLayout.resolve(cfg, dp_size, device))
 
 
 def _write(tmp_path: Path, ds: dict) -> str:
