@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         from gpt2.checkpoint import Checkpointer, load_checkpoint, prepare_resume
         from gpt2.data import build_data
         from gpt2.distributed import init_distributed, shutdown_distributed
-        from gpt2.engine import TorchEngine
+        from gpt2.engine import build_engine
         from gpt2.metrics import model_params_for_flops
         from gpt2.preemption import EXIT_PREEMPTED, Preempted, PreemptionWatcher
         from gpt2.run_logging import MetricsLogger, log, make_run_dir, setup_console
@@ -83,12 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         setup_console(run_dir, ctx.is_main)
         log.info("run folder: %s", run_dir)
         log.info("data: %s", data.description)
-        if cfg.train.mode == "hybrid":
-            from gpt2.engine_deepspeed import DeepSpeedEngine
-
-            engine = DeepSpeedEngine(layout, ctx)
-        else:
-            engine = TorchEngine(layout, ctx)
+        engine = build_engine(layout, ctx)
         log.info("model: %s, %.1fM parameters (FLOPs count), device %s, world %d (tp %d x dp %d)",
                  cfg.train.model, model_params_for_flops(cfg.model) / 1e6, ctx.device, ctx.world_size,
                  ctx.dims.tp_size, ctx.dims.dp_size)

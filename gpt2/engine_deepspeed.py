@@ -50,21 +50,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
-from fused_kernels import get_ops
-from fused_kernels.attention import get_attention
 from gpt2.checkpoint import CHECKPOINT_TAG
-from gpt2.compiling import compile_forwards, compile_model
-from gpt2.config import ConfigError, RunConfig
+from gpt2.config import ConfigError
 from gpt2.distributed import DistContext
 from gpt2.ds_config import build_ds_config
-from gpt2.engine import build_model, evaluate_batches, lr_at
+from gpt2.engine import evaluate_batches, lr_at
 from gpt2.layout import RunLayout
-from gpt2.model import GPT, Block
+from gpt2.model import GPT
+from gpt2.parallelize import build_model, parallelize, param_groups, tp_comm_stats
 from gpt2.run_logging import log
-from parallel.comm import CommStats
-from parallel.dims import ParallelDims
 from parallel.grads import register_sequence_parallel_grad_hooks
 from parallel.mpu import ModelParallelUnit
 
@@ -87,33 +82,6 @@ def _import_deepspeed(device: torch.device):
     # wraps the process group init_distributed() created; zero.Init reads the world size through it
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
     return deepspeed
-
-
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """`gpt2.engine.param_groups` by the parameters' full shapes (ZeRO-3 partitions are 1-D)."""
-    params = {id(p): p for p in model.parameters() if p.requires_grad}.values()  # tied weights once
-    decay = [p for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2]
-    no_decay = [p for p in params if len(getattr(p, "ds_shape", p.shape)) < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def _build_zero3_model(cfg: RunConfig, ds_config: dict, dims: ParallelDims, deepspeed) -> GPT:
-    """GPT-2 partitioned at construction; the seed draws the same values as `build_model` (fp32)."""
-    ops = get_ops(cfg.train.fused_kernels)
-    attention = get_attention(cfg.train.attn)
-    torch.manual_seed(cfg.train.seed)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=ModelParallelUnit(dims)):
-        model = GPT(cfg.model, ops=ops, attention=attention)
-    if cfg.train.init_from:
-        from gpt2.hf_weights import load_hf_state_dict
-
-        # one parameter at a time: rank 0 writes the full tensor, DeepSpeed re-partitions it on exit
-        sd = load_hf_state_dict(cfg.train.init_from, cfg.model) if dims.rank == 0 else None
-        for name, p in model.named_parameters():
-            with deepspeed.zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
-                if sd is not None:
-                    p.copy_(sd[name])
-    return model
 
 
 class ZeroCommLog:
@@ -161,28 +129,15 @@ class DeepSpeedEngine:
         if cfg.parallel.comm_log:  # every collective synchronises: measurement runs only
             self.ds_config["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True, "debug": False}
         log.info("DeepSpeed config: %s", json.dumps(self.ds_config, sort_keys=True))
-        # our TP collectives' bytes, counted in eager runs (RunLayout.counts_tp_comm)
-        self.comm_stats = CommStats() if layout.counts_tp_comm else None
-        if stage == 3 and ctx.dims.tp_size == 1:
-            model = _build_zero3_model(cfg, self.ds_config, ctx.dims, deepspeed)
-        else:
-            if stage == 3:
-                log.info("ZeRO-3 with --tp-size %d: building the full model on every device (not under zero.Init), "
-                         "cutting it into TP shards, then partitioning each shard over the DP group",
-                         ctx.dims.tp_size)
-            model = build_model(cfg, ctx.device, ctx.dims, self.comm_stats)
-        model.activation_checkpointing = t.activation_checkpointing
-        zero3_blocks = layout.zero3_blocks
-        if zero3_blocks:  # before initialize, which registers the hooks: one per block instead of ~10
-            from deepspeed.utils import set_z3_leaf_modules
-
-            leaves = set_z3_leaf_modules(model, [Block])
-            log.info("ZeRO-3 gathers parameters per transformer block (%d DeepSpeed leaf modules)", len(leaves))
-        if t.compile:  # with ZeRO-3 only when blocks are leaves (config.validate)
-            compile_forwards(model) if zero3_blocks else compile_model(model)
+        self.comm_stats = tp_comm_stats(layout)
+        if stage == 3 and layout.tp_size > 1:
+            log.info("ZeRO-3 with --tp-size %d: building the full model on every device (not under zero.Init), "
+                     "cutting it into TP shards, then partitioning each shard over the DP group", layout.tp_size)
+        zero3 = (deepspeed, self.ds_config) if stage == 3 and layout.tp_size == 1 else None
+        model = parallelize(build_model(layout, ctx.device, ctx.dims, zero3), layout, ctx.dims, self.comm_stats)
         if cfg.parallel.sequence_parallel:  # before initialize: ZeRO consumes gradients during backward
             register_sequence_parallel_grad_hooks(model, ctx.dims, self.comm_stats)
-        optimizer = torch.optim.AdamW(_param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
+        optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                                       fused=ctx.device.type == "cuda")
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, t) / t.lr)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(

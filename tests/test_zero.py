@@ -152,13 +152,13 @@ def test_ds_config_takes_cli_values_and_rejects_disagreement(tmp_path: Path) -> 
 
 def test_weight_decay_groups_use_full_shapes_of_partitioned_params() -> None:
     """Under ZeRO-3 a parameter's data is an empty 1-D partition; its real shape is ds_shape."""
-    from gpt2.engine_deepspeed import _param_groups
+    from gpt2.parallelize import param_groups
 
     matrix, bias = torch.nn.Parameter(torch.empty(0)), torch.nn.Parameter(torch.empty(0))
     matrix.ds_shape, bias.ds_shape = torch.Size([8, 4]), torch.Size([8])
     model = torch.nn.Module()
     model.matrix, model.bias = matrix, bias
-    decay, no_decay = _param_groups(model, weight_decay=0.1)
+    decay, no_decay = param_groups(model, weight_decay=0.1)
     assert decay["params"] == [matrix] and no_decay["params"] == [bias]
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
 
