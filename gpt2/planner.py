@@ -47,7 +47,6 @@ import json
 import math
 import os
 import sys
-from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -451,51 +450,12 @@ def plan_for_run(layout: RunLayout) -> Plan:
     return make_plan(setup_for_run(layout), device_memory_gib(layout.cfg.plan.gpu_memory_gib))
 
 
-class TrainingCommMeter:
-    """Measured payload per optimizer step, by group and collective kind, from what the engine exposes:
-    `comm_stats` (a parallel.comm.CommStats: our TP collectives; engines without TP have none) and
-    `zero_comm_log` (DeepSpeed's comms logger under --comm-log: ZeRO's collectives, see ZeroCommLog).
-
-    Call `start_step()` before a step's first micro-batch and `end_step()` after its optimizer step: only
-    what runs in between is counted, so evaluation forwards (--eval-interval, the final one) are left out.
-    Every micro-batch of gradient accumulation is part of its step. DP bytes leave out the run's first step
-    (DeepSpeed ZeRO-3 records its parameter trace there and gathers more): they need two steps or more.
-    """
-
-    def __init__(self, engine: object):
-        self.tp = getattr(engine, "comm_stats", None)
-        self.dp = getattr(engine, "zero_comm_log", None)
-        self.total: dict[str, Counter] = {"tp": Counter(), "dp": Counter()}
-        self.steps = 0
-
-    def start_step(self) -> None:
-        for source in (self.tp, self.dp):
-            if source is not None:
-                source.reset()
-
-    def end_step(self) -> None:
-        if self.tp is not None:
-            for (op, _phase), n in self.tp.bytes.items():
-                self.total["tp"][op] += n
-        if self.dp is not None and self.steps > 0:  # ZeRO-3's first step records its trace: not steady state
-            self.total["dp"].update(self.dp.bytes_by_collective())
-        self.steps += 1
-
-    def per_step(self, group: str) -> dict[str, float] | None:
-        """Bytes per step of `group` ("tp" or "dp") by collective kind, averaged over the counted steps;
-        None if the engine does not measure that group."""
-        source, steps = (self.tp, self.steps) if group == "tp" else (self.dp, self.steps - 1)
-        if source is None or steps <= 0:
-            return None
-        return {op: n / steps for op, n in sorted(self.total[group].items())}
-
-
 def compare_with_run(plan: Plan, summary: dict[str, Any], tp_bytes_per_step: dict[str, float] | None,
                      dp_bytes_per_step: dict[str, float] | None = None) -> dict[str, Any]:
     """Predicted next to measured, for the summary record. Memory is compared on CUDA only (CPU reports RSS).
 
     `tp_bytes_per_step` / `dp_bytes_per_step`: measured payload per step by collective kind
-    (`TrainingCommMeter.per_step`); DP is measured only with --comm-log (DeepSpeed's comms logger).
+    (`gpt2.metrics.TrainingCommMeter.per_step`); DP is measured only with --comm-log (DeepSpeed's comms logger).
     """
     out = plan.record()
     measured = summary.get("mem/peak_allocated_gib")
