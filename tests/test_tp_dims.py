@@ -56,7 +56,7 @@ def test_sequence_parallel_needs_divisible_seq_len():
     check_sequence_split(32, tp_size=4, sequence_parallel=True)
 
 
-def _groups_and_mpu(dims: ParallelDims) -> None:
+def run_group_checks(dims: ParallelDims) -> None:
     grid = dims.grid()
     assert dist.get_process_group_ranks(dims.tp_group) == grid[dims.dp_rank].tolist()
     assert dist.get_process_group_ranks(dims.dp_group) == grid[:, dims.tp_rank].tolist()
@@ -79,7 +79,7 @@ def _groups_and_mpu(dims: ParallelDims) -> None:
 
 
 def test_groups_and_mpu_on_a_2x2_grid():
-    spawn(_groups_and_mpu, 4, 2)
+    spawn(run_group_checks, 4, 2)
 
 
 def test_tp_needs_groups_first():
