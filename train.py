@@ -16,23 +16,24 @@ import faulthandler
 import sys
 from typing import TYPE_CHECKING
 
-from gpt2.config import ConfigError, RunConfig, parse_args
+from gpt2.config import ConfigError, parse_args
 
 if TYPE_CHECKING:
-    from gpt2.distributed import DistContext
+    from gpt2.layout import RunLayout
 
 
-def check_before_work(cfg: RunConfig, ctx: DistContext) -> None:
+def check_before_work(layout: RunLayout) -> None:
     """Start-up checks that need the launch (device, dp size) but come before data, a run folder or a model."""
     from gpt2.engine import check_backends
     from gpt2.run_logging import wandb_mode
 
+    cfg = layout.cfg
     check_backends(cfg)
     wandb_mode(cfg.log.wandb)  # --wandb online without credentials
     if cfg.train.mode == "hybrid":  # a missing or broken --ds-config, or one that contradicts the flags
-        from gpt2.engine_deepspeed import build_ds_config
+        from gpt2.ds_config import build_ds_config
 
-        build_ds_config(cfg, ctx.dims.dp_size, ctx.device)
+        build_ds_config(layout)
     if cfg.train.init_from:  # its architecture must be this run's
         from gpt2.hf_weights import check_init_from
 
@@ -50,15 +51,15 @@ def main(argv: list[str] | None = None) -> int:
         from gpt2.checkpoint import Checkpointer, load_checkpoint, prepare_resume
         from gpt2.data import build_data
         from gpt2.distributed import init_distributed, shutdown_distributed
-        from gpt2.engine import TorchEngine
+        from gpt2.engine import build_engine
         from gpt2.metrics import model_params_for_flops
         from gpt2.preemption import EXIT_PREEMPTED, Preempted, PreemptionWatcher
         from gpt2.run_logging import MetricsLogger, log, make_run_dir, setup_console
         from gpt2.trainer import run_training
 
-        ctx = init_distributed(cfg)
+        layout, ctx = init_distributed(cfg)
         try:
-            check_before_work(cfg, ctx)
+            check_before_work(layout)
         except ConfigError:
             shutdown_distributed(all_ranks_finished=False)
             raise
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         setup_console(None, ctx.is_main)
         # a bad --resume or a colliding --save-dir fails before data, a run folder or a model exist
-        resume_from = prepare_resume(cfg, ctx)  # recorded in the new run folder's config.json
+        resume = prepare_resume(layout)  # recorded in the new run folder's config.json
         # data first: a bad --data-path or tokenizer fails before a run folder or a model exists
         data = build_data(
             cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
@@ -82,19 +83,15 @@ def main(argv: list[str] | None = None) -> int:
         setup_console(run_dir, ctx.is_main)
         log.info("run folder: %s", run_dir)
         log.info("data: %s", data.description)
-        if cfg.train.mode == "hybrid":
-            from gpt2.engine_deepspeed import DeepSpeedEngine
-
-            engine = DeepSpeedEngine(cfg, ctx)
-        else:
-            engine = TorchEngine(cfg, ctx)
+        engine = build_engine(layout, ctx)
         log.info("model: %s, %.1fM parameters (FLOPs count), device %s, world %d (tp %d x dp %d)",
                  cfg.train.model, model_params_for_flops(cfg.model) / 1e6, ctx.device, ctx.world_size,
                  ctx.dims.tp_size, ctx.dims.dp_size)
-        start_step = load_checkpoint(resume_from, cfg, ctx, engine, data.train) if resume_from else 0
-        checkpointer = Checkpointer(cfg, ctx, engine, data.train) if cfg.checkpoint.save_dir else None
-        logger = MetricsLogger(cfg, run_dir) if ctx.is_main else None
-        run_training(cfg, ctx, engine, data, logger, start_step=start_step, checkpointer=checkpointer,
+        start_step = load_checkpoint(resume, layout, ctx, engine, data.train) if resume else 0
+        checkpointer = Checkpointer(layout, ctx, engine, data.train) if cfg.checkpoint.save_dir else None
+        record = layout.config_record(resumed_from=str(resume.folder.resolve()) if resume else None)
+        logger = MetricsLogger(cfg, run_dir, record) if ctx.is_main else None
+        run_training(layout, ctx, engine, data, logger, start_step=start_step, checkpointer=checkpointer,
                      preemption=preemption)
         finished = True
     except ConfigError as err:

@@ -38,6 +38,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +49,12 @@ import torch.distributed as dist
 from gpt2.config import CheckpointConfig, ConfigError, RunConfig
 from gpt2.data import BatchLoader
 from gpt2.distributed import DistContext
+from gpt2.layout import RunLayout
 from gpt2.run_logging import log
 
 LATEST = "latest"
 META = "meta.json"
+CHECKPOINT_TAG = "zero"  # DeepSpeed's sub-folder inside one of our step folders
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 # meta.json fields that must match for a resume (the parallel layout decides how state is sharded)
 # batch_size, grad_accum, seq_len and seed too: the data position counts micro-batches of packed sequences in a
@@ -80,17 +83,17 @@ def list_checkpoints(save_dir: Path) -> list[tuple[int, Path]]:
 # metadata and validation
 
 
-def build_meta(cfg: RunConfig, ctx: DistContext, step: int) -> dict[str, Any]:
-    hybrid = cfg.train.mode == "hybrid"
+def build_meta(layout: RunLayout, step: int) -> dict[str, Any]:
+    cfg = layout.cfg
     meta = {
-        "step": step, "mode": cfg.train.mode, "model_name": cfg.train.model, "model": dataclasses.asdict(cfg.model),
-        "world_size": ctx.world_size, "tp_size": ctx.dims.tp_size, "dp_size": ctx.dims.dp_size,
-        "zero_stage": cfg.parallel.zero_stage if hybrid else None,
-        "batch_size": cfg.train.batch_size, "grad_accum": cfg.train.grad_accum, "seq_len": cfg.train.seq_len,
+        "step": step, "mode": layout.mode, "model_name": cfg.train.model, "model": dataclasses.asdict(cfg.model),
+        "world_size": layout.world_size, "tp_size": layout.tp_size, "dp_size": layout.dp_size,
+        "zero_stage": layout.zero_stage,
+        "batch_size": cfg.train.batch_size, "grad_accum": layout.grad_accum, "seq_len": cfg.train.seq_len,
         "seed": cfg.train.seed, "max_steps": cfg.train.max_steps,
         "torch_version": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    if hybrid:
+    if layout.mode == "hybrid":
         meta["deepspeed_version"] = importlib.metadata.version("deepspeed")  # no import: it picks an accelerator
     return meta
 
@@ -108,13 +111,14 @@ def read_meta(step_dir: Path) -> dict[str, Any]:
     return json.loads(meta_path.read_text())
 
 
-def check_compatible(meta: dict[str, Any], cfg: RunConfig, ctx: DistContext, where: Path) -> None:
+def check_compatible(meta: dict[str, Any], layout: RunLayout, where: Path) -> None:
     """Model config and parallel layout must match the checkpoint's (the error lists every difference), and
     the checkpoint must lie before --max-steps."""
-    if meta["step"] >= cfg.train.max_steps:
-        raise CheckpointError(f"{where} is at step {meta['step']}, not before --max-steps {cfg.train.max_steps}; "
+    max_steps = layout.cfg.train.max_steps
+    if meta["step"] >= max_steps:
+        raise CheckpointError(f"{where} is at step {meta['step']}, not before --max-steps {max_steps}; "
                               f"pass --max-steps > {meta['step']} to train further")
-    ours = build_meta(cfg, ctx, step=meta["step"])
+    ours = build_meta(layout, step=meta["step"])
     diffs = [f"model.{k}: checkpoint {v!r}, this run {ours['model'].get(k)!r}"
              for k, v in meta["model"].items() if ours["model"].get(k) != v]
     diffs += [f"{k}: checkpoint {meta.get(k)!r}, this run {ours[k]!r}" for k in _LAYOUT_KEYS if meta.get(k) != ours[k]]
@@ -231,10 +235,10 @@ def _is_deepspeed(engine: Any) -> bool:
 # save and load
 
 
-def save_checkpoint(cfg: RunConfig, ctx: DistContext, engine: Any, train_loader: BatchLoader, step: int,
+def save_checkpoint(layout: RunLayout, ctx: DistContext, engine: Any, train_loader: BatchLoader, step: int,
                     keep_last: int | None = None) -> Path:
     """Write <save_dir>/step-XXXXXX atomically and point `latest` at it (collective)."""
-    save_dir = Path(cfg.checkpoint.save_dir)
+    save_dir = Path(layout.cfg.checkpoint.save_dir)
     final = save_dir / step_dir_name(step)
     tmp = final.with_name(final.name + ".tmp")
 
@@ -260,7 +264,7 @@ def save_checkpoint(cfg: RunConfig, ctx: DistContext, engine: Any, train_loader:
     ctx.barrier()
 
     def commit() -> None:
-        (tmp / META).write_text(json.dumps(build_meta(cfg, ctx, step), indent=2))
+        (tmp / META).write_text(json.dumps(build_meta(layout, step), indent=2))
         _fsync_tree(tmp)
         os.rename(tmp, final)
         _fsync_path(save_dir)
@@ -275,12 +279,22 @@ def save_checkpoint(cfg: RunConfig, ctx: DistContext, engine: Any, train_loader:
     return final
 
 
-def load_checkpoint(step_dir: Path, cfg: RunConfig, ctx: DistContext, engine: Any,
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run resumes from: its step folder and its meta.json, read and checked once."""
+
+    folder: Path
+    meta: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+
+def load_checkpoint(resume: ResumePoint, layout: RunLayout, ctx: DistContext, engine: Any,
                     train_loader: BatchLoader) -> int:
-    """Restore everything saved in `step_dir` (collective); returns the step to continue after."""
-    meta = read_meta(step_dir)
-    check_compatible(meta, cfg, ctx, step_dir)
-    step = int(meta["step"])
+    """Restore everything saved in the resume point's folder (collective); returns the step to continue after."""
+    step_dir, step = resume.folder, resume.step
     rank_path = _rank_file(step_dir, ctx.rank)
     if not rank_path.is_file():
         raise CheckpointError(f"{step_dir} has no {rank_path.name}: the checkpoint is incomplete")
@@ -300,7 +314,7 @@ def load_checkpoint(step_dir: Path, cfg: RunConfig, ctx: DistContext, engine: An
         engine.optimizer.load_state_dict(opt_state["optimizer"])
         engine.scheduler.load_state_dict(opt_state["scheduler"])
         engine.scaler.load_state_dict(opt_state["scaler"])
-    _resync_lr(engine.scheduler, cfg.train.lr)
+    _resync_lr(engine.scheduler, layout.cfg.train.lr)
     train_loader.load_state_dict(rank_state["data"])
     _set_rng_state(rank_state["rng"], ctx.device)
     log.info("checkpoint: resumed from %s (step %d)", step_dir, step)
@@ -339,28 +353,28 @@ def check_save_dir(cfg: RunConfig, resume_from: Path | None, start_step: int) ->
                               "latest checkpoint (--resume auto)")
 
 
-def prepare_resume(cfg: RunConfig, ctx: DistContext) -> Path | None:
+def prepare_resume(layout: RunLayout) -> ResumePoint | None:
     """Start-up checks, cheap and before anything heavy: resolve --resume, check it matches this run, check
-    --save-dir holds nothing this run would write. Records the folder in cfg.checkpoint.resumed_from."""
+    --save-dir holds nothing this run would write. The run folder's config.json records `folder.resolve()`."""
+    cfg = layout.cfg
     resume_from = resolve_resume(cfg.checkpoint)
-    start_step = 0
+    resume = None
     if resume_from:
-        meta = read_meta(resume_from)
-        check_compatible(meta, cfg, ctx, resume_from)
-        cfg.checkpoint.resumed_from = str(resume_from.resolve())
-        start_step = meta["step"]
-    check_save_dir(cfg, resume_from, start_step)
-    return resume_from
+        resume = ResumePoint(resume_from, read_meta(resume_from))
+        check_compatible(resume.meta, layout, resume_from)
+    check_save_dir(cfg, resume_from, resume.step if resume else 0)
+    return resume
 
 
 class Checkpointer:
     """Saves at --save-interval steps and at the end of training; `save(step)` works at any step boundary."""
 
-    def __init__(self, cfg: RunConfig, ctx: DistContext, engine: Any, train_loader: BatchLoader):
-        self.cfg, self.ctx, self.engine, self.train_loader = cfg, ctx, engine, train_loader
+    def __init__(self, layout: RunLayout, ctx: DistContext, engine: Any, train_loader: BatchLoader):
+        self.layout, self.cfg, self.ctx, self.engine, self.train_loader = layout, layout.cfg, ctx, engine, train_loader
 
     def maybe_save(self, step: int) -> Path | None:
         return self.save(step) if _save_due(self.cfg, step) else None
 
     def save(self, step: int) -> Path:
-        return save_checkpoint(self.cfg, self.ctx, self.engine, self.train_loader, step, self.cfg.checkpoint.keep_last)
+        return save_checkpoint(self.layout, self.ctx, self.engine, self.train_loader, step,
+                               self.cfg.checkpoint.keep_last)

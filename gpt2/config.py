@@ -1,7 +1,8 @@
 """Typed configuration: GPT-2 presets, training, data, parallel layout and logging, plus the CLI.
 
 The command line is the single source of truth. `parse_args()` turns argv into a `RunConfig`,
-and `validate()` rejects bad input with an error that names the fix, before any heavy work.
+and `validate()` rejects bad input with an error that names the fix, before any heavy work. What also needs the
+launch (world size, device) is decided once by `gpt2.layout.RunLayout`; the parsed config is never mutated.
 """
 
 from __future__ import annotations
@@ -84,7 +85,6 @@ class CheckpointConfig:
     save_interval: int = 0  # also save every N steps (0: only at the end)
     resume: str | None = None  # "auto" (latest in save_dir, if any) or a step folder / save dir
     keep_last: int | None = None  # delete all but the newest K checkpoints
-    resumed_from: str | None = None  # set at start-up: the step folder this run resumed from
 
 
 @dataclass
@@ -411,31 +411,6 @@ def _check_output_paths(cfg: RunConfig) -> None:
                          ("--cache-dir", cfg.data.cache_dir)):
         if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
             raise ConfigError(f"{flag} {folder} is a file, not a folder; pass a folder path")
-
-
-def check_tp_divides_world(world_size: int, tp_size: int) -> None:
-    """tp x dp = world size: a tp-size that does not divide it is an error listing the sizes that do."""
-    if tp_size < 1 or world_size % tp_size:
-        choices = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ConfigError(f"world size {world_size} is not divisible by --tp-size {tp_size}; "
-                          f"choose --tp-size from {choices}")
-
-
-def validate_world(cfg: RunConfig, world_size: int) -> None:
-    """Checks that need the launched world size; resolves grad_accum from --global-batch-size."""
-    t, p = cfg.train, cfg.parallel
-    if t.mode == "single" and world_size > 1:
-        raise ConfigError(f"--mode single was launched on {world_size} processes; "
-                          "use --mode baseline (DDP) or launch one process")
-    check_tp_divides_world(world_size, p.tp_size)
-    dp = world_size // p.tp_size
-    if t.global_batch_size is not None:
-        per_step = t.batch_size * dp
-        if t.global_batch_size % per_step:
-            raise ConfigError(
-                f"--global-batch-size {t.global_batch_size} is not divisible by --batch-size "
-                f"{t.batch_size} x dp-size {dp} = {per_step}; use a multiple of {per_step}")
-        t.grad_accum = t.global_batch_size // per_step
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:

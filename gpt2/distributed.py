@@ -9,7 +9,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gpt2.config import ConfigError, RunConfig, validate_world
+from gpt2.config import ConfigError, RunConfig
+from gpt2.layout import RunLayout
 from parallel.dims import ParallelDims
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -64,28 +65,27 @@ def check_launch(cfg: RunConfig) -> None:
             + ", or use --mode single")
 
 
-def init_distributed(cfg: RunConfig) -> DistContext:
-    """Validate the launch, pick the device, create the process group and the TP/DP grid."""
+def init_distributed(cfg: RunConfig) -> tuple[RunLayout, DistContext]:
+    """Validate the launch, pick the device, resolve the run layout, create the process group and the TP/DP grid."""
     check_launch(cfg)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    validate_world(cfg, world_size)
     device = pick_device(cfg.train.device, local_rank)
-    dims = ParallelDims(world_size=world_size, rank=rank, tp_size=cfg.parallel.tp_size)
-    dims.validate_run(cfg)
+    layout = RunLayout.resolve(cfg, world_size, device)
+    dims = ParallelDims(world_size=world_size, rank=rank, tp_size=layout.tp_size)
     if device.type == "cuda" and dims.tp_size > 1 and cfg.parallel.tp_overlap:
         # one hardware queue, so each async TP input-gradient collective is issued before the weight-gradient
         # GEMM it overlaps (read when the CUDA context is created, i.e. by set_device below; set it to override)
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if cfg.train.mode != "single":
+    if layout.mode != "single":
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT,
                                 device_id=device if device.type == "cuda" else None)
         dims.build_groups()
-    return DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device, dims=dims)
+    return layout, DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device, dims=dims)
 
 
 def shutdown_distributed(all_ranks_finished: bool) -> None:

@@ -5,9 +5,10 @@
   parallelism inside when --tp-size > 1.
 - The DeepSpeed engine (`--mode hybrid`) implements the same interface.
 
-Build order (torchtitan's): full model on the target device from the seed -> weights from --init-from ->
-tensor parallelism (each rank keeps its shards) -> activation checkpointing -> torch.compile per block ->
-data-parallel wrapper over the DP group -> optimizer.
+Build order (torchtitan's, `gpt2.parallelize`): full model on the target device from the seed -> weights from
+--init-from -> tensor parallelism (each rank keeps its shards) -> activation checkpointing -> torch.compile per
+block -> data-parallel wrapper over the DP group (-> a whole-model compile) -> optimizer. `build_engine(layout,
+ctx)` picks the engine of the run's mode.
 
 DDP + TP: each TP rank's shards have their own DDP replicas (DDP over `dims.dp_group`), so a sharded
 weight's gradient is averaged over DP only; replicated parameters get the same gradient on every TP rank
@@ -29,21 +30,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fused_kernels import KernelUnavailableError, get_ops
 from fused_kernels.attention import get_attention
-from gpt2.compiling import compile_model, compile_whole
+from gpt2.compiling import compile_whole
 from gpt2.config import ConfigError, RunConfig, TrainConfig
 from gpt2.distributed import DistContext
-from gpt2.model import GPT
-from parallel.comm import CommStats
-from parallel.dims import ParallelDims
+from gpt2.layout import RunLayout
+from gpt2.parallelize import build_model, parallelize, param_groups, tp_comm_stats
 from parallel.grads import allreduce_sequence_parallel_grads, clip_grad_norm_
-from parallel.tp_plan import apply_tensor_parallel
-
-
-def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype, or None for fp32. CPU runs are always fp32."""
-    if device.type != "cuda" or cfg.precision == "fp32":
-        return None
-    return torch.bfloat16 if cfg.precision == "bf16" else torch.float16
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -55,14 +47,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices and embeddings (dim >= 2), none on biases and LayerNorm gains."""
-    params = {id(p): p for p in model.parameters() if p.requires_grad}.values()  # tied weights once
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def check_backends(cfg: RunConfig) -> None:
     """A fused-kernel or attention backend that cannot run here is a ConfigError now, not a failure later."""
     try:
@@ -70,23 +54,6 @@ def check_backends(cfg: RunConfig) -> None:
         get_attention(cfg.train.attn)
     except KernelUnavailableError as err:
         raise ConfigError(str(err)) from err
-
-
-def build_model(cfg: RunConfig, device: torch.device, dims: ParallelDims, stats: CommStats | None = None) -> GPT:
-    """This rank's GPT-2: the full model from the seed (identical on every rank) or --init-from, then cut
-    into this rank's tensor-parallel shards (nothing to cut for tp 1). `stats` counts the TP collectives' bytes."""
-    ops = get_ops(cfg.train.fused_kernels)
-    attention = get_attention(cfg.train.attn)
-    torch.manual_seed(cfg.train.seed)
-    with torch.device(device):
-        model = GPT(cfg.model, ops=ops, attention=attention)
-    if cfg.train.init_from:
-        from gpt2.hf_weights import load_hf_state_dict
-
-        model.load_state_dict(load_hf_state_dict(cfg.train.init_from, cfg.model))
-    apply_tensor_parallel(model, dims, sequence_parallel=cfg.parallel.sequence_parallel,
-                          overlap=cfg.parallel.tp_overlap, stats=stats)
-    return model
 
 
 def step_with_scaler(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
@@ -119,27 +86,23 @@ def evaluate_batches(
 class TorchEngine:
     """Single-device or DDP training with autocast, GradScaler (fp16), clipping and fused AdamW."""
 
-    def __init__(self, cfg: RunConfig, ctx: DistContext):
-        self.cfg = cfg
+    def __init__(self, layout: RunLayout, ctx: DistContext):
+        self.cfg = cfg = layout.cfg
+        self.layout = layout
         self.ctx = ctx
         t = cfg.train
-        # bytes of every TP collective (the planner compares them with its prediction); None without TP, and
-        # under --compile (a Python counter inside the compiled graphs would break them at every collective)
-        self.comm_stats = CommStats() if ctx.dims.tp_size > 1 and not t.compile else None
-        model = build_model(cfg, ctx.device, ctx.dims, self.comm_stats)
-        model.activation_checkpointing = t.activation_checkpointing
-        if t.compile and t.compile_scope == "blocks":
-            compile_model(model)
+        self.comm_stats = tp_comm_stats(layout)
+        model = parallelize(build_model(layout, ctx.device, ctx.dims), layout, ctx.dims, self.comm_stats)
         self.module = model
         self.ddp: DistributedDataParallel | None = None
-        if t.mode == "baseline":
+        if layout.mode == "baseline":
             self.ddp = DistributedDataParallel(
                 model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                 process_group=ctx.dims.dp_group, gradient_as_bucket_view=True, bucket_cap_mb=t.ddp_bucket_mb)
         self.model: nn.Module = self.ddp or model
-        if t.compile and t.compile_scope == "model":
+        if layout.compile_scope == "model":
             self.model = compile_whole(self.model)
-        self.dtype = autocast_dtype(t, ctx.device)
+        self.dtype = layout.autocast_dtype
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.dtype == torch.float16)
         self.optimizer = torch.optim.AdamW(
             param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
@@ -160,8 +123,8 @@ class TorchEngine:
         with contextlib.nullcontext() if sync else self.ddp.no_sync():
             with self.autocast():
                 loss, correct = self.model(x, y)
-            self.scaler.scale(loss / self.cfg.train.grad_accum).backward()
-        if last_micro_step and self.cfg.parallel.sequence_parallel:
+            self.scaler.scale(loss / self.layout.grad_accum).backward()
+        if last_micro_step and self.layout.sequence_parallel:
             allreduce_sequence_parallel_grads(self.module, self.ctx.dims, self.comm_stats)
         return loss.detach(), correct.detach()
 
@@ -197,3 +160,12 @@ class TorchEngine:
         result = evaluate_batches(forward, batches, self.ctx)
         self.model.train()
         return result
+
+
+def build_engine(layout: RunLayout, ctx: DistContext) -> TorchEngine:
+    """The engine of the run's mode: TorchEngine (single, baseline) or DeepSpeedEngine (hybrid)."""
+    if layout.mode == "hybrid":
+        from gpt2.engine_deepspeed import DeepSpeedEngine
+
+        return DeepSpeedEngine(layout, ctx)
+    return TorchEngine(layout, ctx)

@@ -50,90 +50,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
-from fused_kernels import get_ops
-from fused_kernels.attention import get_attention
-from gpt2.compiling import compile_forwards, compile_model
-from gpt2.config import ConfigError, RunConfig
+from gpt2.checkpoint import CHECKPOINT_TAG
+from gpt2.config import ConfigError
 from gpt2.distributed import DistContext
-from gpt2.engine import build_model, evaluate_batches, lr_at
-from gpt2.model import GPT, Block
-from gpt2.planner import persistence_threshold_default
+from gpt2.ds_config import build_ds_config
+from gpt2.engine import evaluate_batches, lr_at
+from gpt2.layout import RunLayout
+from gpt2.model import GPT
+from gpt2.parallelize import build_model, parallelize, param_groups, tp_comm_stats
 from gpt2.run_logging import log
-from parallel.comm import CommStats
-from parallel.dims import ParallelDims
 from parallel.grads import register_sequence_parallel_grad_hooks
 from parallel.mpu import ModelParallelUnit
-
-DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
-CHECKPOINT_TAG = "zero"  # DeepSpeed's sub-folder inside one of our step folders
-
-
-def default_ds_config_path(zero_stage: int) -> Path:
-    return DS_CONFIG_DIR / f"zero{zero_stage}.json"
-
-
-def _harness_values(cfg: RunConfig, dp_size: int) -> list[tuple[tuple[str, ...], Any, str]]:
-    """(key path, our value, the flag that sets it) for every DeepSpeed key the CLI owns."""
-    t = cfg.train
-    return [
-        (("train_micro_batch_size_per_gpu",), t.batch_size, f"--batch-size is {t.batch_size}"),
-        (("gradient_accumulation_steps",), t.grad_accum, f"--grad-accum is {t.grad_accum}"),
-        (("train_batch_size",), t.batch_size * t.grad_accum * dp_size,
-         f"--batch-size x --grad-accum x dp-size is {t.batch_size} x {t.grad_accum} x {dp_size} = "
-         f"{t.batch_size * t.grad_accum * dp_size}"),
-        (("gradient_clipping",), float(t.grad_clip), f"--grad-clip is {t.grad_clip}"),
-        (("zero_optimization", "stage"), cfg.parallel.zero_stage, f"--zero-stage is {cfg.parallel.zero_stage}"),
-        (("bf16", "enabled"), t.precision == "bf16", f"--precision is {t.precision}"),
-        (("fp16", "enabled"), t.precision == "fp16", f"--precision is {t.precision}"),
-    ]
-
-
-def build_ds_config(cfg: RunConfig, dp_size: int, device: torch.device) -> dict[str, Any]:
-    """The DeepSpeed config: the JSON file (--ds-config, else ds_configs/zero{stage}.json) + our CLI values.
-
-    A file value that disagrees with the CLI is a ConfigError naming both; optimizer and scheduler
-    sections are rejected (we pass our own objects). CPU runs are fp32 whatever --precision says.
-    """
-    path = Path(cfg.parallel.ds_config) if cfg.parallel.ds_config else default_ds_config_path(cfg.parallel.zero_stage)
-    if not path.is_file():
-        raise ConfigError(f"DeepSpeed config {path} does not exist; pass an existing file to --ds-config")
-    try:
-        ds = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {err}") from err
-    for section in ("optimizer", "scheduler"):
-        if section in ds:
-            raise ConfigError(f"{path} has a {section!r} section; remove it: the optimizer (AdamW) and LR schedule "
-                              "come from the command line (--lr, --min-lr, --warmup-steps, --weight-decay)")
-    for keys, ours, flag in _harness_values(cfg, dp_size):
-        node = ds
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-        if keys[-1] in node and node[keys[-1]] != ours:
-            raise ConfigError(f"{path} sets {'.'.join(keys)}={json.dumps(node[keys[-1]])} but {flag}; "
-                              "make them agree or drop the key from the file (the command line sets it)")
-        node[keys[-1]] = ours
-    if cfg.parallel.zero_stage == 3:
-        zero = ds["zero_optimization"]
-        zero.setdefault("stage3_param_persistence_threshold", persistence_threshold_default(cfg.parallel.zero3_fetch))
-        # DeepSpeed's default (true) makes zero.Init replace torch.nn.functional.linear process-wide by its
-        # autograd.Function LinearFunctionForZeroStage3. Traced by Dynamo (torch 2.11, CUDA, any backend) it returns
-        # zero weight and bias gradients (benchmarks/repro/deepspeed_zero3_linear_compile.py): under --compile the
-        # blocks' and the head's Linears stopped learning (GPT-2, 4 layers: 8.28 after 15 steps where single reaches
-        # 6.08). With false the model calls torch's linear like every other mode, and eager and compiled ZeRO-3
-        # match single within 0.01; the saving it offers is moot here, a block's weights are re-gathered before
-        # its backward either way.
-        zero.setdefault("memory_efficient_linear", False)
-        if zero["memory_efficient_linear"] and cfg.train.compile:
-            raise ConfigError(f"{path} sets zero_optimization.memory_efficient_linear=true, which trains the wrong "
-                              "function under --compile (DeepSpeed's linear loses its weight gradients in the "
-                              "compiled graph); drop the key or set it to false")
-    if device.type != "cuda":  # CPU: fp32 (autocast_dtype's rule for the other modes)
-        ds["bf16"]["enabled"] = ds["fp16"]["enabled"] = False
-    ds["zero_allow_untested_optimizer"] = True  # torch AdamW: DeepSpeed only "tests" its own optimizers
-    return ds
 
 
 def _import_deepspeed(device: torch.device):
@@ -154,33 +82,6 @@ def _import_deepspeed(device: torch.device):
     # wraps the process group init_distributed() created; zero.Init reads the world size through it
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
     return deepspeed
-
-
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """`gpt2.engine.param_groups` by the parameters' full shapes (ZeRO-3 partitions are 1-D)."""
-    params = {id(p): p for p in model.parameters() if p.requires_grad}.values()  # tied weights once
-    decay = [p for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2]
-    no_decay = [p for p in params if len(getattr(p, "ds_shape", p.shape)) < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def _build_zero3_model(cfg: RunConfig, ds_config: dict, dims: ParallelDims, deepspeed) -> GPT:
-    """GPT-2 partitioned at construction; the seed draws the same values as `build_model` (fp32)."""
-    ops = get_ops(cfg.train.fused_kernels)
-    attention = get_attention(cfg.train.attn)
-    torch.manual_seed(cfg.train.seed)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=ModelParallelUnit(dims)):
-        model = GPT(cfg.model, ops=ops, attention=attention)
-    if cfg.train.init_from:
-        from gpt2.hf_weights import load_hf_state_dict
-
-        # one parameter at a time: rank 0 writes the full tensor, DeepSpeed re-partitions it on exit
-        sd = load_hf_state_dict(cfg.train.init_from, cfg.model) if dims.rank == 0 else None
-        for name, p in model.named_parameters():
-            with deepspeed.zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
-                if sd is not None:
-                    p.copy_(sd[name])
-    return model
 
 
 class ZeroCommLog:
@@ -217,38 +118,26 @@ class ZeroCommLog:
 class DeepSpeedEngine:
     """ZeRO-1/2/3 training; `engine` is the DeepSpeed engine, `module` our GPT inside it."""
 
-    def __init__(self, cfg: RunConfig, ctx: DistContext):
-        self.cfg = cfg
+    def __init__(self, layout: RunLayout, ctx: DistContext):
+        self.cfg = cfg = layout.cfg
+        self.layout = layout
         self.ctx = ctx
         t = cfg.train
-        stage = cfg.parallel.zero_stage
+        stage = layout.zero_stage
         deepspeed = _import_deepspeed(ctx.device)
-        self.ds_config = build_ds_config(cfg, ctx.dims.dp_size, ctx.device)
+        self.ds_config = build_ds_config(layout)
         if cfg.parallel.comm_log:  # every collective synchronises: measurement runs only
             self.ds_config["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True, "debug": False}
         log.info("DeepSpeed config: %s", json.dumps(self.ds_config, sort_keys=True))
-        # our TP collectives' bytes, counted in eager runs (a Python counter would break compiled graphs)
-        self.comm_stats = CommStats() if ctx.dims.tp_size > 1 and not t.compile else None
-        if stage == 3 and ctx.dims.tp_size == 1:
-            model = _build_zero3_model(cfg, self.ds_config, ctx.dims, deepspeed)
-        else:
-            if stage == 3:
-                log.info("ZeRO-3 with --tp-size %d: building the full model on every device (not under zero.Init), "
-                         "cutting it into TP shards, then partitioning each shard over the DP group",
-                         ctx.dims.tp_size)
-            model = build_model(cfg, ctx.device, ctx.dims, self.comm_stats)
-        model.activation_checkpointing = t.activation_checkpointing
-        zero3_blocks = stage == 3 and cfg.parallel.zero3_fetch == "block"
-        if zero3_blocks:  # before initialize, which registers the hooks: one per block instead of ~10
-            from deepspeed.utils import set_z3_leaf_modules
-
-            leaves = set_z3_leaf_modules(model, [Block])
-            log.info("ZeRO-3 gathers parameters per transformer block (%d DeepSpeed leaf modules)", len(leaves))
-        if t.compile:  # with ZeRO-3 only when blocks are leaves (config.validate)
-            compile_forwards(model) if zero3_blocks else compile_model(model)
+        self.comm_stats = tp_comm_stats(layout)
+        if stage == 3 and layout.tp_size > 1:
+            log.info("ZeRO-3 with --tp-size %d: building the full model on every device (not under zero.Init), "
+                     "cutting it into TP shards, then partitioning each shard over the DP group", layout.tp_size)
+        zero3 = (deepspeed, self.ds_config) if stage == 3 and layout.tp_size == 1 else None
+        model = parallelize(build_model(layout, ctx.device, ctx.dims, zero3), layout, ctx.dims, self.comm_stats)
         if cfg.parallel.sequence_parallel:  # before initialize: ZeRO consumes gradients during backward
             register_sequence_parallel_grad_hooks(model, ctx.dims, self.comm_stats)
-        optimizer = torch.optim.AdamW(_param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
+        optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                                       fused=ctx.device.type == "cuda")
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, t) / t.lr)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(

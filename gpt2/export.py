@@ -23,9 +23,8 @@ from pathlib import Path
 
 import torch
 
-from gpt2.checkpoint import LATEST, CheckpointError, read_meta, state_file
+from gpt2.checkpoint import CHECKPOINT_TAG, LATEST, CheckpointError, read_meta, state_file
 from gpt2.config import ModelConfig
-from gpt2.engine_deepspeed import CHECKPOINT_TAG
 from gpt2.hf_weights import hf_config_for, ours_to_hf
 from parallel.tp_plan import param_shard, unshard_tensor
 

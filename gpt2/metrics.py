@@ -9,6 +9,7 @@ import logging
 import resource
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -197,3 +198,42 @@ class StepTimer:
     def stop(self) -> float:
         self._sync()
         return time.perf_counter() - self._start
+
+
+class TrainingCommMeter:
+    """Measured payload per optimizer step, by group and collective kind, from what the engine exposes:
+    `comm_stats` (a parallel.comm.CommStats: our TP collectives; engines without TP have none) and
+    `zero_comm_log` (DeepSpeed's comms logger under --comm-log: ZeRO's collectives, see ZeroCommLog).
+
+    Call `start_step()` before a step's first micro-batch and `end_step()` after its optimizer step: only
+    what runs in between is counted, so evaluation forwards (--eval-interval, the final one) are left out.
+    Every micro-batch of gradient accumulation is part of its step. DP bytes leave out the run's first step
+    (DeepSpeed ZeRO-3 records its parameter trace there and gathers more): they need two steps or more.
+    """
+
+    def __init__(self, engine: object):
+        self.tp = getattr(engine, "comm_stats", None)
+        self.dp = getattr(engine, "zero_comm_log", None)
+        self.total: dict[str, Counter] = {"tp": Counter(), "dp": Counter()}
+        self.steps = 0
+
+    def start_step(self) -> None:
+        for source in (self.tp, self.dp):
+            if source is not None:
+                source.reset()
+
+    def end_step(self) -> None:
+        if self.tp is not None:
+            for (op, _phase), n in self.tp.bytes.items():
+                self.total["tp"][op] += n
+        if self.dp is not None and self.steps > 0:  # ZeRO-3's first step records its trace: not steady state
+            self.total["dp"].update(self.dp.bytes_by_collective())
+        self.steps += 1
+
+    def per_step(self, group: str) -> dict[str, float] | None:
+        """Bytes per step of `group` ("tp" or "dp") by collective kind, averaged over the counted steps;
+        None if the engine does not measure that group."""
+        source, steps = (self.tp, self.steps) if group == "tp" else (self.dp, self.steps - 1)
+        if source is None or steps <= 0:
+            return None
+        return {op: n / steps for op, n in sorted(self.total[group].items())}

@@ -47,12 +47,13 @@ import json
 import math
 import os
 import sys
-from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gpt2.config import MODEL_PRESETS, ConfigError, ModelConfig, RunConfig, check_tp_divides_world, validate_world
+from gpt2.config import MODEL_PRESETS, ConfigError, ModelConfig, RunConfig
+from gpt2.ds_config import default_ds_config_path, persistence_threshold_default
+from gpt2.layout import RunLayout, check_tp_divides_world, tp_divides_model
 from gpt2.metrics import hardware_flops_per_token
 from gpt2.perf_model import (
     AMP_FP32_WEIGHTS,
@@ -68,22 +69,11 @@ from gpt2.perf_model import (
     step_communication,
 )
 from gpt2.run_logging import run_label
-from parallel.dims import ParallelDims
 
 GIB = 1024**3
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # torch's cuBLAS workspace on Hopper (CUBLAS_WORKSPACE_CONFIG :4096:8)
 CE_CHUNK_ELEMENTS = 1 << 26  # fused_kernels.triton.cross_entropy.CHUNK_ELEMENTS (not imported: needs triton)
-DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
 DEFAULT_GPU_MEMORY_GIB = 80.0
-
-
-def persistence_threshold_default(zero3_fetch: str) -> int:
-    """ZeRO-3's `stage3_param_persistence_threshold` where the DeepSpeed JSON leaves it out. Per-block gathers: 0,
-    so a block's LayerNorms and biases travel in its one coalesced all-gather; persistent (unpartitioned) ones
-    would instead be re-gathered after every optimizer step with one blocking all-gather each (DeepSpeed's
-    `_post_step`: ~290 for GPT-2 Large; 1.8x steps/s on a 2-rank CPU proxy without them). Per-module hooks:
-    DeepSpeed's own 1e5, which spares those hooks a gather per small module."""
-    return 0 if zero3_fetch == "block" else 100_000
 
 
 @dataclass(frozen=True)
@@ -164,10 +154,11 @@ def numerics(s: Setup) -> Numerics:
 
 
 def setup_from_config(cfg: RunConfig, world_size: int) -> Setup:
+    """The flags as given (--grad-accum, --precision) on `world_size` GPUs; a launch plans `setup_for_run`."""
     t, p = cfg.train, cfg.parallel
     ds = DeepSpeedSettings()
     if t.mode == "hybrid":
-        ds = DeepSpeedSettings.from_file(p.ds_config or DS_CONFIG_DIR / f"zero{p.zero_stage}.json", p.zero3_fetch)
+        ds = DeepSpeedSettings.from_file(p.ds_config or default_ds_config_path(p.zero_stage), p.zero3_fetch)
     preset = MODEL_PRESETS[t.model]
     custom = any(getattr(cfg.model, k) != v for k, v in preset.items() if k != "n_positions")
     return Setup(
@@ -448,51 +439,15 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def plan_for_run(cfg: RunConfig, world_size: int, device_type: str) -> Plan:
-    """The plan of a launched run (CPU runs train in fp32 whatever --precision says)."""
-    s = setup_from_config(cfg, world_size)
-    if device_type != "cuda":
-        s = replace(s, precision="fp32")
-    return make_plan(s, device_memory_gib(cfg.plan.gpu_memory_gib))
+def setup_for_run(layout: RunLayout) -> Setup:
+    """The resolved run: its gradient accumulation (from --global-batch-size) and the precision that runs."""
+    return replace(setup_from_config(layout.cfg, layout.world_size), grad_accum=layout.grad_accum,
+                   precision=layout.precision)
 
 
-class TrainingCommMeter:
-    """Measured payload per optimizer step, by group and collective kind, from what the engine exposes:
-    `comm_stats` (a parallel.comm.CommStats: our TP collectives; engines without TP have none) and
-    `zero_comm_log` (DeepSpeed's comms logger under --comm-log: ZeRO's collectives, see ZeroCommLog).
-
-    Call `start_step()` before a step's first micro-batch and `end_step()` after its optimizer step: only
-    what runs in between is counted, so evaluation forwards (--eval-interval, the final one) are left out.
-    Every micro-batch of gradient accumulation is part of its step. DP bytes leave out the run's first step
-    (DeepSpeed ZeRO-3 records its parameter trace there and gathers more): they need two steps or more.
-    """
-
-    def __init__(self, engine: object):
-        self.tp = getattr(engine, "comm_stats", None)
-        self.dp = getattr(engine, "zero_comm_log", None)
-        self.total: dict[str, Counter] = {"tp": Counter(), "dp": Counter()}
-        self.steps = 0
-
-    def start_step(self) -> None:
-        for source in (self.tp, self.dp):
-            if source is not None:
-                source.reset()
-
-    def end_step(self) -> None:
-        if self.tp is not None:
-            for (op, _phase), n in self.tp.bytes.items():
-                self.total["tp"][op] += n
-        if self.dp is not None and self.steps > 0:  # ZeRO-3's first step records its trace: not steady state
-            self.total["dp"].update(self.dp.bytes_by_collective())
-        self.steps += 1
-
-    def per_step(self, group: str) -> dict[str, float] | None:
-        """Bytes per step of `group` ("tp" or "dp") by collective kind, averaged over the counted steps;
-        None if the engine does not measure that group."""
-        source, steps = (self.tp, self.steps) if group == "tp" else (self.dp, self.steps - 1)
-        if source is None or steps <= 0:
-            return None
-        return {op: n / steps for op, n in sorted(self.total[group].items())}
+def plan_for_run(layout: RunLayout) -> Plan:
+    """The plan of a launched run (CPU runs train in fp32 whatever --precision says: the layout's precision)."""
+    return make_plan(setup_for_run(layout), device_memory_gib(layout.cfg.plan.gpu_memory_gib))
 
 
 def compare_with_run(plan: Plan, summary: dict[str, Any], tp_bytes_per_step: dict[str, float] | None,
@@ -500,7 +455,7 @@ def compare_with_run(plan: Plan, summary: dict[str, Any], tp_bytes_per_step: dic
     """Predicted next to measured, for the summary record. Memory is compared on CUDA only (CPU reports RSS).
 
     `tp_bytes_per_step` / `dp_bytes_per_step`: measured payload per step by collective kind
-    (`TrainingCommMeter.per_step`); DP is measured only with --comm-log (DeepSpeed's comms logger).
+    (`gpt2.metrics.TrainingCommMeter.per_step`); DP is measured only with --comm-log (DeepSpeed's comms logger).
     """
     out = plan.record()
     measured = summary.get("mem/peak_allocated_gib")
@@ -567,10 +522,6 @@ def step_time(plan: Plan, hw: Hardware) -> Candidate:
     return Candidate(plan, compute, tp_s, dp_s)
 
 
-def _divides(cfg: ModelConfig, tp: int) -> bool:
-    return all(v % tp == 0 for v in (cfg.n_head, cfg.n_embd, cfg.padded_vocab_size))
-
-
 def search(base: Setup, global_batch: int, hw: Hardware) -> list[Candidate]:
     """Every layout of `base.world_size` GPUs that fits, fastest first (ties: less memory first).
 
@@ -580,7 +531,7 @@ def search(base: Setup, global_batch: int, hw: Hardware) -> list[Candidate]:
     """
     out = []
     g = base.world_size
-    for tp in (t for t in (1, 2, 4, 8) if g % t == 0 and t <= hw.gpus_per_node and _divides(base.model, t)):
+    for tp in (t for t in (1, 2, 4, 8) if g % t == 0 and t <= hw.gpus_per_node and tp_divides_model(base.model, t)):
         dp = g // tp
         if global_batch % dp:
             continue
@@ -632,13 +583,12 @@ def run_plan_cli(cfg: RunConfig) -> int:
     try:
         if pc.search:  # it varies the layout itself; the given tp-size must still fit the world
             check_tp_divides_world(world, cfg.parallel.tp_size)
-        else:  # the launch-time checks, and --global-batch-size -> grad_accum for this world size
-            validate_world(cfg, world)
-            ParallelDims(world_size=world, rank=0, tp_size=cfg.parallel.tp_size).validate_run(cfg)
+            base = setup_from_config(cfg, world)
+        else:  # the launch-time checks, and --global-batch-size -> grad_accum for this world size, on GPUs
+            base = setup_for_run(RunLayout.resolve(cfg, world, "cuda"))
     except ConfigError as err:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2
-    base = setup_from_config(cfg, world)
     memory = device_memory_gib(pc.gpu_memory_gib)
     if not pc.search:
         print(format_plan(make_plan(base, memory)))

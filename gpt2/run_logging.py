@@ -99,17 +99,20 @@ def wandb_mode(requested: str | None) -> str:
 class MetricsLogger:
     """JSONL (one record per log step + one summary record) and wandb, with the same metric names."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path):
+    def __init__(self, cfg: RunConfig, run_dir: Path, record: dict[str, Any] | None = None):
+        """`record`: what config.json and wandb's config hold (default: the parsed config; train.py passes the
+        run layout's `config_record`, with the resolved values)."""
         self.run_dir = run_dir
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 (closed in close())
-        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        record = record if record is not None else cfg.to_dict()
+        (run_dir / "config.json").write_text(json.dumps(record, indent=2))
         self._wandb = None
         mode = wandb_mode(cfg.log.wandb)
         if mode != "disabled":
             import wandb
 
             self._wandb = wandb.init(
-                project=cfg.log.wandb_project, name=run_dir.name, config=cfg.to_dict(), dir=str(run_dir), mode=mode,
+                project=cfg.log.wandb_project, name=run_dir.name, config=record, dir=str(run_dir), mode=mode,
                 **wandb_identity(cfg),
             )
             log.info("wandb: %s mode, run %s", mode, run_dir.name)

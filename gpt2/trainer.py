@@ -1,9 +1,12 @@
-"""The training loop, shared by every mode: micro-steps, optimizer step, metrics, eval, summary."""
+"""The training loop, shared by every mode: `train_step` (micro-steps + optimizer step), `step_record` (the logged
+metrics), a recorder (JSONL/wandb + progress bar on the main rank, `NullRecorder` elsewhere), eval, and
+`build_summary`."""
 
 from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -14,16 +17,18 @@ from gpt2.checkpoint import Checkpointer
 from gpt2.config import RunConfig
 from gpt2.data import DataBundle
 from gpt2.distributed import DistContext
+from gpt2.layout import RunLayout
 from gpt2.metrics import (
     StepTimer,
     ThroughputMeter,
+    TrainingCommMeter,
     device_peak_tflops,
     flops_per_token,
     hardware_flops_per_token,
     memory_stats,
     model_params_for_flops,
 )
-from gpt2.planner import TrainingCommMeter, compare_with_run, format_plan, plan_for_run
+from gpt2.planner import compare_with_run, format_plan, plan_for_run
 from gpt2.preemption import Preempted, PreemptionWatcher
 from gpt2.profiling import StepProfiler
 from gpt2.run_logging import MetricsLogger, log
@@ -66,7 +71,96 @@ def _device_name(ctx: DistContext) -> str:
     return torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
 
 
-def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBundle,
+class NullRecorder:
+    """Metrics and progress on a rank that writes neither (every rank but the main one)."""
+
+    run_dir: Path | None = None
+
+    def log_step(self, step: int, record: dict[str, Any]) -> None:
+        pass
+
+    def show(self, record: dict[str, Any]) -> None:
+        pass
+
+    def advance(self) -> None:
+        pass
+
+    def log_summary(self, summary: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ProgressRecorder(NullRecorder):
+    """The main rank's metrics (JSONL + wandb through MetricsLogger) and its progress bar."""
+
+    def __init__(self, logger: MetricsLogger, max_steps: int, start_step: int):
+        self.logger = logger
+        self.run_dir = logger.run_dir
+        tqdm.monitor_interval = 0  # no daemon monitor thread: it could wake inside interpreter shutdown
+        self.bar = tqdm(total=max_steps, initial=start_step, dynamic_ncols=True, unit="step")
+
+    def log_step(self, step: int, record: dict[str, Any]) -> None:
+        self.logger.log_step(step, record)
+
+    def show(self, record: dict[str, Any]) -> None:
+        mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a"
+        self.bar.set_postfix_str(f"loss {record['loss']:.4f} tok/s {record['tokens_per_s']:,.0f} MFU {mfu} "
+                                 f"mem {record['mem/peak_allocated_gib']:.2f}GiB")
+
+    def advance(self) -> None:
+        self.bar.update(1)
+
+    def log_summary(self, summary: dict[str, Any]) -> None:
+        self.logger.log_summary(summary)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def train_step(layout: RunLayout, ctx: DistContext, engine: Engine, data: DataBundle
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One optimizer step over grad_accum micro-batches: (loss sum, correct-token sum, pre-clip grad norm)."""
+    grad_accum = layout.grad_accum
+    loss_sum = torch.zeros((), device=ctx.device)
+    correct_sum = torch.zeros((), device=ctx.device)
+    for micro in range(grad_accum):
+        x, y = data.train.next_batch()
+        x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+        loss, correct = engine.forward_backward(x, y, last_micro_step=micro == grad_accum - 1)
+        loss_sum += loss.float()
+        correct_sum += correct.float()
+    return loss_sum, correct_sum, engine.optimizer_step()
+
+
+def step_record(layout: RunLayout, ctx: DistContext, engine: Engine, meter: ThroughputMeter, step: int,
+                loss_sum: torch.Tensor, correct_sum: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, Any]:
+    """The logged metrics of one step (collective: the loss and accuracy are averaged over the DP group)."""
+    t, grad_accum = layout.cfg.train, layout.grad_accum
+    loss_acc = _dp_mean(torch.stack([loss_sum / grad_accum,
+                                     correct_sum / (grad_accum * t.batch_size * t.seq_len)]), ctx).tolist()
+    return {"loss": loss_acc[0], "accuracy": loss_acc[1], "grad_norm": float(grad_norm),
+            "lr": engine.lr, "step_time_s": meter.last_step_time, **meter.current(), **_peak_memory(ctx),
+            "tokens_seen": step * layout.tokens_per_step}
+
+
+def _warn_about_settings(layout: RunLayout, start_step: int) -> None:
+    cfg, t = layout.cfg, layout.cfg.train
+    if t.max_steps - start_step <= t.throughput_warmup_steps:
+        log.warning("all %d steps are throughput warm-up: no tokens/s or MFU; raise --max-steps above "
+                    "--throughput-warmup-steps %d", t.max_steps - start_step, t.throughput_warmup_steps)
+    if cfg.model.dropout > 0 and layout.tp_size > 1:  # no Megatron-style per-TP-rank RNG tracker here
+        log.warning("--dropout %g with --tp-size %d: every rank draws from one RNG stream, so dropout masks repeat "
+                    "across TP ranks' heads (and sequence shards with SP): correlated, unlike single's; training "
+                    "stays consistent across ranks but is not the same function as --mode single", cfg.model.dropout,
+                    layout.tp_size)
+    if t.warmup_steps > t.max_steps:
+        log.warning("--warmup-steps %d exceeds --max-steps %d: the LR never reaches --lr %g", t.warmup_steps,
+                    t.max_steps, t.lr)
+
+
+def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: DataBundle,
                  logger: MetricsLogger | None, start_step: int = 0,
                  checkpointer: Checkpointer | None = None,
                  preemption: PreemptionWatcher | None = None) -> dict[str, Any]:
@@ -76,102 +170,61 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
     Then, before the last step, all ranks agree on `preemption.should_stop`: if any rank got a preemption
     signal, every rank saves this step (unless just saved) and raises Preempted.
     """
-    t = cfg.train
-    dp = ctx.dims.dp_size
-    tokens_per_step = dp * t.batch_size * t.grad_accum * t.seq_len
+    cfg, t = layout.cfg, layout.cfg.train
     peak = device_peak_tflops(ctx.device, cfg.log.peak_tflops)
     meter = ThroughputMeter(
-        tokens_per_step=tokens_per_step, flops_per_token=flops_per_token(cfg.model, t.seq_len),
+        tokens_per_step=layout.tokens_per_step, flops_per_token=flops_per_token(cfg.model, t.seq_len),
         hw_flops_per_token=hardware_flops_per_token(cfg.model, t.seq_len, t.activation_checkpointing),
         n_devices=ctx.world_size, peak_tflops=peak, warmup_steps=start_step + t.throughput_warmup_steps)
     timer = StepTimer(ctx.device)
     log.info("tokens/step %d (dp %d x batch %d x accum %d x seq %d); FLOPs/token %.3e; peak %s TFLOP/s",
-             tokens_per_step, dp, t.batch_size, t.grad_accum, t.seq_len, meter.flops_per_token, peak)
-    plan = plan_for_run(cfg, ctx.world_size, ctx.device.type)
+             layout.tokens_per_step, layout.dp_size, t.batch_size, layout.grad_accum, t.seq_len,
+             meter.flops_per_token, peak)
+    plan = plan_for_run(layout)
     log.info("%s", format_plan(plan))
 
-    profiler = StepProfiler(t.profile, logger.run_dir if logger else None, start_step + t.throughput_warmup_steps,
-                            ctx.device)
-    if t.max_steps - start_step <= t.throughput_warmup_steps:
-        log.warning("all %d steps are throughput warm-up: no tokens/s or MFU; raise --max-steps above "
-                    "--throughput-warmup-steps %d", t.max_steps - start_step, t.throughput_warmup_steps)
-    if cfg.model.dropout > 0 and ctx.dims.tp_size > 1:  # no Megatron-style per-TP-rank RNG tracker here
-        log.warning("--dropout %g with --tp-size %d: every rank draws from one RNG stream, so dropout masks repeat "
-                    "across TP ranks' heads (and sequence shards with SP): correlated, unlike single's; training "
-                    "stays consistent across ranks but is not the same function as --mode single", cfg.model.dropout,
-                    ctx.dims.tp_size)
-    if t.warmup_steps > t.max_steps:
-        log.warning("--warmup-steps %d exceeds --max-steps %d: the LR never reaches --lr %g", t.warmup_steps,
-                    t.max_steps, t.lr)
-    tqdm.monitor_interval = 0  # no daemon monitor thread: it could wake inside interpreter shutdown
-    bar = tqdm(total=t.max_steps, initial=start_step, disable=not ctx.is_main, dynamic_ncols=True, unit="step")
-    tokens_per_micro = t.batch_size * t.seq_len
+    # the main rank logs and shows progress (train.py gives it the MetricsLogger); the other ranks record nothing
+    recorder = ProgressRecorder(logger, t.max_steps, start_step) if logger is not None else NullRecorder()
+    profiler = StepProfiler(t.profile, recorder.run_dir, start_step + t.throughput_warmup_steps, ctx.device)
+    _warn_about_settings(layout, start_step)
     last: dict[str, Any] = {}
     comm = TrainingCommMeter(engine)
     train_start = time.perf_counter()
     for step in range(start_step + 1, t.max_steps + 1):
         timer.start()
         comm.start_step()
-        loss_sum = torch.zeros((), device=ctx.device)
-        correct_sum = torch.zeros((), device=ctx.device)
-        for micro in range(t.grad_accum):
-            x, y = data.train.next_batch()
-            x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
-            loss, correct = engine.forward_backward(x, y, last_micro_step=micro == t.grad_accum - 1)
-            loss_sum += loss.float()
-            correct_sum += correct.float()
-        grad_norm = engine.optimizer_step()
+        loss_sum, correct_sum, grad_norm = train_step(layout, ctx, engine, data)
         comm.end_step()
         meter.record(step, timer.stop())
         profiler.step()
 
         if step % cfg.log.log_interval == 0 or step in (start_step + 1, t.max_steps):
-            loss_acc = _dp_mean(torch.stack([loss_sum / t.grad_accum,
-                                             correct_sum / (t.grad_accum * tokens_per_micro)]), ctx).tolist()
-            rates = meter.current()
-            last = {"loss": loss_acc[0], "accuracy": loss_acc[1], "grad_norm": float(grad_norm),
-                    "lr": engine.lr, "step_time_s": meter.last_step_time, **rates, **_peak_memory(ctx),
-                    "tokens_seen": step * tokens_per_step}
-            if logger:
-                logger.log_step(step, last)
-            mfu = f"{100 * rates['mfu']:.1f}%" if rates["mfu"] is not None else "n/a"
-            bar.set_postfix_str(f"loss {last['loss']:.4f} tok/s {rates['tokens_per_s']:,.0f} MFU {mfu} "
-                                f"mem {last['mem/peak_allocated_gib']:.2f}GiB")
+            last = step_record(layout, ctx, engine, meter, step, loss_sum, correct_sum, grad_norm)
+            recorder.log_step(step, last)
+            recorder.show(last)
             log.debug("step %d %s", step, last)
             if not math.isfinite(last["loss"]):
                 raise FloatingPointError(f"loss is {last['loss']} at step {step}; lower --lr or use bf16/fp32")
-        bar.update(1)
+        recorder.advance()
         saved = checkpointer.maybe_save(step) if checkpointer else None
         if preemption and step < t.max_steps and preemption.should_stop(ctx):
             saved = saved or (checkpointer.save(step) if checkpointer else None)
-            bar.close()
+            recorder.close()
             profiler.stop()
             raise Preempted(step, preemption.received, str(saved) if saved else None)
 
         if t.eval_interval and step % t.eval_interval == 0 and step != t.max_steps:
-            _evaluate(cfg, ctx, engine, data, logger, step)
-    bar.close()
+            _evaluate(cfg, engine, data, recorder, step)
+    recorder.close()
     profiler.stop()
     train_time = time.perf_counter() - train_start
 
-    val = _evaluate(cfg, ctx, engine, data, logger, t.max_steps)
-    summary = {
-        "mode": t.mode, "model": t.model, "n_params": model_params_for_flops(cfg.model),
-        "world_size": ctx.world_size, "tp_size": ctx.dims.tp_size, "dp_size": dp,
-        "batch_size_per_gpu": t.batch_size, "grad_accum": t.grad_accum, "seq_len": t.seq_len,
-        "tokens_per_step": tokens_per_step, "precision": t.precision if ctx.device.type == "cuda" else "fp32",
-        "fused_kernels": t.fused_kernels, "attn": t.attn, "compile": t.compile_scope if t.compile else "off",
-        "activation_checkpointing": t.activation_checkpointing, "device": _device_name(ctx),
-        "peak_tflops_per_gpu": peak, "flops_per_token": meter.flops_per_token,
-        "steps": t.max_steps, "start_step": start_step,  # a resumed run trained steps start_step+1..steps
-        "train_time_s": train_time, **meter.summary(), **_peak_memory(ctx),
-        "final_loss": last.get("loss"), "final_accuracy": last.get("accuracy"), **val,
-        "torch_version": torch.__version__, "profiled": t.profile,
-    }
+    val = _evaluate(cfg, engine, data, recorder, t.max_steps)
+    summary = build_summary(layout, ctx, meter, peak, start_step=start_step, train_time=train_time, last=last,
+                            val=val)
     # predicted next to measured memory and communication
     summary.update(compare_with_run(plan, summary, comm.per_step("tp"), comm.per_step("dp")))
-    if logger:
-        logger.log_summary(summary)
+    recorder.log_summary(summary)
     mfu = summary["mfu"]
     tok_s = summary["tokens_per_s"]
     log.info("summary: %s %s | %s tok/s | MFU %s | peak mem %.2f GiB | final loss %.4f | val loss %s",
@@ -180,13 +233,31 @@ def run_training(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBun
     return summary
 
 
-def _evaluate(cfg: RunConfig, ctx: DistContext, engine: Engine, data: DataBundle,
-              logger: MetricsLogger | None, step: int) -> dict[str, float]:
+def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, peak: float | None, *,
+                  start_step: int, train_time: float, last: dict[str, Any], val: dict[str, float]) -> dict[str, Any]:
+    """The run's summary record (collective: peak memory is the max over ranks)."""
+    cfg, t = layout.cfg, layout.cfg.train
+    return {
+        "mode": t.mode, "model": t.model, "n_params": model_params_for_flops(cfg.model),
+        "world_size": layout.world_size, "tp_size": layout.tp_size, "dp_size": layout.dp_size,
+        "batch_size_per_gpu": t.batch_size, "grad_accum": layout.grad_accum, "seq_len": t.seq_len,
+        "tokens_per_step": layout.tokens_per_step, "precision": layout.precision,
+        "fused_kernels": t.fused_kernels, "attn": t.attn, "compile": layout.compile_scope,
+        "activation_checkpointing": t.activation_checkpointing, "device": _device_name(ctx),
+        "peak_tflops_per_gpu": peak, "flops_per_token": meter.flops_per_token,
+        "steps": t.max_steps, "start_step": start_step,  # a resumed run trained steps start_step+1..steps
+        "train_time_s": train_time, **meter.summary(), **_peak_memory(ctx),
+        "final_loss": last.get("loss"), "final_accuracy": last.get("accuracy"), **val,
+        "torch_version": torch.__version__, "profiled": t.profile,
+    }
+
+
+def _evaluate(cfg: RunConfig, engine: Engine, data: DataBundle, recorder: NullRecorder,
+              step: int) -> dict[str, float]:
     if data.val is None:
         return {}
     loss, acc = engine.evaluate(data.val.iter_epoch(cfg.data.eval_batches))
     out = {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0)), "val_accuracy": acc}
-    if logger:
-        logger.log_step(step, out)
+    recorder.log_step(step, out)
     log.info("eval step %d: val loss %.4f ppl %.2f acc %.4f", step, loss, out["val_perplexity"], acc)
     return out

@@ -181,9 +181,10 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, *, sequence_para
     full weights) everywhere and before activation checkpointing, compile and data parallelism. A no-op
     for tp_size 1. `stats` (optional) receives the byte counts of every TP collective the model runs.
     """
-    dims.validate_model(model.cfg)
     if dims.tp_size == 1:
         return
+    if model.cfg.n_head % dims.tp_size:  # the user-facing check, naming the fix, is gpt2.layout's
+        raise ValueError(f"n_head {model.cfg.n_head} is not a multiple of tp_size {dims.tp_size}")
     if dims.tp_group is None:
         raise ValueError("ParallelDims has no TP group yet; call dims.build_groups() on every rank first")
     ctx = _Context(model, dims.tp_group, dims.tp_rank, dims.tp_size, sequence_parallel, overlap, stats)

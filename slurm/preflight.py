@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpt2.config import ConfigError, parse_args, validate_world  # noqa: E402
-from parallel.dims import ParallelDims  # noqa: E402
+from gpt2.config import ConfigError, parse_args  # noqa: E402
+from gpt2.layout import RunLayout  # noqa: E402
 
 
 def check(nodes: int, nproc_per_node: int, train_argv: list[str], visible_gpus: int | None) -> str:
@@ -30,15 +30,12 @@ def check(nodes: int, nproc_per_node: int, train_argv: list[str], visible_gpus: 
     if nproc_per_node % tp:
         raise ConfigError(f"--tp-size {tp} does not divide the {nproc_per_node} processes per node: a tensor-parallel "
                           f"group would span two nodes; use a --tp-size that divides {nproc_per_node}")
-    validate_world(cfg, world)
-    dims = ParallelDims(world_size=world, rank=0, tp_size=tp)
-    dims.validate_model(cfg.model)
-    dims.validate_sequence(cfg.train.seq_len, cfg.parallel.sequence_parallel)
+    layout = RunLayout.resolve(cfg, world, "cpu" if visible_gpus is None else "cuda")
     if visible_gpus is not None and visible_gpus < nproc_per_node:
         raise ConfigError(f"{nproc_per_node} processes per node but this node sees {visible_gpus} GPUs; request "
                           f"--gpus-per-node={nproc_per_node} (#SBATCH) or lower NPROC_PER_NODE")
     return (f"{cfg.train.mode} {cfg.train.model}: world {world} = {nodes} nodes x {nproc_per_node}, "
-            f"tp {tp} x dp {dims.dp_size}, grad accum {cfg.train.grad_accum}")
+            f"tp {tp} x dp {layout.dp_size}, grad accum {layout.grad_accum}")
 
 
 def _visible_gpus(train_argv: list[str]) -> int | None:

@@ -9,29 +9,39 @@ rank's traceback.
 
 GPU: the same checks over NCCL, one process per GPU (benchmarks/gpu_tp.sh):
 
-    torchrun --nproc_per_node=4 -m tests._tp_harness --check model --tp 2
+    torchrun --nproc_per_node=4 -m tests._tp_harness --check model --tp 2   # --check groups | layers | model
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
-import socket
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.common import free_port
 from parallel.dims import ParallelDims
 
 Check = Callable[..., None]  # check(dims, *args), run on every rank
-CHECKS = {  # --check name -> "module:function"
-    "layers": "tests.test_tp_layers:_all_checks",
-    "model": "tests.test_tp_model:_model_checks",
-    "groups": "tests.test_tp_dims:_groups_and_mpu",
-}
+CHECK_NAMES = ("groups", "layers", "model")  # --check choices (torchrun entry)
+
+
+def named_check(name: str) -> Check:
+    """The check function a --check name runs (imported here: the test modules import this one)."""
+    if name == "groups":
+        from tests.test_tp_dims import run_group_checks
+
+        return run_group_checks
+    if name == "layers":
+        from tests.test_tp_layers import run_layer_checks
+
+        return run_layer_checks
+    from tests.test_tp_model import run_model_checks
+
+    return run_model_checks
 
 
 def device() -> torch.device:
@@ -39,12 +49,6 @@ def device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(check: Check, world: int, rank: int, tp: int, args: tuple) -> None:
@@ -73,13 +77,12 @@ def spawn(check: Check, world: int, tp: int, *args) -> None:
 def main() -> None:
     """torchrun entry: run one named check over NCCL, one GPU per rank (gloo on a machine without CUDA)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--check", choices=sorted(CHECKS), required=True)
+    p.add_argument("--check", choices=CHECK_NAMES, required=True)
     p.add_argument("--tp", type=int, required=True)
     args = p.parse_args()
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # as tests/conftest.py: before any kernel is imported
-    module, fn = CHECKS[args.check].split(":")
-    check = getattr(importlib.import_module(module), fn)
+    check = named_check(args.check)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 tolerances assume true fp32 GEMMs

@@ -16,6 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from benchmarks.common import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 SBIN_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
 PARTITION = "debug"
@@ -25,12 +27,6 @@ FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT
 
 class SlurmUnavailable(Exception):
     """Slurm cannot be installed or started here; the message says why (the tests skip with it)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def install_slurm() -> None:
@@ -119,8 +115,8 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.socket},cred_expire=5
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
 StateSaveLocation={r / 'state'}
 SlurmdSpoolDir={r / 'spool'}
 SlurmctldPidFile={r / 'slurmctld.pid'}

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from benchmarks import tp_scaling, train_sweep
-from tests._tp_harness import free_port
+from benchmarks.common import free_port
 
 TINY = ["--model", "gpt2-tiny", "--seq-len", "32", "--steps", "3", "--warmup", "1", "--log-interval", "1",
         "--device", "cpu", "--precision", "fp32", "--peak-tflops", "1", "--fused", "none"]

@@ -15,8 +15,7 @@ import torch
 
 from gpt2.checkpoint import CheckpointError, build_meta, check_compatible
 from gpt2.config import parse_args
-from gpt2.distributed import DistContext
-from parallel.dims import ParallelDims
+from gpt2.layout import RunLayout
 from tests.train_runs import TINY_ARGS, assert_hf_export_matches, read_records, run_train, step_losses, summary
 
 COMMON = TINY_ARGS + ["--data", "synthetic", "--max-steps", "8", "--seed", "11", "--eval-batches", "2"]
@@ -111,10 +110,8 @@ def test_zero_stage_mismatch_is_named(single: Path) -> None:
     meta = json.loads((single / "ck" / "step-000004" / "meta.json").read_text())
     meta.update(mode="hybrid", world_size=2, dp_size=2, zero_stage=3)
     cfg = parse_args(COMMON + ["--mode", "hybrid", "--zero-stage", "2", "--batch-size", "2"])
-    ctx = DistContext(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"),
-                      dims=ParallelDims(world_size=2, rank=0))
     with pytest.raises(CheckpointError, match="zero_stage: checkpoint 3, this run 2"):
-        check_compatible(meta, cfg, ctx, Path("x"))
+        check_compatible(meta, RunLayout.resolve(cfg, 2, "cpu"), Path("x"))
 
 
 def test_export_loads_in_transformers_and_as_init_from(single: Path, tmp_path: Path) -> None:
@@ -140,12 +137,13 @@ def test_export_loads_in_transformers_and_as_init_from(single: Path, tmp_path: P
 
 def test_resume_with_other_grad_accum_is_refused(tmp_path: Path) -> None:
     """The data position counts micro-batches: another accumulation would replay or skip data."""
-    ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"),
-                      dims=ParallelDims(world_size=1, rank=0))
-    meta = build_meta(parse_args(["--grad-accum", "2"]), ctx, step=5)
-    check_compatible(meta, parse_args(["--grad-accum", "2"]), ctx, tmp_path)
+    def layout(argv: list[str]) -> RunLayout:
+        return RunLayout.resolve(parse_args(argv), 1, "cpu")
+
+    meta = build_meta(layout(["--grad-accum", "2"]), step=5)
+    check_compatible(meta, layout(["--grad-accum", "2"]), tmp_path)
     with pytest.raises(CheckpointError, match="grad_accum: checkpoint 2, this run 1"):
-        check_compatible(meta, parse_args([]), ctx, tmp_path)
+        check_compatible(meta, layout([]), tmp_path)
 
 
 def test_resume_follows_the_new_schedule_when_max_steps_grows(single: Path, tmp_path: Path) -> None:

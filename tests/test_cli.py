@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import train
-from gpt2.config import ConfigError, ModelConfig, parse_args, validate_world
-from parallel.dims import ParallelDims
+from gpt2.config import ConfigError, ModelConfig, parse_args
+from gpt2.layout import RunLayout, check_tp_divides_model, check_tp_divides_world
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,27 +83,27 @@ def test_validate_accepts_the_supported_neighbours() -> None:
 def test_global_batch_must_divide() -> None:
     cfg = parse_args(["--mode", "baseline", "--batch-size", "8", "--global-batch-size", "20"])
     with pytest.raises(ConfigError, match="not divisible by --batch-size 8 x dp-size 2 = 16; use a multiple of 16"):
-        validate_world(cfg, world_size=2)
+        RunLayout.resolve(cfg, world_size=2, device="cpu")
     cfg = parse_args(["--mode", "baseline", "--batch-size", "8", "--global-batch-size", "64"])
-    validate_world(cfg, world_size=2)
-    assert cfg.train.grad_accum == 4
+    assert RunLayout.resolve(cfg, world_size=2, device="cpu").grad_accum == 4
+    assert cfg.train.grad_accum == 1  # the parsed config is not mutated
 
 
 def test_single_mode_on_many_processes_is_rejected() -> None:
     with pytest.raises(ConfigError, match="use --mode baseline"):
-        validate_world(parse_args([]), world_size=4)
+        RunLayout.resolve(parse_args([]), world_size=4, device="cpu")
 
 
 def test_tp_size_must_divide_heads_and_names_the_fix() -> None:
     large = ModelConfig(n_layer=36, n_head=20, n_embd=1280)
     fix = r"--tp-size 3 does not divide n_head = 20; choose --tp-size from \[1, 2, 4\]"
     with pytest.raises(ConfigError, match=fix):
-        ParallelDims(world_size=6, rank=0, tp_size=3).validate_model(large)
+        check_tp_divides_model(large, tp_size=3)
     with pytest.raises(ConfigError, match=r"world size 4 is not divisible by --tp-size 3; choose --tp-size from "
                                           r"\[1, 2, 4\]"):
-        ParallelDims(world_size=4, rank=0, tp_size=3)
+        check_tp_divides_world(world_size=4, tp_size=3)
     with pytest.raises(ConfigError, match=r"choose --tp-size from \[1, 2, 4\]"):
-        validate_world(parse_args(["--mode", "baseline", "--tp-size", "3"]), world_size=4)
+        RunLayout.resolve(parse_args(["--mode", "baseline", "--tp-size", "3"]), world_size=4, device="cpu")
 
 
 def test_ddp_without_launcher_fails_fast(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
@@ -185,7 +185,7 @@ def test_a_file_where_a_folder_goes_is_rejected_at_parse_time(flag: str, tmp_pat
 
 def _launched_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """The environment of a one-process torchrun launch (train.main then creates a gloo group in-process)."""
-    from tests.train_runs import free_port
+    from benchmarks.common import free_port
 
     for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", str(free_port()))):

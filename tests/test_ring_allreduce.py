@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.common import free_port
 from benchmarks.ring_allreduce import ring_all_reduce
 
 SHAPES = [(1,), (3,), (7,), (64,), (1001,), (5, 3)]  # includes lengths below and not divisible by world size
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int) -> None:

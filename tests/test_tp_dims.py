@@ -1,4 +1,5 @@
-"""ParallelDims: the rank grid, its process groups, every validation error, and the DeepSpeed mpu adapter."""
+"""ParallelDims: the rank grid and its process groups, every layout validation error (gpt2.layout), and the
+DeepSpeed mpu adapter."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from gpt2.config import MODEL_PRESETS, ConfigError, ModelConfig
+from gpt2.layout import check_sequence_split, check_tp_divides_model, check_tp_divides_world
 from gpt2.model import GPT
 from parallel.dims import ParallelDims
 from parallel.mpu import ModelParallelUnit
@@ -24,36 +26,37 @@ def test_grid_and_coordinates():
 
 def test_world_not_divisible_by_tp():
     with pytest.raises(ConfigError, match=r"world size 6 is not divisible by --tp-size 4"):
+        check_tp_divides_world(world_size=6, tp_size=4)
+    with pytest.raises(ValueError, match="not a multiple of tp_size 4"):  # the grid itself refuses it too
         ParallelDims(world_size=6, rank=0, tp_size=4)
 
 
 def test_heads_not_divisible_names_the_fix():
     large = ModelConfig(**MODEL_PRESETS["gpt2-large"])  # 20 heads, d = 1280, vocab padded to 50304
     with pytest.raises(ConfigError) as err:
-        ParallelDims(world_size=3, rank=0, tp_size=3).validate_model(large)
+        check_tp_divides_model(large, tp_size=3)
     msg = str(err.value)
     assert "--tp-size 3 does not divide n_head = 20" in msg
     assert "[1, 2, 4]" in msg  # the sizes dividing 20 heads, 4*1280 and 50304 all at once
     assert "--n-head" in msg
-    ParallelDims(world_size=4, rank=0, tp_size=4).validate_model(large)
+    check_tp_divides_model(large, tp_size=4)
 
 
 def test_unpadded_vocab_not_divisible_names_the_fix():
     cfg = ModelConfig(n_layer=2, n_head=4, n_embd=64, pad_vocab=False)  # vocab 50257, odd
     with pytest.raises(ConfigError, match=r"padded vocab = 50257.*drop --no-pad-vocab"):
-        ParallelDims(world_size=2, rank=0, tp_size=2).validate_model(cfg)
-    ParallelDims(world_size=2, rank=0, tp_size=1).validate_model(cfg)  # no TP: nothing to split
+        check_tp_divides_model(cfg, tp_size=2)
+    check_tp_divides_model(cfg, tp_size=1)  # no TP: nothing to split
 
 
 def test_sequence_parallel_needs_divisible_seq_len():
-    dims = ParallelDims(world_size=4, rank=0, tp_size=4)
     with pytest.raises(ConfigError, match=r"--seq-len divisible by --tp-size 4, got 30; use --seq-len 28"):
-        dims.validate_sequence(30, sequence_parallel=True)
-    dims.validate_sequence(30, sequence_parallel=False)
-    dims.validate_sequence(32, sequence_parallel=True)
+        check_sequence_split(30, tp_size=4, sequence_parallel=True)
+    check_sequence_split(30, tp_size=4, sequence_parallel=False)
+    check_sequence_split(32, tp_size=4, sequence_parallel=True)
 
 
-def _groups_and_mpu(dims: ParallelDims) -> None:
+def run_group_checks(dims: ParallelDims) -> None:
     grid = dims.grid()
     assert dist.get_process_group_ranks(dims.tp_group) == grid[dims.dp_rank].tolist()
     assert dist.get_process_group_ranks(dims.dp_group) == grid[:, dims.tp_rank].tolist()
@@ -76,7 +79,7 @@ def _groups_and_mpu(dims: ParallelDims) -> None:
 
 
 def test_groups_and_mpu_on_a_2x2_grid():
-    spawn(_groups_and_mpu, 4, 2)
+    spawn(run_group_checks, 4, 2)
 
 
 def test_tp_needs_groups_first():

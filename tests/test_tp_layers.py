@@ -284,7 +284,7 @@ def check_lm_head(dims: ParallelDims) -> None:
                 close(head(h, None), ref_logits)  # [B, T, V]: the inference path gathers the vocabulary
 
 
-def _all_checks(dims: ParallelDims) -> None:
+def run_layer_checks(dims: ParallelDims) -> None:
     torch.manual_seed(0)
     check_collectives(dims)
     check_shard_roundtrip(dims)
@@ -298,4 +298,4 @@ def _all_checks(dims: ParallelDims) -> None:
 
 @pytest.mark.parametrize("world,tp", [(2, 2), (4, 4)])
 def test_tp_layers_match_full_layers(world: int, tp: int):
-    spawn(_all_checks, world, tp)
+    spawn(run_layer_checks, world, tp)

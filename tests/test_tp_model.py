@@ -212,7 +212,7 @@ def check_autocast(dims: ParallelDims) -> None:
         assert err < 3e-2, f"autocast grad {name}: relative error {err:.3g}"
 
 
-def _model_checks(dims: ParallelDims) -> None:
+def run_model_checks(dims: ParallelDims) -> None:
     ref = build()
     with torch.no_grad():
         ref_logits = ref(batch(dims.dp_rank)[0])
@@ -230,4 +230,4 @@ def _model_checks(dims: ParallelDims) -> None:
 
 @pytest.mark.parametrize("world,tp", [(2, 2), (4, 4), (4, 2)])
 def test_tp_gpt2_matches_single_device(world: int, tp: int):
-    spawn(_model_checks, world, tp)
+    spawn(run_model_checks, world, tp)

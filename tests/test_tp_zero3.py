@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 STEPS, LR, CLIP = 3, 0.5, 0.5
 
 
-def _zero3_checks(dims: ParallelDims) -> None:
+def run_zero3_checks(dims: ParallelDims) -> None:
     from gpt2.engine_deepspeed import _import_deepspeed
 
     deepspeed = _import_deepspeed(torch.device("cpu"))
@@ -58,4 +58,4 @@ def _zero3_checks(dims: ParallelDims) -> None:
 
 
 def test_tp_with_zero3_matches_single_device():
-    spawn(_zero3_checks, 4, 2)
+    spawn(run_zero3_checks, 4, 2)

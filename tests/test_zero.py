@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt2.config import ConfigError, parse_args
-from gpt2.engine_deepspeed import build_ds_config
+from gpt2.config import ConfigError, RunConfig, parse_args
+from gpt2.ds_config import build_ds_config as build_layout_ds_config
+from gpt2.layout import RunLayout
 from tests.train_runs import TINY_ARGS, assert_hf_export_matches, read_records, run_train, step_losses
 
 pytestmark = pytest.mark.slow
@@ -103,6 +104,11 @@ def test_zero3_checkpoint_exports_and_inits(runs: Path, tmp_path: Path) -> None:
     assert abs(a - b) <= 1e-5 and abs(a - step_losses(runs / "single")[0]) > 1e-3  # trained, not fresh, weights
 
 
+def build_ds_config(cfg: RunConfig, dp_size: int, device: torch.device) -> dict:
+    """The DeepSpeed config of `cfg` on dp_size ranks (tp 1) of `device`."""
+    return build_layout_ds_config(RunLayout.resolve(cfg, dp_size, device))
+
+
 def _write(tmp_path: Path, ds: dict) -> str:
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds))
@@ -146,13 +152,13 @@ def test_ds_config_takes_cli_values_and_rejects_disagreement(tmp_path: Path) -> 
 
 def test_weight_decay_groups_use_full_shapes_of_partitioned_params() -> None:
     """Under ZeRO-3 a parameter's data is an empty 1-D partition; its real shape is ds_shape."""
-    from gpt2.engine_deepspeed import _param_groups
+    from gpt2.parallelize import param_groups
 
     matrix, bias = torch.nn.Parameter(torch.empty(0)), torch.nn.Parameter(torch.empty(0))
     matrix.ds_shape, bias.ds_shape = torch.Size([8, 4]), torch.Size([8])
     model = torch.nn.Module()
     model.matrix, model.bias = matrix, bias
-    decay, no_decay = _param_groups(model, weight_decay=0.1)
+    decay, no_decay = param_groups(model, weight_decay=0.1)
     assert decay["params"] == [matrix] and no_decay["params"] == [bias]
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
 

@@ -1,0 +1,176 @@
+"""RunLayout: the run's resolved facts, decided once from (parsed config, world size, device).
+
+`gpt2.config` turns argv into a `RunConfig` and checks what needs nothing else. Everything that also depends on
+the launch is decided here, once, and read by the engines, the trainer, the checkpoint meta, the planner and
+`slurm/preflight.py`: the tp x dp sizes, gradient accumulation (from --global-batch-size), the precision that
+actually runs (CPU runs are fp32 whatever --precision says) and its autocast dtype, the compile scope, the ZeRO
+stage and DeepSpeed config file, and the tensor/sequence-parallel facts. Every rule that needs the world size is
+checked in `RunLayout.resolve`, in the order a launch meets them. The parsed config is never mutated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpt2.config import ConfigError, ModelConfig, RunConfig
+from gpt2.ds_config import default_ds_config_path
+
+
+def check_tp_divides_world(world_size: int, tp_size: int) -> None:
+    """tp x dp = world size: a tp-size that does not divide it is an error listing the sizes that do."""
+    if tp_size < 1 or world_size % tp_size:
+        choices = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigError(f"world size {world_size} is not divisible by --tp-size {tp_size}; "
+                          f"choose --tp-size from {choices}")
+
+
+def tp_split_shapes(cfg: ModelConfig) -> list[tuple[str, int, str]]:
+    """(what, size, the flag that changes it) for every shape tensor parallelism splits."""
+    return [
+        ("n_head", cfg.n_head, "--n-head"),
+        ("4*n_embd (MLP width)", 4 * cfg.n_embd, "--n-embd"),
+        ("padded vocab", cfg.padded_vocab_size, "vocab padding (drop --no-pad-vocab)"),
+    ]
+
+
+def tp_divides_model(cfg: ModelConfig, tp_size: int) -> bool:
+    return all(value % tp_size == 0 for _, value, _ in tp_split_shapes(cfg))
+
+
+def check_tp_divides_model(cfg: ModelConfig, tp_size: int) -> None:
+    """Shapes that tensor parallelism splits must divide by tp_size."""
+    if tp_size == 1:
+        return
+    checks = tp_split_shapes(cfg)
+    common = math.gcd(*(value for _, value, _ in checks))
+    usable = [d for d in range(1, min(common, 64) + 1) if common % d == 0]  # divide every split shape
+    for what, value, knob in checks:
+        if value % tp_size:
+            raise ConfigError(f"--tp-size {tp_size} does not divide {what} = {value}; choose --tp-size "
+                              f"from {usable} (they divide n_head, 4*n_embd and the padded vocab) "
+                              f"or change {knob}")
+
+
+def check_sequence_split(seq_len: int, tp_size: int, sequence_parallel: bool) -> None:
+    """Sequence parallelism shards the sequence into tp_size equal blocks."""
+    if sequence_parallel and tp_size > 1 and seq_len % tp_size:
+        raise ConfigError(f"--sequence-parallel needs --seq-len divisible by --tp-size {tp_size}, "
+                          f"got {seq_len}; use --seq-len {seq_len - seq_len % tp_size} or drop "
+                          f"--sequence-parallel")
+
+
+def resolve_grad_accum(cfg: RunConfig, dp_size: int) -> int:
+    """--grad-accum, or --global-batch-size / (--batch-size x dp-size), which must divide."""
+    t = cfg.train
+    if t.global_batch_size is None:
+        return t.grad_accum
+    per_step = t.batch_size * dp_size
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"--global-batch-size {t.global_batch_size} is not divisible by --batch-size "
+            f"{t.batch_size} x dp-size {dp_size} = {per_step}; use a multiple of {per_step}")
+    return t.global_batch_size // per_step
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """One run's resolved layout. Build it with `RunLayout.resolve`; `cfg` is the parsed config, read-only."""
+
+    cfg: RunConfig
+    world_size: int
+    device_type: str  # "cuda" or "cpu": decides the precision that runs
+    grad_accum: int
+
+    @classmethod
+    def resolve(cls, cfg: RunConfig, world_size: int, device: torch.device | str) -> RunLayout:
+        """Every check that needs the world size, in launch order: the mode vs the process count, tp x dp = world,
+        --global-batch-size, the model shapes and the sequence split vs --tp-size."""
+        t, p = cfg.train, cfg.parallel
+        if t.mode == "single" and world_size > 1:
+            raise ConfigError(f"--mode single was launched on {world_size} processes; "
+                              "use --mode baseline (DDP) or launch one process")
+        check_tp_divides_world(world_size, p.tp_size)
+        grad_accum = resolve_grad_accum(cfg, world_size // p.tp_size)
+        check_tp_divides_model(cfg.model, p.tp_size)
+        check_sequence_split(t.seq_len, p.tp_size, p.sequence_parallel)
+        device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+        return cls(cfg=cfg, world_size=world_size, device_type=device_type, grad_accum=grad_accum)
+
+    # ------------------------------------------------------------ parallel sizes
+    @property
+    def mode(self) -> str:
+        return self.cfg.train.mode
+
+    @property
+    def tp_size(self) -> int:
+        return self.cfg.parallel.tp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tp_size
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.cfg.parallel.sequence_parallel
+
+    @property
+    def tokens_per_step(self) -> int:
+        t = self.cfg.train
+        return self.dp_size * t.batch_size * self.grad_accum * t.seq_len
+
+    # ------------------------------------------------------------ precision
+    @property
+    def on_gpu(self) -> bool:
+        return self.device_type == "cuda"
+
+    @property
+    def precision(self) -> str:
+        """The precision that runs: --precision on GPU; CPU runs are always fp32."""
+        return self.cfg.train.precision if self.on_gpu else "fp32"
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The autocast dtype, or None for fp32."""
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+
+    # ------------------------------------------------------------ compile, TP comm counting
+    @property
+    def compile_scope(self) -> str:
+        """"off", "blocks" or "model" (--compile-scope as resolved by gpt2.config)."""
+        return self.cfg.train.compile_scope if self.cfg.train.compile else "off"
+
+    @property
+    def counts_tp_comm(self) -> bool:
+        """Whether our TP collectives' bytes are counted (CommStats): with TP, and not under --compile (a Python
+        counter inside the compiled graphs would break them at every collective)."""
+        return self.tp_size > 1 and not self.cfg.train.compile
+
+    # ------------------------------------------------------------ ZeRO / DeepSpeed
+    @property
+    def zero_stage(self) -> int | None:
+        """The DeepSpeed ZeRO stage; None unless --mode hybrid."""
+        return self.cfg.parallel.zero_stage if self.mode == "hybrid" else None
+
+    @property
+    def zero3_blocks(self) -> bool:
+        """ZeRO-3 gathering each transformer block as one DeepSpeed leaf module (--zero3-fetch block)."""
+        return self.zero_stage == 3 and self.cfg.parallel.zero3_fetch == "block"
+
+    @property
+    def ds_config_path(self) -> Path:
+        p = self.cfg.parallel
+        return Path(p.ds_config) if p.ds_config else default_ds_config_path(p.zero_stage)
+
+    # ------------------------------------------------------------ records
+    def config_record(self, resumed_from: str | None = None) -> dict[str, Any]:
+        """The parsed config as written to config.json and wandb, with the resolved gradient accumulation and
+        the checkpoint folder this run resumed from."""
+        record = self.cfg.to_dict()
+        record["train"]["grad_accum"] = self.grad_accum
+        record["checkpoint"]["resumed_from"] = resumed_from
+        return record

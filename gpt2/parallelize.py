@@ -1,0 +1,98 @@
+"""Build this rank's model and apply the build order, for both engines (torchtitan's `parallelize_*` in one place).
+
+    model = build_model(layout, device, dims, stats)        # full model from the seed, then --init-from weights
+    parallelize(model, layout, dims, stats)                 # TP plan -> activation checkpointing -> compile
+    # then the engine's own: DDP (+ a whole-model compile) or DeepSpeed's initialize, then the optimizer over
+    param_groups(model, weight_decay)
+
+The TP plan shards the existing full weights, so a TP model computes the single-device model's function from the
+same seed. Under ZeRO-3 without TP the model is built inside `deepspeed.zero.Init` (`zero3`): each module is
+partitioned over the data-parallel group as soon as its constructor returns (see `gpt2.engine_deepspeed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fused_kernels import get_ops
+from fused_kernels.attention import get_attention
+from gpt2.compiling import compile_forwards, compile_model
+from gpt2.layout import RunLayout
+from gpt2.model import GPT, Block
+from gpt2.run_logging import log
+from parallel.comm import CommStats
+from parallel.dims import ParallelDims
+from parallel.mpu import ModelParallelUnit
+from parallel.tp_plan import apply_tensor_parallel
+
+
+def tp_comm_stats(layout: RunLayout) -> CommStats | None:
+    """The byte counter of our TP collectives (the planner compares it with its prediction), or None where the
+    layout does not count them (`RunLayout.counts_tp_comm`)."""
+    return CommStats() if layout.counts_tp_comm else None
+
+
+def build_model(layout: RunLayout, device: torch.device, dims: ParallelDims,
+                zero3: tuple[Any, dict] | None = None) -> GPT:
+    """This rank's full GPT-2 from the seed (identical on every rank), then the --init-from weights.
+
+    `zero3`: (the deepspeed module, its config): build inside `deepspeed.zero.Init`, partitioned at construction;
+    the seed draws the same values as the plain build (fp32), and --init-from is copied in one parameter at a time
+    (rank 0 writes the full tensor, DeepSpeed re-partitions it)."""
+    cfg = layout.cfg
+    ops = get_ops(cfg.train.fused_kernels)
+    attention = get_attention(cfg.train.attn)
+    torch.manual_seed(cfg.train.seed)
+    if zero3 is None:
+        context: contextlib.AbstractContextManager = torch.device(device)
+    else:
+        deepspeed, ds_config = zero3
+        context = deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=ModelParallelUnit(dims))
+    with context:
+        model = GPT(cfg.model, ops=ops, attention=attention)
+    if cfg.train.init_from:
+        from gpt2.hf_weights import load_hf_state_dict
+
+        if zero3 is None:
+            model.load_state_dict(load_hf_state_dict(cfg.train.init_from, cfg.model))
+        else:
+            deepspeed = zero3[0]
+            sd = load_hf_state_dict(cfg.train.init_from, cfg.model) if dims.rank == 0 else None
+            for name, p in model.named_parameters():
+                with deepspeed.zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
+                    if sd is not None:
+                        p.copy_(sd[name])
+    return model
+
+
+def parallelize(model: GPT, layout: RunLayout, dims: ParallelDims, stats: CommStats | None = None) -> GPT:
+    """The build order up to the data-parallel wrapper, in place: the tensor-parallel plan (this rank keeps its
+    shards; nothing to cut for tp 1) -> activation checkpointing -> ZeRO-3 leaf modules (one coalesced gather per
+    block, registered before DeepSpeed's hooks) -> torch.compile of each block and the head (`--compile-scope
+    blocks`; forwards only, hooks left eager, under ZeRO-3 per-block gathers). The engine adds DDP (then a
+    `--compile-scope model` compile of the wrapped model) or DeepSpeed. `stats` counts the TP collectives' bytes."""
+    cfg = layout.cfg
+    apply_tensor_parallel(model, dims, sequence_parallel=layout.sequence_parallel,
+                          overlap=cfg.parallel.tp_overlap, stats=stats)
+    model.activation_checkpointing = cfg.train.activation_checkpointing
+    if layout.zero3_blocks:  # before deepspeed.initialize, which registers the hooks: one per block instead of ~10
+        from deepspeed.utils import set_z3_leaf_modules
+
+        leaves = set_z3_leaf_modules(model, [Block])
+        log.info("ZeRO-3 gathers parameters per transformer block (%d DeepSpeed leaf modules)", len(leaves))
+    if layout.compile_scope == "blocks":  # with ZeRO-3 only when blocks are leaves (config.validate)
+        compile_forwards(model) if layout.zero3_blocks else compile_model(model)
+    return model
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices and embeddings (dim >= 2), none on biases and LayerNorm gains; by the parameters'
+    full shapes (a ZeRO-3 partition is 1-D: its shape is `ds_shape`)."""
+    params = {id(p): p for p in model.parameters() if p.requires_grad}.values()  # tied weights once
+    decay = [p for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2]
+    no_decay = [p for p in params if len(getattr(p, "ds_shape", p.shape)) < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
