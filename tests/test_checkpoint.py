@@ -17,7 +17,15 @@ from gpt2.checkpoint import CheckpointError, build_meta, check_compatible
 from gpt2.config import parse_args
 from gpt2.distributed import DistContext
 from parallel.dims import ParallelDims
-from tests.train_runs import TINY_ARGS, assert_hf_export_matches, read_records, run_train, step_losses, summary
+from tests.train_runs import (
+    TINY_ARGS,
+    assert_hf_export_matches,
+    read_records,
+    run_train,
+    step_losses,
+    step_values,
+    summary,
+)
 
 COMMON = TINY_ARGS + ["--data", "synthetic", "--max-steps", "8", "--seed", "11", "--eval-batches", "2"]
 
@@ -57,6 +65,18 @@ def test_single_resume_is_exact_and_layout_is_complete(single: Path) -> None:
     assert config["checkpoint"]["resumed_from"] == str((ck / "step-000004").resolve())
     resumed = summary(single / "resumed")
     assert (resumed["start_step"], resumed["steps"], summary(single / "full")["start_step"]) == (4, 8, 0)
+
+
+def test_resume_with_dropout_is_exact(tmp_path: Path) -> None:
+    """Dropout draws from the RNG every step: only a restored RNG state (torch, per rank) gives the same masks,
+    so the resumed losses and gradient norms equal the uninterrupted run's."""
+    args = COMMON + ["--batch-size", "2", "--max-steps", "6", "--dropout", "0.1"]
+    ck = tmp_path / "ck"
+    run_train(args + ["--run-name", "full", "--save-dir", str(ck), "--save-interval", "3"], tmp_path)
+    run_train(args + ["--run-name", "resumed", "--resume", str(ck / "step-000003")], tmp_path)
+    for key in ("loss", "grad_norm"):
+        full, resumed = step_values(tmp_path / "full", key), step_values(tmp_path / "resumed", key)
+        assert len(full) == 6 and resumed == full[3:], key  # bit-identical
 
 
 def test_baseline_resume_is_exact_and_layout_is_checked(tmp_path: Path, capsys) -> None:
