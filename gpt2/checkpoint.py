@@ -13,9 +13,16 @@ Layout of `--save-dir`::
       zero/                 hybrid: DeepSpeed's sharded checkpoint (engine.save_checkpoint, tag "zero"; with
                             TP its files carry the TP rank as DeepSpeed's `mp_rank_XX`)
     step-000020.tmp/        a save in progress, or one a crash interrupted: never read, removed by the next save
+    latest.pending          "step-000020": written just before the rename, removed once `latest` names it
+    step-000004.deleting/   a --keep-last deletion in progress (renamed first): never read, removed by the next save
 
-A save writes everything into `step-XXXXXX.tmp/`, fsyncs it, renames it to `step-XXXXXX/` and only then
-points `latest` at it, so a crash at any moment leaves the previous checkpoint as the latest. An existing
+A save writes everything into `step-XXXXXX.tmp/`, fsyncs it, records the name in `latest.pending`, renames the
+folder to `step-XXXXXX/` and only then points `latest` at it and removes `latest.pending`. A kill at any instant
+leaves a resumable save dir: before the rename `latest` still names the previous checkpoint; after it, a
+`latest.pending` that names a complete folder newer than `latest` wins (a warning says so), so the requeued job
+continues from the newest complete checkpoint. A complete step folder that neither names (another branch of the
+run) is never chosen by `--resume auto`. `--keep-last` renames a folder to `step-XXXXXX.deleting` before deleting
+it, so a kill mid-delete leaves nothing a resume could pick. An existing
 step folder is never overwritten, and a `--save-dir` holding another run's checkpoints is refused unless this
 run resumes from it; `--keep-last` deletes only checkpoints older than the one just written. Resume restores
 model, optimizer, scheduler, step, data position and RNG states, so N steps + resume + M steps give the losses
@@ -25,6 +32,10 @@ and data order (batch size, accumulation, seq len, seed); to change the layout, 
 
 `Checkpointer.save(step)` may be called at any step boundary (the loop calls `maybe_save`; a preemption
 handler can call `save`). Every function here that touches the process group is collective.
+
+Fault injection (tests only): with `GPT2_TEST_KILL_AT=STAGE@STEP` in the environment, the saver SIGKILLs its own
+process when the save of step STEP reaches STAGE (one of `SAVE_STAGES`; `@STEP` may be left out: every save).
+tests/test_faults.py kills real runs at every stage and resumes them.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -51,7 +63,12 @@ from gpt2.distributed import DistContext
 from gpt2.run_logging import log
 
 LATEST = "latest"
+PENDING = "latest.pending"
 META = "meta.json"
+FAULT_ENV = "GPT2_TEST_KILL_AT"
+# the stages of a save, in order, at which GPT2_TEST_KILL_AT can stop it ("prune-*" only when --keep-last deletes)
+SAVE_STAGES = ("tmp-created", "rank-state-written", "model-state-written", "meta-written", "synced",
+               "pending-written", "renamed", "latest-written", "prune-renamed", "prune-partial", "pruned")
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 # meta.json fields that must match for a resume (the parallel layout decides how state is sharded)
 # batch_size, grad_accum, seq_len and seed too: the data position counts micro-batches of packed sequences in a
@@ -66,6 +83,16 @@ class CheckpointError(ConfigError):
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
+
+
+def _fault_point(stage: str, step: int) -> None:
+    """Test-only: SIGKILL this process here when GPT2_TEST_KILL_AT names this stage (and step)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    want, _, at = spec.partition("@")
+    if want == stage and (not at or int(at) == step):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def list_checkpoints(save_dir: Path) -> list[tuple[int, Path]]:
@@ -132,11 +159,21 @@ def resolve_resume(ckpt: CheckpointConfig) -> Path | None:
         return None
     root = Path(ckpt.save_dir if ckpt.resume == "auto" else ckpt.resume)
     pointer = root / LATEST
+    pending = _pending_checkpoint(root)
     if pointer.is_file():
         target = root / pointer.read_text().strip()
         if not (target / META).is_file():
             raise CheckpointError(f"{pointer} points at {target.name}, which is missing or incomplete")
+        if pending is not None and _step_of(pending) > _step_of(target):
+            log.warning("checkpoint: %s is complete but `%s` still names %s (a save was stopped between its "
+                        "rename and the pointer update): resuming from the newer %s", pending.name, LATEST,
+                        target.name, pending.name)
+            return pending
         return target
+    if pending is not None:
+        log.warning("checkpoint: %s is complete but there is no `%s` pointer yet (the first save was stopped "
+                    "before writing it): resuming from %s", pending.name, LATEST, pending.name)
+        return pending
     if found := list_checkpoints(root):
         raise CheckpointError(f"{root} holds step folders but no `{LATEST}` pointer; pass --resume "
                               f"{found[-1][1]} to choose one explicitly")
@@ -144,6 +181,22 @@ def resolve_resume(ckpt: CheckpointConfig) -> Path | None:
         return None
     read_meta(root)  # raises for missing / partial / foreign folders
     return root
+
+
+def _step_of(step_dir: Path) -> int:
+    m = _STEP_DIR.match(step_dir.name)
+    return int(m.group(1)) if m else -1
+
+
+def _pending_checkpoint(root: Path) -> Path | None:
+    """The folder `latest.pending` names, if it is complete (renamed, with its meta.json); else None."""
+    path = root / PENDING
+    if not path.is_file():
+        return None
+    target = root / path.read_text().strip()
+    if _STEP_DIR.match(target.name) and (target / META).is_file():
+        return target
+    return None  # the save stopped before its rename: `latest` is still right
 
 
 # ------------------------------------------------------------------------------------------------
@@ -207,6 +260,19 @@ def _write_text_atomic(path: Path, text: str) -> None:
     _fsync_path(path.parent)
 
 
+def _remove_checkpoint(folder: Path, step: int) -> None:
+    """Delete a step folder so that no kill leaves a half-deleted `step-XXXXXX`: rename it away first."""
+    doomed = folder.with_name(folder.name + ".deleting")
+    os.rename(folder, doomed)
+    _fsync_path(folder.parent)
+    _fault_point("prune-renamed", step)
+    first = next((p for p in sorted(doomed.iterdir()) if p.is_file()), None)
+    if first is not None:
+        first.unlink()
+    _fault_point("prune-partial", step)
+    shutil.rmtree(doomed)
+
+
 def _on_rank0(ctx: DistContext, fn: Callable[[], None]) -> None:
     """Run `fn` on rank 0 and raise its CheckpointError on every rank (no rank is left waiting)."""
     error = None
@@ -245,11 +311,15 @@ def save_checkpoint(cfg: RunConfig, ctx: DistContext, engine: Any, train_loader:
         save_dir.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)  # left by an interrupted save of this step
+        for doomed in save_dir.glob("step-*.deleting"):
+            shutil.rmtree(doomed)  # left by an interrupted --keep-last deletion
         tmp.mkdir()
+        _fault_point("tmp-created", step)
 
     _on_rank0(ctx, prepare)
     torch.save({"rng": _rng_state(ctx.device), "data": train_loader.state_dict(), "step": step},
                _rank_file(tmp, ctx.rank))
+    _fault_point("rank-state-written", step)
     if _is_deepspeed(engine):
         engine.save_sharded(tmp, client_state={"step": step})
     elif ctx.dims.dp_rank == 0:  # DDP replicas are identical; each TP rank holds different shards
@@ -257,18 +327,28 @@ def save_checkpoint(cfg: RunConfig, ctx: DistContext, engine: Any, train_loader:
         torch.save(engine.module.state_dict(), state_file(tmp, "model", tp_rank, tp_size))
         torch.save({"optimizer": engine.optimizer.state_dict(), "scheduler": engine.scheduler.state_dict(),
                     "scaler": engine.scaler.state_dict()}, state_file(tmp, "optimizer", tp_rank, tp_size))
+    _fault_point("model-state-written", step)
     ctx.barrier()
 
     def commit() -> None:
         (tmp / META).write_text(json.dumps(build_meta(cfg, ctx, step), indent=2))
+        _fault_point("meta-written", step)
         _fsync_tree(tmp)
+        _fault_point("synced", step)
+        _write_text_atomic(save_dir / PENDING, final.name + "\n")  # a kill after the rename still finds it
+        _fault_point("pending-written", step)
         os.rename(tmp, final)
         _fsync_path(save_dir)
+        _fault_point("renamed", step)
         _write_text_atomic(save_dir / LATEST, final.name + "\n")
+        _fault_point("latest-written", step)
+        (save_dir / PENDING).unlink()
+        _fsync_path(save_dir)
         if keep_last:  # only checkpoints older than this one: never the one `latest` now points at
             older = [p for s, p in list_checkpoints(save_dir) if s < step]
             for old in older[:max(0, len(older) - (keep_last - 1))]:
-                shutil.rmtree(old)
+                _remove_checkpoint(old, step)
+        _fault_point("pruned", step)
 
     _on_rank0(ctx, commit)
     log.info("checkpoint: saved %s", final)
