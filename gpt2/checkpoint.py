@@ -4,7 +4,8 @@ Layout of `--save-dir`::
 
     latest                  "step-000020": the newest complete checkpoint, replaced atomically after its rename
     step-000010/
-      meta.json             model config, mode, world/tp/dp sizes, zero stage, step, versions (written last)
+      manifest.json         size and sha256 of every other file in the folder (written last)
+      meta.json             model config, mode, world/tp/dp sizes, zero stage, step, versions
       rank-00000.pt ...     per rank: RNG states (torch CPU + CUDA, numpy, python) and the train data position
       model.pt              single/baseline: model state dict (rank 0; DDP replicas are identical)
       optimizer.pt          single/baseline: AdamW, LR scheduler and GradScaler states (rank 0)
@@ -33,6 +34,14 @@ and data order (batch size, accumulation, seq len, seed); to change the layout, 
 `Checkpointer.save(step)` may be called at any step boundary (the loop calls `maybe_save`; a preemption
 handler can call `save`). Every function here that touches the process group is collective.
 
+Integrity: before anything in a checkpoint is loaded (resume, export), rank 0 checks every file against
+`manifest.json`: a missing, truncated, modified or unlisted file is refused with a CheckpointError naming it, so
+DeepSpeed's pickles (its loaders use torch.load(weights_only=False)) are never unpickled unless every file matches
+what the save wrote. Our own files are also loaded with weights_only=True. The manifest guards against
+truncation, corruption and files mixed in from elsewhere; it is not a signature (whoever can rewrite the folder
+can rewrite the manifest). Checkpoints from before manifests: single/baseline ones (weights_only files only) load
+with a warning; hybrid ones (pickles) are refused unless GPT2_TRUST_UNVERIFIED_CHECKPOINT=1 is set.
+
 Fault injection (tests only): with `GPT2_TEST_KILL_AT=STAGE@STEP` in the environment, the saver SIGKILLs its own
 process when the save of step STEP reaches STAGE (one of `SAVE_STAGES`; `@STEP` may be left out: every save).
 tests/test_faults.py kills real runs at every stage and resumes them.
@@ -41,6 +50,7 @@ tests/test_faults.py kills real runs at every stage and resumes them.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -65,9 +75,12 @@ from gpt2.run_logging import log
 LATEST = "latest"
 PENDING = "latest.pending"
 META = "meta.json"
+MANIFEST = "manifest.json"
+TRUST_ENV = "GPT2_TRUST_UNVERIFIED_CHECKPOINT"
 FAULT_ENV = "GPT2_TEST_KILL_AT"
 # the stages of a save, in order, at which GPT2_TEST_KILL_AT can stop it ("prune-*" only when --keep-last deletes)
-SAVE_STAGES = ("tmp-created", "rank-state-written", "model-state-written", "meta-written", "synced",
+SAVE_STAGES = ("tmp-created", "rank-state-written", "model-state-written", "meta-written", "manifest-written",
+               "synced",
                "pending-written", "renamed", "latest-written", "prune-renamed", "prune-partial", "pruned")
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 # meta.json fields that must match for a resume (the parallel layout decides how state is sharded)
@@ -197,6 +210,73 @@ def _pending_checkpoint(root: Path) -> Path | None:
     if _STEP_DIR.match(target.name) and (target / META).is_file():
         return target
     return None  # the save stopped before its rename: `latest` is still right
+
+
+# ------------------------------------------------------------------------------------------------
+# integrity: manifest.json
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(folder: Path) -> list[str]:
+    """Every file under `folder` but the manifest, as sorted relative POSIX paths."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                  if p.is_file() and p.relative_to(folder).as_posix() != MANIFEST)
+
+
+def write_manifest(folder: Path) -> None:
+    """manifest.json: size and sha256 of every other file in `folder` (call it after the last file is written)."""
+    entries = {rel: {"size": (folder / rel).stat().st_size, "sha256": _sha256(folder / rel)} for rel in _files(folder)}
+    (folder / MANIFEST).write_text(json.dumps({"version": 1, "files": entries}, indent=1))
+
+
+_verified: set[Path] = set()  # folders checked in this process (resume checks at start-up, then loads)
+
+
+def verify_checkpoint(folder: Path) -> None:
+    """Refuse (CheckpointError naming the file) a checkpoint whose files do not match its manifest.json."""
+    key = folder.resolve()
+    if key in _verified:
+        return
+    path = folder / MANIFEST
+    if not path.is_file():
+        hybrid = read_meta(folder).get("mode") == "hybrid"
+        if hybrid and os.environ.get(TRUST_ENV) != "1":
+            raise CheckpointError(
+                f"{folder} has no {MANIFEST} (saved before checkpoints had one), and its DeepSpeed files are "
+                f"pickles that loading would execute: refusing to load it unverified. If you trust its origin, "
+                f"set {TRUST_ENV}=1")
+        log.warning("checkpoint: %s has no %s (saved before checkpoints had one): its files are not verified%s",
+                    folder, MANIFEST, f" ({TRUST_ENV}=1)" if hybrid else "; they load with weights_only=True")
+        _verified.add(key)
+        return
+    try:
+        listed = json.loads(path.read_text())["files"]
+        assert isinstance(listed, dict)
+    except (ValueError, KeyError, TypeError, AssertionError):
+        raise CheckpointError(f"{path} is not a valid checkpoint manifest: refusing to load {folder}") from None
+    for rel, want in listed.items():
+        file = folder / rel
+        if not file.is_file():
+            raise CheckpointError(f"{file} is listed in {path} but missing: refusing to load {folder}")
+        size = file.stat().st_size
+        if size != want["size"]:
+            raise CheckpointError(f"{file} is {size} bytes, {MANIFEST} says {want['size']} (truncated or "
+                                  f"replaced): refusing to load {folder}")
+        if _sha256(file) != want["sha256"]:
+            raise CheckpointError(f"{file} does not match its sha256 in {MANIFEST} (modified or replaced): "
+                                  f"refusing to load {folder}")
+    extra = [rel for rel in _files(folder) if rel not in listed]
+    if extra:
+        raise CheckpointError(f"{folder / extra[0]} is not in {MANIFEST}: a file the save did not write; refusing to "
+                              f"load {folder}")
+    _verified.add(key)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -333,6 +413,8 @@ def save_checkpoint(cfg: RunConfig, ctx: DistContext, engine: Any, train_loader:
     def commit() -> None:
         (tmp / META).write_text(json.dumps(build_meta(cfg, ctx, step), indent=2))
         _fault_point("meta-written", step)
+        write_manifest(tmp)  # last: covers every file of every rank, meta.json included
+        _fault_point("manifest-written", step)
         _fsync_tree(tmp)
         _fault_point("synced", step)
         _write_text_atomic(save_dir / PENDING, final.name + "\n")  # a kill after the rename still finds it
@@ -359,6 +441,7 @@ def load_checkpoint(step_dir: Path, cfg: RunConfig, ctx: DistContext, engine: An
                     train_loader: BatchLoader) -> int:
     """Restore everything saved in `step_dir` (collective); returns the step to continue after."""
     meta = read_meta(step_dir)
+    _on_rank0(ctx, lambda: verify_checkpoint(step_dir))  # before any file is unpickled, ours or DeepSpeed's
     check_compatible(meta, cfg, ctx, step_dir)
     step = int(meta["step"])
     rank_path = _rank_file(step_dir, ctx.rank)
@@ -426,6 +509,7 @@ def prepare_resume(cfg: RunConfig, ctx: DistContext) -> Path | None:
     start_step = 0
     if resume_from:
         meta = read_meta(resume_from)
+        _on_rank0(ctx, lambda: verify_checkpoint(resume_from))  # at start-up: a bad file fails before any work
         check_compatible(meta, cfg, ctx, resume_from)
         cfg.checkpoint.resumed_from = str(resume_from.resolve())
         start_step = meta["step"]

@@ -2,7 +2,7 @@
 
 Each fault tried and the outcome this file asserts:
 
-- tmp-created, rank-state-written, model-state-written, meta-written, synced: step 2's save is only a
+- tmp-created, rank-state-written, model-state-written, meta-written, manifest-written, synced: step 2's save is a
   `step-000002.tmp` (never read, removed by the next save) -> resumes from step 1
 - pending-written: `latest.pending` names step 2, not renamed yet (ignored) -> step 1
 - renamed: a complete `step-000002` that `latest` does not name (the old code exited 2 here) -> step 2, warning
@@ -29,8 +29,8 @@ from tests.train_runs import ROOT, TINY_ARGS, run_train, step_values, summary, t
 ARGS = TINY_ARGS + ["--data", "synthetic", "--max-steps", "4", "--seed", "7", "--batch-size", "2",
                     "--eval-batches", "1", "--save-interval", "1", "--keep-last", "1"]
 KILL_STEP = 2
-BEFORE_RENAME = ("tmp-created", "rank-state-written", "model-state-written", "meta-written", "synced",
-                 "pending-written")
+BEFORE_RENAME = ("tmp-created", "rank-state-written", "model-state-written", "meta-written", "manifest-written",
+                 "synced", "pending-written")
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +59,8 @@ def test_kill_at_every_save_stage_then_resume_auto_continues_exactly(reference: 
     assert killed.returncode == -9, f"not killed at {stage}: rc {killed.returncode}\n{killed.stderr[-3000:]}"
     for folder in ck.glob("step-*"):  # what a resume could pick is whole; the rest is named .tmp / .deleting
         if folder.suffix not in (".tmp", ".deleting"):
-            assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "model.pt", "optimizer.pt",
-                                                                 "rank-00000.pt"], folder
+            assert sorted(p.name for p in folder.iterdir()) == ["manifest.json", "meta.json", "model.pt",
+                                                                 "optimizer.pt", "rank-00000.pt"], folder
 
     proc = run_train(ARGS + ["--run-name", "resumed", "--save-dir", str(ck), "--resume", "auto"], tmp_path)
     expected_start = 1 if stage in BEFORE_RENAME else KILL_STEP

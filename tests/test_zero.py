@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,39 @@ def test_zero3_keeps_torch_linear_and_refuses_deepspeeds_under_compile(tmp_path:
     compiled = parse_args(["--mode", "hybrid", "--zero-stage", "3", "--compile", "--ds-config", path])
     with pytest.raises(ConfigError, match=f"{path} sets zero_optimization.memory_efficient_linear=true.*--compile"):
         build_ds_config(compiled, 1, torch.device("cuda"))
+
+
+class _Payload:
+    """Unpickling this creates a file: proof that a loader executed code from the checkpoint."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_deepspeed_pickles_are_never_loaded_unverified(runs: Path, tmp_path: Path, monkeypatch) -> None:
+    """DeepSpeed's loaders unpickle with weights_only=False: a replaced shard is refused by the manifest check
+    before any unpickling, and a hybrid checkpoint without a manifest is refused unless explicitly trusted."""
+    from gpt2.checkpoint import TRUST_ENV, CheckpointError, verify_checkpoint
+    from gpt2.export import consolidated_state_dict
+
+    folder = tmp_path / "evil" / "step-000005"
+    shutil.copytree(runs / "ck-zero3" / "step-000005", folder)
+    shard = sorted((folder / "zero").glob("*.pt"))[0]
+    marker = tmp_path / "code-ran"
+    torch.save({"payload": _Payload(marker)}, shard)
+    with pytest.raises(CheckpointError, match=f"{shard.name} (is .* bytes|does not match its sha256)"):
+        consolidated_state_dict(folder)
+    assert not marker.exists()
+    torch.load(shard, weights_only=False)  # the payload works: the check above is what stopped it
+    assert marker.exists()
+
+    legacy = tmp_path / "legacy" / "step-000005"
+    shutil.copytree(runs / "ck-zero3" / "step-000005", legacy)
+    (legacy / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=f"no manifest.json .* set {TRUST_ENV}=1"):
+        verify_checkpoint(legacy)
+    monkeypatch.setenv(TRUST_ENV, "1")
+    verify_checkpoint(legacy)  # explicitly trusted: loads with a warning
