@@ -107,3 +107,61 @@ def test_two_rank_kill_then_resume_auto_continues_exactly(multi_reference: dict[
         got = step_values(tmp_path / "resumed", key)
         assert got == pytest.approx(ref, abs=1e-6), key
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-000004"]
+
+
+@pytest.mark.slow
+def test_twenty_kills_at_random_instants_then_resume_auto_each_time(tmp_path: Path) -> None:
+    """One run SIGKILLed again and again at a random instant (0-0.4 s after its first new step record: inside a
+    step, a save or a prune), each time continued with --resume auto, until 20 kills; then it finishes. Every
+    step any of its processes logged equals the uninterrupted run's (bit-identical)."""
+    import json
+    import random
+    import signal
+    import time
+
+    steps = 60
+    args = [a if a != "4" else str(steps) for a in ARGS]  # --max-steps
+    run_train(args + ["--run-name", "full", "--save-dir", str(tmp_path / "ck-full")], tmp_path)
+    reference = step_values(tmp_path / "full", "loss")
+    assert len(reference) == steps
+    ck, out = tmp_path / "ck", tmp_path / "runs"
+    rng = random.Random(17)
+    kills, cycles = 0, 0
+    while True:
+        cycles += 1
+        assert cycles <= 60, f"no progress after {kills} kills"
+        before = {p.name for p in out.iterdir()} if out.is_dir() else set()
+        cmd = [sys.executable, str(ROOT / "train.py")] + args + ["--run-name", "r", "--save-dir", str(ck),
+                                                                 "--resume", "auto", "--out-dir", str(out)]
+        proc = subprocess.Popen(cmd, env=train_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
+        if kills < 20:
+            deadline = time.monotonic() + 120
+            while proc.poll() is None and time.monotonic() < deadline:
+                new = [p / "metrics.jsonl" for p in out.glob("r*") if p.name not in before]
+                if new and new[0].is_file() and '"type": "step"' in new[0].read_text():
+                    break
+                time.sleep(0.02)
+            time.sleep(rng.uniform(0.0, 0.4))
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                kills += 1
+        _, err = proc.communicate(timeout=300)
+        if proc.returncode == 0:
+            break
+        assert proc.returncode == -9, f"rc {proc.returncode}: {err[-3000:]}"
+    assert kills >= 20
+    checked = 0
+    for run in out.iterdir():
+        lines = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").is_file() else []
+        for i, line in enumerate(lines):
+            try:
+                r = json.loads(line)
+            except ValueError:
+                assert i == len(lines) - 1, (run.name, line)  # only a killed writer's last line may be cut
+                continue
+            if r["type"] == "step" and "loss" in r:
+                assert r["loss"] == reference[r["step"] - 1], (run.name, r["step"])
+                checked += 1
+    assert checked >= steps
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", f"step-{steps:06d}"]
