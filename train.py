@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         setup_console(None, ctx.is_main)
         # a bad --resume or a colliding --save-dir fails before data, a run folder or a model exist
-        resume = prepare_resume(layout)  # recorded in the new run folder's config.json
+        resume = prepare_resume(layout, ctx)  # recorded in the new run folder's config.json
         # data first: a bad --data-path or tokenizer fails before a run folder or a model exists
         data = build_data(
             cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,

@@ -4,7 +4,8 @@ Layout of `--save-dir`::
 
     latest                  "step-000020": the newest complete checkpoint, replaced atomically after its rename
     step-000010/
-      meta.json             model config, mode, world/tp/dp sizes, zero stage, step, versions (written last)
+      manifest.json         size and sha256 of every other file in the folder (written last)
+      meta.json             model config, mode, world/tp/dp sizes, zero stage, step, versions
       rank-00000.pt ...     per rank: RNG states (torch CPU + CUDA, numpy, python) and the train data position
       model.pt              single/baseline: model state dict (rank 0; DDP replicas are identical)
       optimizer.pt          single/baseline: AdamW, LR scheduler and GradScaler states (rank 0)
@@ -13,9 +14,16 @@ Layout of `--save-dir`::
       zero/                 hybrid: DeepSpeed's sharded checkpoint (engine.save_checkpoint, tag "zero"; with
                             TP its files carry the TP rank as DeepSpeed's `mp_rank_XX`)
     step-000020.tmp/        a save in progress, or one a crash interrupted: never read, removed by the next save
+    latest.pending          "step-000020": written just before the rename, removed once `latest` names it
+    step-000004.deleting/   a --keep-last deletion in progress (renamed first): never read, removed by the next save
 
-A save writes everything into `step-XXXXXX.tmp/`, fsyncs it, renames it to `step-XXXXXX/` and only then
-points `latest` at it, so a crash at any moment leaves the previous checkpoint as the latest. An existing
+A save writes everything into `step-XXXXXX.tmp/`, fsyncs it, records the name in `latest.pending`, renames the
+folder to `step-XXXXXX/` and only then points `latest` at it and removes `latest.pending`. A kill at any instant
+leaves a resumable save dir: before the rename `latest` still names the previous checkpoint; after it, a
+`latest.pending` that names a complete folder newer than `latest` wins (a warning says so), so the requeued job
+continues from the newest complete checkpoint. A complete step folder that neither names (another branch of the
+run) is never chosen by `--resume auto`. `--keep-last` renames a folder to `step-XXXXXX.deleting` before deleting
+it, so a kill mid-delete leaves nothing a resume could pick. An existing
 step folder is never overwritten, and a `--save-dir` holding another run's checkpoints is refused unless this
 run resumes from it; `--keep-last` deletes only checkpoints older than the one just written. Resume restores
 model, optimizer, scheduler, step, data position and RNG states, so N steps + resume + M steps give the losses
@@ -25,17 +33,31 @@ and data order (batch size, accumulation, seq len, seed); to change the layout, 
 
 `Checkpointer.save(step)` may be called at any step boundary (the loop calls `maybe_save`; a preemption
 handler can call `save`). Every function here that touches the process group is collective.
+
+Integrity: before anything in a checkpoint is loaded (resume, export), rank 0 checks every file against
+`manifest.json`: a missing, truncated, modified or unlisted file is refused with a CheckpointError naming it, so
+DeepSpeed's pickles (its loaders use torch.load(weights_only=False)) are never unpickled unless every file matches
+what the save wrote. Our own files are also loaded with weights_only=True. The manifest guards against
+truncation, corruption and files mixed in from elsewhere; it is not a signature (whoever can rewrite the folder
+can rewrite the manifest). Checkpoints from before manifests: single/baseline ones (weights_only files only) load
+with a warning; hybrid ones (pickles) are refused unless GPT2_TRUST_UNVERIFIED_CHECKPOINT=1 is set.
+
+Fault injection (tests only): with `GPT2_TEST_KILL_AT=STAGE@STEP` in the environment, the saver SIGKILLs its own
+process when the save of step STEP reaches STAGE (one of `SAVE_STAGES`; `@STEP` may be left out: every save).
+tests/test_faults.py kills real runs at every stage and resumes them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.metadata
 import json
 import os
 import random
 import re
 import shutil
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,8 +75,16 @@ from gpt2.layout import RunLayout
 from gpt2.run_logging import log
 
 LATEST = "latest"
+PENDING = "latest.pending"
 META = "meta.json"
 CHECKPOINT_TAG = "zero"  # DeepSpeed's sub-folder inside one of our step folders
+MANIFEST = "manifest.json"
+TRUST_ENV = "GPT2_TRUST_UNVERIFIED_CHECKPOINT"
+FAULT_ENV = "GPT2_TEST_KILL_AT"
+# the stages of a save, in order, at which GPT2_TEST_KILL_AT can stop it ("prune-*" only when --keep-last deletes)
+SAVE_STAGES = ("tmp-created", "rank-state-written", "model-state-written", "meta-written", "manifest-written",
+               "synced",
+               "pending-written", "renamed", "latest-written", "prune-renamed", "prune-partial", "pruned")
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 # meta.json fields that must match for a resume (the parallel layout decides how state is sharded)
 # batch_size, grad_accum, seq_len and seed too: the data position counts micro-batches of packed sequences in a
@@ -69,6 +99,16 @@ class CheckpointError(ConfigError):
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
+
+
+def _fault_point(stage: str, step: int) -> None:
+    """Test-only: SIGKILL this process here when GPT2_TEST_KILL_AT names this stage (and step)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    want, _, at = spec.partition("@")
+    if want == stage and (not at or int(at) == step):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def list_checkpoints(save_dir: Path) -> list[tuple[int, Path]]:
@@ -136,11 +176,21 @@ def resolve_resume(ckpt: CheckpointConfig) -> Path | None:
         return None
     root = Path(ckpt.save_dir if ckpt.resume == "auto" else ckpt.resume)
     pointer = root / LATEST
+    pending = _pending_checkpoint(root)
     if pointer.is_file():
         target = root / pointer.read_text().strip()
         if not (target / META).is_file():
             raise CheckpointError(f"{pointer} points at {target.name}, which is missing or incomplete")
+        if pending is not None and _step_of(pending) > _step_of(target):
+            log.warning("checkpoint: %s is complete but `%s` still names %s (a save was stopped between its "
+                        "rename and the pointer update): resuming from the newer %s", pending.name, LATEST,
+                        target.name, pending.name)
+            return pending
         return target
+    if pending is not None:
+        log.warning("checkpoint: %s is complete but there is no `%s` pointer yet (the first save was stopped "
+                    "before writing it): resuming from %s", pending.name, LATEST, pending.name)
+        return pending
     if found := list_checkpoints(root):
         raise CheckpointError(f"{root} holds step folders but no `{LATEST}` pointer; pass --resume "
                               f"{found[-1][1]} to choose one explicitly")
@@ -148,6 +198,89 @@ def resolve_resume(ckpt: CheckpointConfig) -> Path | None:
         return None
     read_meta(root)  # raises for missing / partial / foreign folders
     return root
+
+
+def _step_of(step_dir: Path) -> int:
+    m = _STEP_DIR.match(step_dir.name)
+    return int(m.group(1)) if m else -1
+
+
+def _pending_checkpoint(root: Path) -> Path | None:
+    """The folder `latest.pending` names, if it is complete (renamed, with its meta.json); else None."""
+    path = root / PENDING
+    if not path.is_file():
+        return None
+    target = root / path.read_text().strip()
+    if _STEP_DIR.match(target.name) and (target / META).is_file():
+        return target
+    return None  # the save stopped before its rename: `latest` is still right
+
+
+# ------------------------------------------------------------------------------------------------
+# integrity: manifest.json
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(folder: Path) -> list[str]:
+    """Every file under `folder` but the manifest, as sorted relative POSIX paths."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                  if p.is_file() and p.relative_to(folder).as_posix() != MANIFEST)
+
+
+def write_manifest(folder: Path) -> None:
+    """manifest.json: size and sha256 of every other file in `folder` (call it after the last file is written)."""
+    entries = {rel: {"size": (folder / rel).stat().st_size, "sha256": _sha256(folder / rel)} for rel in _files(folder)}
+    (folder / MANIFEST).write_text(json.dumps({"version": 1, "files": entries}, indent=1))
+
+
+_verified: set[Path] = set()  # folders checked in this process (resume checks at start-up, then loads)
+
+
+def verify_checkpoint(folder: Path) -> None:
+    """Refuse (CheckpointError naming the file) a checkpoint whose files do not match its manifest.json."""
+    key = folder.resolve()
+    if key in _verified:
+        return
+    path = folder / MANIFEST
+    if not path.is_file():
+        hybrid = read_meta(folder).get("mode") == "hybrid"
+        if hybrid and os.environ.get(TRUST_ENV) != "1":
+            raise CheckpointError(
+                f"{folder} has no {MANIFEST} (saved before checkpoints had one), and its DeepSpeed files are "
+                f"pickles that loading would execute: refusing to load it unverified. If you trust its origin, "
+                f"set {TRUST_ENV}=1")
+        log.warning("checkpoint: %s has no %s (saved before checkpoints had one): its files are not verified%s",
+                    folder, MANIFEST, f" ({TRUST_ENV}=1)" if hybrid else "; they load with weights_only=True")
+        _verified.add(key)
+        return
+    try:
+        listed = json.loads(path.read_text())["files"]
+        assert isinstance(listed, dict)
+    except (ValueError, KeyError, TypeError, AssertionError):
+        raise CheckpointError(f"{path} is not a valid checkpoint manifest: refusing to load {folder}") from None
+    for rel, want in listed.items():
+        file = folder / rel
+        if not file.is_file():
+            raise CheckpointError(f"{file} is listed in {path} but missing: refusing to load {folder}")
+        size = file.stat().st_size
+        if size != want["size"]:
+            raise CheckpointError(f"{file} is {size} bytes, {MANIFEST} says {want['size']} (truncated or "
+                                  f"replaced): refusing to load {folder}")
+        if _sha256(file) != want["sha256"]:
+            raise CheckpointError(f"{file} does not match its sha256 in {MANIFEST} (modified or replaced): "
+                                  f"refusing to load {folder}")
+    extra = [rel for rel in _files(folder) if rel not in listed]
+    if extra:
+        raise CheckpointError(f"{folder / extra[0]} is not in {MANIFEST}: a file the save did not write; refusing to "
+                              f"load {folder}")
+    _verified.add(key)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -211,6 +344,19 @@ def _write_text_atomic(path: Path, text: str) -> None:
     _fsync_path(path.parent)
 
 
+def _remove_checkpoint(folder: Path, step: int) -> None:
+    """Delete a step folder so that no kill leaves a half-deleted `step-XXXXXX`: rename it away first."""
+    doomed = folder.with_name(folder.name + ".deleting")
+    os.rename(folder, doomed)
+    _fsync_path(folder.parent)
+    _fault_point("prune-renamed", step)
+    first = next((p for p in sorted(doomed.iterdir()) if p.is_file()), None)
+    if first is not None:
+        first.unlink()
+    _fault_point("prune-partial", step)
+    shutil.rmtree(doomed)
+
+
 def _on_rank0(ctx: DistContext, fn: Callable[[], None]) -> None:
     """Run `fn` on rank 0 and raise its CheckpointError on every rank (no rank is left waiting)."""
     error = None
@@ -249,11 +395,15 @@ def save_checkpoint(layout: RunLayout, ctx: DistContext, engine: Any, train_load
         save_dir.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)  # left by an interrupted save of this step
+        for doomed in save_dir.glob("step-*.deleting"):
+            shutil.rmtree(doomed)  # left by an interrupted --keep-last deletion
         tmp.mkdir()
+        _fault_point("tmp-created", step)
 
     _on_rank0(ctx, prepare)
     torch.save({"rng": _rng_state(ctx.device), "data": train_loader.state_dict(), "step": step},
                _rank_file(tmp, ctx.rank))
+    _fault_point("rank-state-written", step)
     if _is_deepspeed(engine):
         engine.save_sharded(tmp, client_state={"step": step})
     elif ctx.dims.dp_rank == 0:  # DDP replicas are identical; each TP rank holds different shards
@@ -261,18 +411,30 @@ def save_checkpoint(layout: RunLayout, ctx: DistContext, engine: Any, train_load
         torch.save(engine.module.state_dict(), state_file(tmp, "model", tp_rank, tp_size))
         torch.save({"optimizer": engine.optimizer.state_dict(), "scheduler": engine.scheduler.state_dict(),
                     "scaler": engine.scaler.state_dict()}, state_file(tmp, "optimizer", tp_rank, tp_size))
+    _fault_point("model-state-written", step)
     ctx.barrier()
 
     def commit() -> None:
         (tmp / META).write_text(json.dumps(build_meta(layout, step), indent=2))
+        _fault_point("meta-written", step)
+        write_manifest(tmp)  # last: covers every file of every rank, meta.json included
+        _fault_point("manifest-written", step)
         _fsync_tree(tmp)
+        _fault_point("synced", step)
+        _write_text_atomic(save_dir / PENDING, final.name + "\n")  # a kill after the rename still finds it
+        _fault_point("pending-written", step)
         os.rename(tmp, final)
         _fsync_path(save_dir)
+        _fault_point("renamed", step)
         _write_text_atomic(save_dir / LATEST, final.name + "\n")
+        _fault_point("latest-written", step)
+        (save_dir / PENDING).unlink()
+        _fsync_path(save_dir)
         if keep_last:  # only checkpoints older than this one: never the one `latest` now points at
             older = [p for s, p in list_checkpoints(save_dir) if s < step]
             for old in older[:max(0, len(older) - (keep_last - 1))]:
-                shutil.rmtree(old)
+                _remove_checkpoint(old, step)
+        _fault_point("pruned", step)
 
     _on_rank0(ctx, commit)
     log.info("checkpoint: saved %s", final)
@@ -295,6 +457,7 @@ def load_checkpoint(resume: ResumePoint, layout: RunLayout, ctx: DistContext, en
                     train_loader: BatchLoader) -> int:
     """Restore everything saved in the resume point's folder (collective); returns the step to continue after."""
     step_dir, step = resume.folder, resume.step
+    _on_rank0(ctx, lambda: verify_checkpoint(step_dir))  # before any file is unpickled, ours or DeepSpeed's
     rank_path = _rank_file(step_dir, ctx.rank)
     if not rank_path.is_file():
         raise CheckpointError(f"{step_dir} has no {rank_path.name}: the checkpoint is incomplete")
@@ -353,7 +516,7 @@ def check_save_dir(cfg: RunConfig, resume_from: Path | None, start_step: int) ->
                               "latest checkpoint (--resume auto)")
 
 
-def prepare_resume(layout: RunLayout) -> ResumePoint | None:
+def prepare_resume(layout: RunLayout, ctx: DistContext) -> ResumePoint | None:
     """Start-up checks, cheap and before anything heavy: resolve --resume, check it matches this run, check
     --save-dir holds nothing this run would write. The run folder's config.json records `folder.resolve()`."""
     cfg = layout.cfg
@@ -361,6 +524,7 @@ def prepare_resume(layout: RunLayout) -> ResumePoint | None:
     resume = None
     if resume_from:
         resume = ResumePoint(resume_from, read_meta(resume_from))
+        _on_rank0(ctx, lambda: verify_checkpoint(resume_from))  # at start-up: a bad file fails before any work
         check_compatible(resume.meta, layout, resume_from)
     check_save_dir(cfg, resume_from, resume.step if resume else 0)
     return resume

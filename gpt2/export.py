@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from gpt2.checkpoint import CHECKPOINT_TAG, LATEST, CheckpointError, read_meta, state_file
+from gpt2.checkpoint import CHECKPOINT_TAG, LATEST, CheckpointError, read_meta, state_file, verify_checkpoint
 from gpt2.config import ModelConfig
 from gpt2.hf_weights import hf_config_for, ours_to_hf
 from parallel.tp_plan import param_shard, unshard_tensor
@@ -62,6 +62,7 @@ def _zero_tp_rank_state_dict(step_dir: Path, tp_rank: int) -> dict[str, torch.Te
 def consolidated_state_dict(step_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The model config and full fp32 state dict (our parameter names) of a checkpoint folder."""
     meta = read_meta(step_dir)
+    verify_checkpoint(step_dir)  # before DeepSpeed's loader unpickles anything
     cfg = ModelConfig(**meta["model"])
     tp = meta["tp_size"]
     if meta["mode"] == "hybrid":

@@ -6,6 +6,7 @@ All numbers a run reports come from here, so the formulas live in one place.
 from __future__ import annotations
 
 import logging
+import re
 import resource
 import sys
 import time
@@ -18,20 +19,42 @@ from gpt2.config import ModelConfig
 
 _log = logging.getLogger("gpt2")
 
-# Dense bf16 tensor-core peak, TFLOP/s per GPU (no sparsity), from the vendors' datasheets.
-# Matched against torch.cuda.get_device_name() by substring, most specific first.
-PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
-    ("H200", 989.0),
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H100", 989.0),  # SXM / HBM3
-    ("H800", 989.0),
-    ("GH200", 989.0),
-    ("A100", 312.0),
-    ("A800", 312.0),
-    ("L40S", 362.0),
-    ("L4", 121.0),
-]
+# Dense bf16 tensor-core peak, TFLOP/s per GPU (no sparsity), from the vendors' datasheets, keyed by
+# (product, variant). torch.cuda.get_device_name() gives e.g. "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
+# "NVIDIA A100-SXM4-80GB", "NVIDIA L40S": `device_product` splits it into words (at spaces and dashes) and the
+# product is the first word after "NVIDIA", compared whole ("L40" is not "L4", "GH200" is not "H200"). The
+# variant is "PCIe" or "NVL" when one of the words says so, else None (SXM / the only form).
+PEAK_BF16_TFLOPS: dict[tuple[str, str | None], float] = {
+    ("A100", None): 312.0, ("A100", "PCIe"): 312.0,
+    ("A800", None): 312.0, ("A800", "PCIe"): 312.0,
+    ("H100", None): 989.0,  # SXM5 (HBM3)
+    ("H100", "PCIe"): 756.0,
+    ("H100", "NVL"): 835.0,
+    ("H800", None): 989.0, ("H800", "PCIe"): 756.0,
+    ("H200", None): 989.0,  # SXM
+    ("H200", "NVL"): 835.0,
+    ("GH200", None): 989.0,
+    ("L40S", None): 362.0,
+    ("L40", None): 181.0,  # 362 is L40's figure with sparsity
+    ("L4", None): 121.0,
+}
+
+
+def device_product(name: str) -> tuple[str, str | None]:
+    """("H100", "PCIe") from "NVIDIA H100 PCIe"; ("A100", None) from "NVIDIA A100-SXM4-80GB"."""
+    words = [w for w in re.split(r"[\s\-]+", name.strip()) if w]
+    if words and words[0].upper() == "NVIDIA":
+        words = words[1:]
+    if not words:
+        return "", None
+    upper = {w.upper() for w in words[1:]}
+    variant = "PCIe" if "PCIE" in upper else "NVL" if "NVL" in upper else None
+    return words[0].upper(), variant
+
+
+def peak_tflops_for_name(name: str) -> float | None:
+    """The table's dense bf16 peak for a CUDA device name; None if the product/variant is not in the table."""
+    return PEAK_BF16_TFLOPS.get(device_product(name))
 
 
 def non_embedding_block_params(cfg: ModelConfig) -> int:
@@ -95,9 +118,8 @@ def device_peak_tflops(device: torch.device, override: float | None = None) -> f
                      "Pass --peak-tflops to set one.", device.type)
         return None
     name = torch.cuda.get_device_name(device)
-    for key, tflops in PEAK_BF16_TFLOPS:
-        if key in name:
-            return tflops
+    if (tflops := peak_tflops_for_name(name)) is not None:
+        return tflops
     _log.warning("!!! unknown GPU %r: MFU is not reported. Pass --peak-tflops <dense bf16 TFLOP/s>. !!!", name)
     return None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import netrc
 import os
 import time
 from pathlib import Path
@@ -77,23 +78,49 @@ def wandb_identity(cfg: RunConfig) -> dict[str, Any]:
             "tags": list(dict.fromkeys([*cfg.log.wandb_tags, *auto]))}
 
 
+def wandb_host() -> str:
+    return urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+
+
+def wandb_credentials() -> tuple[str | None, str]:
+    """Where wandb would find an API key, without the network: (source, "") or (None, why there is none).
+
+    Checked: WANDB_API_KEY is set and not blank, or the netrc file (`wandb login` writes it; $NETRC or ~/.netrc)
+    parses and has a `machine <host>` entry (or a `default` one) with a non-empty password, host taken from
+    WANDB_BASE_URL. Not checked: that the server accepts the key (no network call at start-up)."""
+    if os.environ.get("WANDB_API_KEY", "").strip():
+        return "WANDB_API_KEY", ""
+    host = wandb_host()
+    path = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    if not path.is_file():
+        return None, f"WANDB_API_KEY is unset and {path} does not exist"
+    try:
+        parsed = netrc.netrc(str(path))
+    except (netrc.NetrcParseError, OSError) as err:
+        return None, f"WANDB_API_KEY is unset and {path} cannot be read as a netrc file ({err})"
+    entry, name = parsed.hosts.get(host), f"machine {host}"
+    if entry is None and "default" in parsed.hosts:
+        entry, name = parsed.hosts["default"], "default"
+    if entry is None:
+        return None, f"WANDB_API_KEY is unset and {path} has no `machine {host}` entry"
+    if not (entry[2] or "").strip():
+        return None, f"WANDB_API_KEY is unset and the `{name}` entry of {path} has no password (the API key)"
+    return f"{path} (`{name}`)", ""
+
+
 def wandb_credentials_present() -> bool:
-    """WANDB_API_KEY, or an entry for the wandb host in the netrc file `wandb login` writes (no network)."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
-    return netrc.is_file() and host in netrc.read_text()
+    return wandb_credentials()[0] is not None
 
 
 def wandb_mode(requested: str | None) -> str:
     """online iff credentials are present, else offline; an explicit choice wins, but online needs credentials."""
-    if requested == "online" and not wandb_credentials_present():
-        raise ConfigError("--wandb online needs credentials: run `wandb login` or set WANDB_API_KEY; or log locally "
-                          "with --wandb offline (upload later with `wandb sync`)")
+    source, why_not = wandb_credentials()
+    if requested == "online" and source is None:
+        raise ConfigError(f"--wandb online needs credentials ({why_not}): run `wandb login` or set WANDB_API_KEY; "
+                          "or log locally with --wandb offline (upload later with `wandb sync`)")
     if requested:
         return requested
-    return "online" if wandb_credentials_present() else "offline"
+    return "online" if source else "offline"
 
 
 class MetricsLogger:
@@ -116,6 +143,9 @@ class MetricsLogger:
                 **wandb_identity(cfg),
             )
             log.info("wandb: %s mode, run %s", mode, run_dir.name)
+            if mode == "online":
+                log.info("wandb: API key from %s (the start-up check saw only that it is there; wandb.init has now "
+                         "used it with %s)", wandb_credentials()[0], wandb_host())
             if mode == "offline":
                 log.info("wandb: upload later with `wandb sync %s/wandb/offline-run-*`", run_dir)
 

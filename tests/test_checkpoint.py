@@ -7,6 +7,7 @@ Resume exactness: N steps + resume + M steps give bit-identical losses to N + M 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -16,7 +17,15 @@ import torch
 from gpt2.checkpoint import CheckpointError, build_meta, check_compatible
 from gpt2.config import parse_args
 from gpt2.layout import RunLayout
-from tests.train_runs import TINY_ARGS, assert_hf_export_matches, read_records, run_train, step_losses, summary
+from tests.train_runs import (
+    TINY_ARGS,
+    assert_hf_export_matches,
+    read_records,
+    run_train,
+    step_losses,
+    step_values,
+    summary,
+)
 
 COMMON = TINY_ARGS + ["--data", "synthetic", "--max-steps", "8", "--seed", "11", "--eval-batches", "2"]
 
@@ -47,7 +56,7 @@ def test_single_resume_is_exact_and_layout_is_complete(single: Path) -> None:
     assert (ck / "latest").read_text().strip() == "step-000008"
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-000004", "step-000008"]
     assert sorted(p.name for p in (ck / "step-000004").iterdir()) == [
-        "meta.json", "model.pt", "optimizer.pt", "rank-00000.pt"]
+        "manifest.json", "meta.json", "model.pt", "optimizer.pt", "rank-00000.pt"]
     meta = json.loads((ck / "step-000004" / "meta.json").read_text())
     assert (meta["step"], meta["mode"], meta["world_size"], meta["model"]["n_layer"]) == (4, "single", 1, 2)
     # --keep-last 2 over saves at 5, 6, 7, 8
@@ -58,12 +67,24 @@ def test_single_resume_is_exact_and_layout_is_complete(single: Path) -> None:
     assert (resumed["start_step"], resumed["steps"], summary(single / "full")["start_step"]) == (4, 8, 0)
 
 
+def test_resume_with_dropout_is_exact(tmp_path: Path) -> None:
+    """Dropout draws from the RNG every step: only a restored RNG state (torch, per rank) gives the same masks,
+    so the resumed losses and gradient norms equal the uninterrupted run's."""
+    args = COMMON + ["--batch-size", "2", "--max-steps", "6", "--dropout", "0.1"]
+    ck = tmp_path / "ck"
+    run_train(args + ["--run-name", "full", "--save-dir", str(ck), "--save-interval", "3"], tmp_path)
+    run_train(args + ["--run-name", "resumed", "--resume", str(ck / "step-000003")], tmp_path)
+    for key in ("loss", "grad_norm"):
+        full, resumed = step_values(tmp_path / "full", key), step_values(tmp_path / "resumed", key)
+        assert len(full) == 6 and resumed == full[3:], key  # bit-identical
+
+
 def test_baseline_resume_is_exact_and_layout_is_checked(tmp_path: Path, capsys) -> None:
     args = COMMON + ["--mode", "baseline", "--batch-size", "2", "--max-steps", "6"]
     ck = tmp_path / "ck"
     run_train(args + ["--run-name", "full", "--save-dir", str(ck), "--save-interval", "3"], tmp_path, nproc=2)
     assert sorted(p.name for p in (ck / "step-000003").iterdir()) == [
-        "meta.json", "model.pt", "optimizer.pt", "rank-00000.pt", "rank-00001.pt"]
+        "manifest.json", "meta.json", "model.pt", "optimizer.pt", "rank-00000.pt", "rank-00001.pt"]
     run_train(args + ["--run-name", "resumed", "--resume", str(ck / "step-000003")], tmp_path, nproc=2)
     full, resumed = step_losses(tmp_path / "full"), step_losses(tmp_path / "resumed")
     assert len(full) == 6 and resumed == full[3:]  # bit-identical
@@ -104,6 +125,51 @@ def test_bad_checkpoints_fail_at_start_naming_the_problem(single: Path, tmp_path
     assert "is at step 8, not before --max-steps 8" in _train_error(
         args + ["--save-dir", str(ck), "--resume", "auto"], capsys)
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-000004", "step-000008"]  # untouched
+
+
+def test_checkpoint_files_are_verified_before_any_load(single: Path, tmp_path: Path, capsys) -> None:
+    """manifest.json (sha256 + size of every file, written last) is checked before anything is loaded: a truncated,
+    modified, missing or unlisted file is refused naming it, at resume and at export."""
+    from gpt2.export import consolidated_state_dict
+
+    args = COMMON + ["--batch-size", "4", "--max-steps", "9"]
+    src = single / "ck" / "step-000008"
+    manifest = json.loads((src / "manifest.json").read_text())["files"]
+    assert sorted(manifest) == ["meta.json", "model.pt", "optimizer.pt", "rank-00000.pt"]
+    assert manifest["model.pt"]["size"] == (src / "model.pt").stat().st_size
+
+    def broken(name: str, damage) -> Path:
+        folder = tmp_path / name / "step-000008"
+        shutil.copytree(src, folder)
+        damage(folder)
+        return folder
+
+    def truncate(folder: Path) -> None:
+        data = (folder / "model.pt").read_bytes()
+        (folder / "model.pt").write_bytes(data[: len(data) // 2])
+
+    def flip(folder: Path) -> None:
+        data = bytearray((folder / "optimizer.pt").read_bytes())
+        data[-100] ^= 0xFF
+        (folder / "optimizer.pt").write_bytes(bytes(data))
+
+    cases = {
+        "truncated": (truncate, "model.pt is .* bytes, manifest.json says"),
+        "modified": (flip, "optimizer.pt does not match its sha256"),
+        "foreign": (lambda f: shutil.copy(f / "model.pt", f / "extra.pt"), "extra.pt is not in manifest.json"),
+        "missing": (lambda f: (f / "rank-00000.pt").unlink(), "rank-00000.pt is listed in .* but missing"),
+    }
+    for name, (damage, message) in cases.items():
+        folder = broken(name, damage)
+        err = _train_error(args + ["--resume", str(folder)], capsys)
+        assert re.search(message, err), (name, err)
+        with pytest.raises(CheckpointError, match=message):
+            consolidated_state_dict(folder)
+
+    # from before manifests: our weights_only files load with a warning
+    legacy = broken("legacy", lambda f: (f / "manifest.json").unlink())
+    proc = run_train(args + ["--run-name", "legacy", "--resume", str(legacy)], tmp_path)
+    assert "has no manifest.json" in proc.stderr and "weights_only=True" in proc.stderr
 
 
 def test_zero_stage_mismatch_is_named(single: Path) -> None:

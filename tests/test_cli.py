@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -226,8 +227,41 @@ def test_wandb_online_without_credentials_fails_before_data_and_run_folder(
     flags = ["--wandb", "online", "--data-path", str(tmp_path / "missing"), "--out-dir", str(out)]
     assert train.main(flags) == 2
     err = capsys.readouterr().err
-    assert "--wandb online needs credentials: run `wandb login`" in err and "missing" not in err
+    assert "--wandb online needs credentials" in err and "run `wandb login`" in err and "missing" not in err
+    assert f"{tmp_path / 'netrc'} does not exist" in err
     assert not out.exists()
+    # the host's name elsewhere in the file is no credential (the old substring test accepted this file)
+    (tmp_path / "netrc").write_text("# api.wandb.ai\nmachine api.wandb.ai.example.org\n  login user\n  password x\n")
+    assert train.main(flags) == 2
+    assert "has no `machine api.wandb.ai` entry" in capsys.readouterr().err
     (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password x\n")
     assert train.main(flags) == 2  # credentials found: now it gets as far as the data
     assert "missing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    (None, "does not exist"),
+    ("machine api.wandb.ai\n  login user\n", "entry of .* has no password"),
+    ("machine api.wandb.ai login user password k junk\n", "cannot be read as a netrc file .*junk"),
+    ("machine other.example.org login user password k\n# api.wandb.ai\n", "no `machine api.wandb.ai` entry"),
+    ("machine api.wandb.ai login user password k\n", None),
+    ("default login user password k\n", None),
+])
+def test_wandb_credentials_say_exactly_what_was_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      text: str | None, why: str | None) -> None:
+    from gpt2.run_logging import wandb_credentials
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    if text is not None:
+        (tmp_path / "netrc").write_text(text)
+    source, reason = wandb_credentials()
+    if why is None:
+        assert source is not None and str(tmp_path / "netrc") in source and reason == ""
+    else:
+        assert source is None and re.search(why, reason), reason
+    monkeypatch.setenv("WANDB_API_KEY", " ")
+    assert wandb_credentials()[0] is None or why is None  # a blank key is no key
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    assert wandb_credentials() == ("WANDB_API_KEY", "")

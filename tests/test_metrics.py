@@ -80,3 +80,27 @@ def test_peak_table_override_and_unknown_device_warning(
     with caplog.at_level("WARNING", logger="gpt2"):
         assert device_peak_tflops(torch.device("cpu")) is None
     assert "--peak-tflops" in caplog.text
+
+
+@pytest.mark.parametrize(("name", "tflops"), [
+    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A100-SXM4-40GB", 312.0), ("NVIDIA A100 80GB PCIe", 312.0),
+    ("NVIDIA A100-PCIE-40GB", 312.0),
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0), ("NVIDIA GH200 480GB", 989.0),
+    ("NVIDIA L40", 181.0), ("NVIDIA L40S", 362.0), ("NVIDIA L4", 121.0),
+])
+def test_peak_table_matches_whole_product_names(name: str, tflops: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Names as torch.cuda.get_device_name() reports them; "L40" must not take L4's peak, "GH200" not H200's by
+    accident, "H200 NVL" not the SXM part's."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert device_peak_tflops(torch.device("cuda", 0)) == tflops
+
+
+@pytest.mark.parametrize("name", ["NVIDIA L40G", "NVIDIA H1000", "NVIDIA GeForce RTX 4090", "Tesla V100-SXM2-16GB"])
+def test_unknown_gpu_warns_and_reports_no_mfu(name: str, caplog: pytest.LogCaptureFixture,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(logging.getLogger("gpt2"), "propagate", True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    with caplog.at_level("WARNING", logger="gpt2"):
+        assert device_peak_tflops(torch.device("cuda", 0)) is None
+    assert f"unknown GPU {name!r}" in caplog.text and "--peak-tflops" in caplog.text

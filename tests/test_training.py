@@ -1,7 +1,9 @@
 """End-to-end runs of train.py: every mode trains the same function, and runs leave complete records.
 
-Tolerance: DDP vs single is compared at <= 1e-5 relative per step (fp32 on CPU; only the order of the
-gradient reduction differs).
+Tolerance: DDP vs single is compared at <= 1e-5 relative per step, loss and pre-clip gradient norm (fp32 on CPU;
+only the order of the gradient reduction differs). Losses alone cannot see a gradient-scale error (AdamW is
+nearly scale-invariant and clipping rescales): a DDP sum instead of a mean, or a missing 1/grad-accum, doubles
+every gradient norm and fails here.
 """
 
 from __future__ import annotations
@@ -13,7 +15,15 @@ import pytest
 
 from gpt2.config import parse_args
 from gpt2.engine import lr_at
-from tests.train_runs import SHARED_DATA, TINY_ARGS, read_records, run_train, step_losses, summary
+from tests.train_runs import (
+    SHARED_DATA,
+    TINY_ARGS,
+    read_records,
+    run_train,
+    step_losses,
+    step_values,
+    summary,
+)
 
 
 def test_ddp_with_accumulation_matches_single(tmp_path: Path) -> None:
@@ -21,10 +31,11 @@ def test_ddp_with_accumulation_matches_single(tmp_path: Path) -> None:
     run_train(common + ["--batch-size", "8", "--run-name", "single"], tmp_path)
     run_train(common + ["--mode", "baseline", "--batch-size", "2", "--grad-accum", "2", "--run-name", "ddp"],
               tmp_path, nproc=2)
-    single, ddp = step_losses(tmp_path / "single"), step_losses(tmp_path / "ddp")
-    assert len(single) == len(ddp) == 10
-    for step, (a, b) in enumerate(zip(single, ddp), start=1):
-        assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: single {a} vs ddp {b}"
+    for key in ("loss", "grad_norm"):
+        single, ddp = step_values(tmp_path / "single", key), step_values(tmp_path / "ddp", key)
+        assert len(single) == len(ddp) == 10
+        for step, (a, b) in enumerate(zip(single, ddp), start=1):
+            assert abs(a - b) <= 1e-5 * abs(a), f"{key} step {step}: single {a} vs ddp {b}"
     s = summary(tmp_path / "ddp")
     assert s["tokens_per_step"] == 2 * 2 * 2 * 32  # dp x micro-batch x accum x seq
     assert (s["world_size"], s["dp_size"], s["tp_size"]) == (2, 2, 1)

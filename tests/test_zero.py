@@ -2,15 +2,18 @@
 
 Same seed and global batch (single: batch 4; ZeRO: 2 ranks x batch 2, or x batch 1 x accum 2), fp32.
 Tolerances (measured on CPU in brackets): ZeRO-1/2/3 vs single per-step loss <= 1e-5 relative, only the
-reduction order differs [9e-8]; first-step loss within 1e-5, i.e. a few fp32 ulps: the same initial weights
-under zero.Init (other weights would differ by ~1e-2) [1 ulp, 9.5e-7]; ZeRO-3 resume vs uninterrupted
-<= 1e-6 absolute [identical]; exported ZeRO-3 weights vs single's after 10 steps <= 1e-4 [2.5e-6].
+reduction order differs [9e-8], and pre-clip gradient norm <= 2e-4 relative [4.2e-5] (the norm catches a 2x
+gradient-scale error, e.g. a lost 1/grad-accum, which the losses alone do not: AdamW and clipping hide it);
+first-step loss within 1e-5, i.e. a few fp32 ulps: the same initial weights under zero.Init (other weights
+would differ by ~1e-2) [1 ulp, 9.5e-7]; ZeRO-1/2/3 resume vs uninterrupted <= 1e-6 absolute, loss and
+gradient norm [identical]; exported ZeRO-3 weights vs single's after 10 steps <= 1e-4 [2.5e-6].
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,11 +22,12 @@ import torch
 from gpt2.config import ConfigError, RunConfig, parse_args
 from gpt2.ds_config import build_ds_config as build_layout_ds_config
 from gpt2.layout import RunLayout
-from tests.train_runs import TINY_ARGS, assert_hf_export_matches, read_records, run_train, step_losses
+from tests.train_runs import TINY_ARGS, assert_hf_export_matches, read_records, run_train, step_losses, step_values
 
 pytestmark = pytest.mark.slow
 COMMON = TINY_ARGS + ["--data", "synthetic", "--max-steps", "10", "--seed", "3", "--eval-batches", "2"]
 REL_TOL = 1e-5
+GRAD_NORM_REL_TOL = 2e-4  # [4.2e-5]: DeepSpeed sums the squares per shard, in another order than single
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +42,30 @@ def runs(tmp_path_factory) -> Path:
     return root
 
 
-def _assert_close(ref: list[float], got: list[float], what: str) -> None:
+def _assert_close(ref: list[float], got: list[float], what: str, rel_tol: float = REL_TOL) -> None:
     assert len(ref) == len(got) == 10, (len(ref), len(got))
     for step, (a, b) in enumerate(zip(ref, got), start=1):
-        assert abs(a - b) <= REL_TOL * abs(a), f"{what} step {step}: single {a} vs {b}"
+        assert abs(a - b) <= rel_tol * abs(a), f"{what} step {step}: single {a} vs {b}"
+
+
+def _assert_same_training(ref: Path, got: Path, what: str) -> None:
+    """Per-step losses and pre-clip gradient norms of two 10-step runs agree (the norms see a 2x gradient error)."""
+    _assert_close(step_losses(ref), step_losses(got), f"{what} loss")
+    _assert_close(step_values(ref, "grad_norm"), step_values(got, "grad_norm"), f"{what} grad_norm",
+                  GRAD_NORM_REL_TOL)
+
+
+def _assert_resume_exact(full: Path, resumed: Path, at: int) -> None:
+    for key in ("loss", "grad_norm"):
+        a_all, b_all = step_values(full, key), step_values(resumed, key)
+        assert len(b_all) == len(a_all) - at, (key, len(a_all), len(b_all))
+        for step, (a, b) in enumerate(zip(a_all[at:], b_all), start=at + 1):
+            assert abs(a - b) <= 1e-6, f"{key} step {step}: uninterrupted {a} vs resumed {b}"
 
 
 def test_zero3_matches_single(runs: Path) -> None:
     single, zero3 = step_losses(runs / "single"), step_losses(runs / "zero3")
-    _assert_close(single, zero3, "ZeRO-3")
+    _assert_same_training(runs / "single", runs / "zero3", "ZeRO-3")
     assert abs(zero3[0] - math.log(50257)) < 0.1  # GPT-2 init survived zero.Init
     assert abs(zero3[0] - single[0]) < 1e-5  # same initial weights as the plain build
     s = next(r for r in read_records(runs / "zero3") if r["type"] == "summary")
@@ -55,10 +74,13 @@ def test_zero3_matches_single(runs: Path) -> None:
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_zero1_zero2_match_single(runs: Path, stage: int) -> None:
-    run_train(COMMON + ["--mode", "hybrid", "--zero-stage", str(stage), "--batch-size", "2",
-                        "--run-name", f"zero{stage}"], runs, nproc=2)
-    _assert_close(step_losses(runs / "single"), step_losses(runs / f"zero{stage}"), f"ZeRO-{stage}")
+def test_zero1_zero2_match_single_and_resume_exactly(runs: Path, stage: int) -> None:
+    args = COMMON + ["--mode", "hybrid", "--zero-stage", str(stage), "--batch-size", "2"]
+    ck = runs / f"ck-zero{stage}"
+    run_train(args + ["--run-name", f"zero{stage}", "--save-dir", str(ck), "--save-interval", "5"], runs, nproc=2)
+    _assert_same_training(runs / "single", runs / f"zero{stage}", f"ZeRO-{stage}")
+    run_train(args + ["--run-name", f"zero{stage}-resumed", "--resume", str(ck / "step-000005")], runs, nproc=2)
+    _assert_resume_exact(runs / f"zero{stage}", runs / f"zero{stage}-resumed", at=5)
 
 
 @pytest.mark.parametrize(("name", "flags"), [("zero3-module", ["--zero3-fetch", "module"]),
@@ -69,15 +91,12 @@ def test_zero3_fetch_unit_and_compile_match_single(runs: Path, name: str, flags:
     leaf_line = "ZeRO-3 gathers parameters per transformer block (2 DeepSpeed leaf modules)"
     assert leaf_line in (runs / "zero3" / "console.log").read_text()
     run_train(COMMON + ["--mode", "hybrid", "--batch-size", "2", "--run-name", name] + flags, runs, nproc=2)
-    _assert_close(step_losses(runs / "single"), step_losses(runs / name), name)
+    _assert_same_training(runs / "single", runs / name, name)
     assert (leaf_line in (runs / name / "console.log").read_text()) == (name == "zero3-compile")
 
 
 def test_zero3_resume_is_exact(runs: Path) -> None:
-    full, resumed = step_losses(runs / "zero3"), step_losses(runs / "zero3-resumed")
-    assert len(resumed) == 5
-    for step, (a, b) in enumerate(zip(full[5:], resumed), start=6):
-        assert abs(a - b) <= 1e-6, f"step {step}: uninterrupted {a} vs resumed {b}"
+    _assert_resume_exact(runs / "zero3", runs / "zero3-resumed", at=5)
     config = json.loads((runs / "zero3-resumed" / "config.json").read_text())
     assert config["checkpoint"]["resumed_from"] == str((runs / "ck-zero3" / "step-000005").resolve())
 
@@ -188,3 +207,39 @@ def test_zero3_keeps_torch_linear_and_refuses_deepspeeds_under_compile(tmp_path:
     compiled = parse_args(["--mode", "hybrid", "--zero-stage", "3", "--compile", "--ds-config", path])
     with pytest.raises(ConfigError, match=f"{path} sets zero_optimization.memory_efficient_linear=true.*--compile"):
         build_ds_config(compiled, 1, torch.device("cuda"))
+
+
+class _Payload:
+    """Unpickling this creates a file: proof that a loader executed code from the checkpoint."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_deepspeed_pickles_are_never_loaded_unverified(runs: Path, tmp_path: Path, monkeypatch) -> None:
+    """DeepSpeed's loaders unpickle with weights_only=False: a replaced shard is refused by the manifest check
+    before any unpickling, and a hybrid checkpoint without a manifest is refused unless explicitly trusted."""
+    from gpt2.checkpoint import TRUST_ENV, CheckpointError, verify_checkpoint
+    from gpt2.export import consolidated_state_dict
+
+    folder = tmp_path / "evil" / "step-000005"
+    shutil.copytree(runs / "ck-zero3" / "step-000005", folder)
+    shard = sorted((folder / "zero").glob("*.pt"))[0]
+    marker = tmp_path / "code-ran"
+    torch.save({"payload": _Payload(marker)}, shard)
+    with pytest.raises(CheckpointError, match=f"{shard.name} (is .* bytes|does not match its sha256)"):
+        consolidated_state_dict(folder)
+    assert not marker.exists()
+    torch.load(shard, weights_only=False)  # the payload works: the check above is what stopped it
+    assert marker.exists()
+
+    legacy = tmp_path / "legacy" / "step-000005"
+    shutil.copytree(runs / "ck-zero3" / "step-000005", legacy)
+    (legacy / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=f"no manifest.json .* set {TRUST_ENV}=1"):
+        verify_checkpoint(legacy)
+    monkeypatch.setenv(TRUST_ENV, "1")
+    verify_checkpoint(legacy)  # explicitly trusted: loads with a warning

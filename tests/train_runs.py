@@ -43,7 +43,12 @@ def read_records(run_dir: Path) -> list[dict]:
 
 
 def step_losses(run_dir: Path) -> list[float]:
-    return [r["loss"] for r in read_records(run_dir) if r["type"] == "step" and "loss" in r]
+    return step_values(run_dir, "loss")
+
+
+def step_values(run_dir: Path, key: str) -> list[float]:
+    """`key` ("loss", "grad_norm", ...) of every logged training step, in order."""
+    return [r[key] for r in read_records(run_dir) if r["type"] == "step" and key in r]
 
 
 def summary(run_dir: Path) -> dict:
