@@ -75,6 +75,9 @@ class ParallelConfig:
     tp_overlap: bool = True
     zero_stage: int = 3
     zero3_fetch: Literal["block", "module"] = "block"  # ZeRO-3 gather unit: a whole transformer block, or each module
+    # bf16/fp16 under DeepSpeed: torch.autocast over fp32 weights (the function every other mode trains), or
+    # DeepSpeed's own 16-bit model with fp32 master weights (less memory and traffic, another rounding)
+    zero_precision: Literal["autocast", "deepspeed"] = "autocast"
     ds_config: str | None = None
     comm_log: bool = False  # DeepSpeed's comms logger (hybrid): measured ZeRO bytes per step in the summary
 
@@ -245,6 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "block is a DeepSpeed leaf module "
                         "(one all-gather and one hook per block and pass; allows --compile), module = DeepSpeed's "
                         "default hooks on every module")
+    g.add_argument("--zero-precision", choices=["autocast", "deepspeed"],
+                   help="hybrid mode, bf16/fp16: autocast (default) = torch.autocast over fp32 weights, the recipe of "
+                        "single and DDP (DeepSpeed's torch_autocast section; Linear weights and gradients travel in "
+                        "16 bits); deepspeed = DeepSpeed's bf16/fp16 section: a 16-bit model with fp32 master "
+                        "weights, less memory, but a different function (it fails the loss-parity check)")
     g.add_argument("--ds-config", help="DeepSpeed JSON config (hybrid mode)")
     g.add_argument("--comm-log", action="store_true",
                    help="hybrid mode: enable DeepSpeed's comms logger and put the measured ZeRO bytes per step next "
@@ -323,8 +331,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         max_samples=args.max_samples, cache_dir=args.cache_dir, num_proc=args.num_proc,
         eval_batches=args.eval_batches,
     )
-    zero_flags = [flag for flag, value in (("--zero-stage", args.zero_stage), ("--zero3-fetch", args.zero3_fetch))
-                  if value is not None]
+    zero_flags = [flag for flag, value in (("--zero-stage", args.zero_stage), ("--zero3-fetch", args.zero3_fetch),
+                                           ("--zero-precision", args.zero_precision)) if value is not None]
     if zero_flags and args.mode != "hybrid":
         raise ConfigError(f"{' / '.join(zero_flags)}: DeepSpeed ZeRO settings, used only by --mode hybrid; "
                           f"drop {'it' if len(zero_flags) == 1 else 'them'} or use --mode hybrid")
@@ -332,6 +340,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         tp_size=args.tp_size, sequence_parallel=args.sequence_parallel, tp_overlap=not args.no_tp_overlap,
         zero_stage=args.zero_stage or ParallelConfig.zero_stage,
         zero3_fetch=args.zero3_fetch or ParallelConfig.zero3_fetch,
+        zero_precision=args.zero_precision or ParallelConfig.zero_precision,
         ds_config=args.ds_config,
         comm_log=args.comm_log,
     )

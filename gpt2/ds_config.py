@@ -43,9 +43,37 @@ def _harness_values(layout: RunLayout) -> list[tuple[tuple[str, ...], Any, str]]
          f"{t.batch_size * accum * dp_size}"),
         (("gradient_clipping",), float(t.grad_clip), f"--grad-clip is {t.grad_clip}"),
         (("zero_optimization", "stage"), cfg.parallel.zero_stage, f"--zero-stage is {cfg.parallel.zero_stage}"),
-        (("bf16", "enabled"), t.precision == "bf16", f"--precision is {t.precision}"),
-        (("fp16", "enabled"), t.precision == "fp16", f"--precision is {t.precision}"),
+        *[(keys, value, f"--precision is {t.precision} with --zero-precision {cfg.parallel.zero_precision}")
+          for keys, value in precision_values(t.precision, cfg.parallel.zero_precision).items()],
     ]
+
+
+def precision_values(precision: str, recipe: str) -> dict[tuple[str, ...], Any]:
+    """DeepSpeed's mixed-precision keys for `precision` (bf16 | fp16 | fp32) and --zero-precision `recipe`.
+
+    autocast: DeepSpeed's torch_autocast section, the recipe of single and DDP: fp32 weights (partitions, master
+    copy and gradients), the forward under torch.autocast, so a Linear's matmul sees the same bf16-rounded weight as
+    in single. deepspeed: its bf16/fp16 section, a 16-bit model (weights, residual stream and LayerNorms in 16
+    bits) stepped from fp32 master weights; on gpt2 it ends 0.09 off single after 30 steps where single's own
+    run-to-run noise is 0.01 (benchmarks/results/parity/h200-2026-11-23), so it is not the default."""
+    autocast = recipe == "autocast" and precision != "fp32"
+    values: dict[tuple[str, ...], Any] = {
+        ("bf16", "enabled"): recipe == "deepspeed" and precision == "bf16",
+        ("fp16", "enabled"): recipe == "deepspeed" and precision == "fp16",
+        ("torch_autocast", "enabled"): autocast,
+    }
+    if autocast:
+        values["torch_autocast", "dtype"] = {"bf16": "bfloat16", "fp16": "float16"}[precision]
+    return values
+
+
+def lower_precision_modules() -> list[str]:
+    """The modules whose weights ZeRO gathers and reduces in the autocast dtype under torch_autocast: every matmul
+    weight (autocast would cast it to 16 bits anyway), not the embeddings or LayerNorms, which compute in fp32."""
+    from gpt2.model import Linear
+    from parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    return [f"{cls.__module__}.{cls.__qualname__}" for cls in (Linear, ColumnParallelLinear, RowParallelLinear)]
 
 
 def build_ds_config(layout: RunLayout) -> dict[str, Any]:
@@ -90,6 +118,9 @@ def build_ds_config(layout: RunLayout) -> dict[str, Any]:
                               "function under --compile (DeepSpeed's linear loses its weight gradients in the "
                               "compiled graph); drop the key or set it to false")
     # the precision that runs (the layout's: CPU runs are fp32 whatever --precision says)
-    ds["bf16"]["enabled"], ds["fp16"]["enabled"] = layout.precision == "bf16", layout.precision == "fp16"
+    for (section, key), value in precision_values(layout.precision, cfg.parallel.zero_precision).items():
+        ds.setdefault(section, {})[key] = value
+    if ds["torch_autocast"]["enabled"]:
+        ds["torch_autocast"].setdefault("lower_precision_safe_modules", lower_precision_modules())
     ds["zero_allow_untested_optimizer"] = True  # torch AdamW: DeepSpeed only "tests" its own optimizers
     return ds

@@ -21,9 +21,11 @@ DeepSpeed's default per-module hooks.
 Under ZeRO-3 the model is built inside `deepspeed.zero.Init`: each module's parameters are partitioned
 over the data-parallel group as soon as its constructor returns, so GPT-2 Large/XL never exist whole on
 one device. Our modules initialise in their constructors (see `gpt2.model`), which zero.Init runs on the
-full tensor before partitioning it: with the same seed the weights equal those of the plain build in fp32
-(tests/test_zero.py checks it). In bf16/fp16, zero.Init creates the parameters in that dtype, so the
-initial weights are the rounded fp32 ones (DeepSpeed keeps fp32 master copies from there). The tied LM
+full tensor before partitioning it: with the same seed the weights equal those of the plain build
+(tests/test_zero.py checks it). bf16/fp16 is DeepSpeed's torch_autocast by default (`--zero-precision autocast`,
+gpt2.ds_config.precision_values): fp32 weights and the forward under torch.autocast, as in single and DDP.
+With `--zero-precision deepspeed`, zero.Init creates 16-bit parameters, the rounded fp32 ones, and DeepSpeed
+keeps fp32 master copies from there: another function (see the parity results). The tied LM
 head is the same Parameter as `wte.weight`, registered in `LMHead` as well: ZeRO-3 gathers it in both
 modules' forward hooks and accumulates both gradient contributions.
 

@@ -10,9 +10,12 @@ copies + workspace. Optimizer step: model states + the fp32 gradient copy DeepSp
 The terms, and why (GPT-2 Large, seq 1024, on 4 x H200, is the calibration case in tests/test_planner.py):
 
 - States (ZeRO paper): torch.autocast runs (single, DDP) keep fp32 weights (4 B), fp32 gradients (4 B,
-  DDP's buckets are the .grad views) and AdamW's two fp32 moments (8 B) per parameter. DeepSpeed bf16/fp16
-  keeps 16-bit weights (2 B) and gradients (2 B) and an fp32 master copy + moments (12 B), sharded by ZeRO
-  stage; at the step it makes an fp32 copy of its gradient partition (4 B / dp).
+  DDP's buckets are the .grad views) and AdamW's two fp32 moments (8 B) per parameter; so does DeepSpeed's
+  torch_autocast (--zero-precision autocast, the default), sharded by ZeRO stage, its Linear weights and
+  gradients communicated in 16 bits. DeepSpeed's own bf16/fp16 (--zero-precision deepspeed) keeps 16-bit
+  weights (2 B) and gradients (2 B) and an fp32 master copy + moments (12 B), sharded by ZeRO stage; at the
+  step it makes an fp32 copy of its gradient partition (4 B / dp). The calibration runs below used the latter;
+  the autocast recipe's ZeRO terms (fp32 gathered weights) are not yet calibrated on a GPU.
 - Saved activations per block (perf_model.layer_activation_bytes, Korthikanti et al. 2022, flash/SDPA):
   under autocast the residual stream is fp32, so both LayerNorm inputs cost 4 B per element and their
   16-bit casts 2 B: 36 B per token per unit width (+ the fp32 log-sum-exp). Compiled blocks (inductor's
@@ -114,6 +117,7 @@ class Setup:
     precision: str = "bf16"
     compile: bool = False
     fused_loss: bool = False  # --fused-kernels triton: chunked LM-head cross-entropy
+    zero_precision: str = "autocast"  # hybrid: torch_autocast over fp32 weights, or DeepSpeed's 16-bit model
     deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
 
     @property
@@ -143,14 +147,19 @@ class Numerics:
     states: Precision  # bytes per parameter of weights, gradients, optimizer states; activation element size
     residual_bytes: int  # residual stream (LayerNorm inputs)
     autocast_copies: bool  # autocast saves a 16-bit copy of each weight for backward
+    comm: Precision  # bytes per element of the weights and gradients ZeRO/DDP communicate
 
 
 def numerics(s: Setup) -> Numerics:
     if s.precision == "fp32":
-        return Numerics(Precision(param_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4), 4, False)
-    if s.mode == "hybrid":  # DeepSpeed bf16/fp16: a 16-bit model, fp32 master weights and moments
-        return Numerics(MIXED_PRECISION, 2, False)
-    return Numerics(AMP_FP32_WEIGHTS, 4, True)  # torch.autocast over fp32 weights
+        fp32 = Precision(param_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4)
+        return Numerics(fp32, 4, False, fp32)
+    if s.mode == "hybrid" and s.zero_precision == "deepspeed":  # a 16-bit model, fp32 master weights and moments
+        return Numerics(MIXED_PRECISION, 2, False, MIXED_PRECISION)
+    if s.mode == "hybrid":  # DeepSpeed torch_autocast: Linear weights and gradients travel in 16 bits (the
+        # embeddings and LayerNorms in fp32: not modelled, 5% of GPT-2 Large's parameters, 31% of GPT-2's)
+        return Numerics(AMP_FP32_WEIGHTS, 4, True, MIXED_PRECISION)
+    return Numerics(AMP_FP32_WEIGHTS, 4, True, AMP_FP32_WEIGHTS)  # torch.autocast over fp32 weights
 
 
 def setup_from_config(cfg: RunConfig, world_size: int) -> Setup:
@@ -167,7 +176,7 @@ def setup_from_config(cfg: RunConfig, world_size: int) -> Setup:
         mode=t.mode, zero_stage=p.zero_stage if t.mode == "hybrid" else 0, tp=p.tp_size,
         sequence_parallel=p.sequence_parallel, tp_overlap=p.tp_overlap,
         activation_checkpointing=t.activation_checkpointing, grad_accum=t.grad_accum, precision=t.precision,
-        compile=t.compile, fused_loss=t.fused_kernels == "triton", deepspeed=ds)
+        compile=t.compile, fused_loss=t.fused_kernels == "triton", deepspeed=ds, zero_precision=p.zero_precision)
 
 
 # ---------------------------------------------------------------- memory
@@ -291,10 +300,11 @@ def predict_memory(s: Setup) -> MemoryPlan:
     if s.mode == "hybrid":
         ds = s.deepspeed
         workspace += ds.reduce_bucket_size * e
-        if s.zero_stage == 3:
+        if s.zero_stage == 3:  # gathered weights held to their backward, in the weights' dtype
             workspace += ds.prefetch_bucket_size * e
-            copies = e * zero3_held_params(s)
-        if s.precision != "fp32":
+            held = zero3_held_params(s)
+            copies = copies + FP32_BYTES * held if num.autocast_copies else e * held
+        if s.precision != "fp32" and not num.autocast_copies:  # the 16-bit model's fp32 gradient copy
             step_transient = FP32_BYTES * n_local / (s.dp if s.zero_stage >= 1 else 1)
     return MemoryPlan(states.params, states.grads, states.optimizer, activations, logits, copies, workspace,
                       step_transient)
@@ -305,9 +315,9 @@ def predict_memory(s: Setup) -> MemoryPlan:
 def predict_communication(s: Setup) -> list[CommOp]:
     """Collectives one GPU takes part in per optimizer step: perf_model's, plus our TP implementation's extras."""
     num = numerics(s)
-    ops = step_communication(s.model, s.workload, s.layout, num.states)
+    ops = step_communication(s.model, s.workload, s.layout, num.comm)
     if s.mode == "hybrid" and s.zero_stage == 3 and s.dp > 1:
-        ops = zero3_gathers(s, ops, num.states.param_bytes)
+        ops = zero3_gathers(s, ops, num.comm.param_bytes)
     if s.tp > 1:
         t, m, tokens = s.tp, s.grad_accum, s.micro_batch * s.seq_len
         if s.activation_checkpointing and s.model.dropout == 0:

@@ -55,6 +55,7 @@ def test_argparse_rejects(argv: list[str], needle: str, capsys: pytest.CaptureFi
         (["--run-name", ".."], "must be a plain folder name"),
         (["--zero-stage", "2"], "--zero-stage: DeepSpeed ZeRO settings, used only by --mode hybrid; drop it"),
         (["--mode", "baseline", "--zero-stage", "3", "--zero3-fetch", "module"], "drop them or use --mode hybrid"),
+        (["--zero-precision", "deepspeed"], "--zero-precision: DeepSpeed ZeRO settings, used only by --mode hybrid"),
         (["--plan", "--busbw-gbs", "1", "2", "3"], "--busbw-gbs takes one or two values"),
         (["--data", "synthetic", "--data-path", "x"], "drop one of the two"),
         (["--ds-config", "ds_configs/zero3.json"], "--ds-config only applies to --mode hybrid"),

@@ -1,8 +1,9 @@
 """gpt2.planner: predicted peak memory against GPU measurements, hand-computed terms, ZeRO-3 holds, --plan / --search.
 
 Measured peaks (GPT-2 Large, seq 1024, 4 x H200, torch AdamW fused, SDPA, no activation checkpointing;
-DDP: bf16 autocast over fp32 weights, --compile per block; ZeRO-3: DeepSpeed bf16, eager or with compiled blocks)
-are from benchmarks/results/train/ (benchmarks/gpu_train_runs.sh, mem/peak_allocated_gib).
+DDP: bf16 autocast over fp32 weights, --compile per block; ZeRO-3: DeepSpeed bf16, eager or with compiled blocks,
+the recipe that is now --zero-precision deepspeed) are from benchmarks/results/train/ (benchmarks/gpu_train_runs.sh,
+mem/peak_allocated_gib).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from gpt2.planner import (
     Setup,
     compare_with_run,
     make_plan,
+    predict_communication,
     predict_memory,
     search,
     setup_from_config,
@@ -27,18 +29,19 @@ from gpt2.planner import (
 )
 
 LARGE = ["--model", "gpt2-large", "--seq-len", "1024"]
+DS16 = ["--mode", "hybrid", "--zero-precision", "deepspeed"]  # the ZeRO recipe of the measured runs
 MEASURED_4XH200 = [  # (flags, measured peak allocated GiB)
     (["--mode", "baseline", "--compile", "--batch-size", "8"], 26.76),
     (["--mode", "baseline", "--compile", "--batch-size", "16"], 40.25),
     (["--mode", "baseline", "--compile", "--batch-size", "32"], 67.30),
-    (["--mode", "hybrid", "--batch-size", "8"], 20.47),
-    (["--mode", "hybrid", "--batch-size", "32"], 68.22),
+    ([*DS16, "--batch-size", "8"], 20.47),
+    ([*DS16, "--batch-size", "32"], 68.22),
     # ZeRO-3 (+ TP2) with compiled blocks: benchmarks/results/train/zero3_compile_tp_4xh200.md
-    (["--mode", "hybrid", "--compile", "--batch-size", "8"], 14.81),
-    (["--mode", "hybrid", "--compile", "--batch-size", "32"], 44.54),
-    (["--mode", "hybrid", "--compile", "--tp-size", "2", "--batch-size", "8"], 11.67),
-    (["--mode", "hybrid", "--compile", "--tp-size", "2", "--sequence-parallel", "--batch-size", "8"], 10.68),
-    (["--mode", "hybrid", "--compile", "--tp-size", "2", "--batch-size", "32"], 34.93),
+    ([*DS16, "--compile", "--batch-size", "8"], 14.81),
+    ([*DS16, "--compile", "--batch-size", "32"], 44.54),
+    ([*DS16, "--compile", "--tp-size", "2", "--batch-size", "8"], 11.67),
+    ([*DS16, "--compile", "--tp-size", "2", "--sequence-parallel", "--batch-size", "8"], 10.68),
+    ([*DS16, "--compile", "--tp-size", "2", "--batch-size", "32"], 34.93),
 ]
 
 # GPT-2 Large by hand: d = 1280, 36 layers, 20 heads, vocab padded 50257 -> 50304, 1024 positions.
@@ -67,8 +70,25 @@ def test_ddp_terms_by_hand():
     assert mem.logits == 1_648_361_472
 
 
-def test_zero3_terms_by_hand():
-    mem = predict_memory(setup_from_config(parse_args(LARGE + ["--mode", "hybrid"]), world_size=4))
+def test_zero3_autocast_terms_by_hand():
+    setup = setup_from_config(parse_args(LARGE + ["--mode", "hybrid"]), world_size=4)
+    mem = predict_memory(setup)
+    # torch_autocast: fp32 weights and grads + 2 fp32 moments, all over dp = 4
+    assert (mem.params, mem.grads, mem.optimizer) == (4 * N_LARGE / 4, 4 * N_LARGE / 4, 8 * N_LARGE / 4)
+    # eager autocast block: 36 B x sbh = 377_487_360 + lse 655_360 -> 378_142_720; x 36 = 13_613_137_920;
+    # ln_f in (fp32) / out (bf16) 6 x sbh = 62_914_560
+    assert mem.activations == 13_613_137_920 + 62_914_560
+    # autocast's bf16 copy of every (gathered, full) weight + the fp32 gathered weights held to their backward
+    assert mem.weight_copies == 2 * N_LARGE + 4 * zero3_held_params(setup)
+    assert mem.step_transient == 0  # the gradients are fp32 already
+    # the gathers and reductions carry the Linear weights in bf16
+    zero = [op for op in predict_communication(setup) if op.group == "dp"]
+    bytes_16 = predict_communication(setup_from_config(parse_args(LARGE + DS16), world_size=4))
+    assert zero and zero == [op for op in bytes_16 if op.group == "dp"]
+
+
+def test_zero3_deepspeed_16bit_terms_by_hand():
+    mem = predict_memory(setup_from_config(parse_args(LARGE + DS16), world_size=4))
     # bf16 weights and grads, fp32 master + 2 moments, all over dp = 4
     assert (mem.params, mem.grads, mem.optimizer) == (2 * N_LARGE / 4, 2 * N_LARGE / 4, 12 * N_LARGE / 4)
     # all-bf16 block: 32 B x sbh = 335_544_320 + lse 655_360 -> 336_199_680; x 36 = 12_103_188_480;
@@ -106,7 +126,7 @@ def test_plan_cli_prints_terms_without_launching(capsys, monkeypatch):
     assert train.main(LARGE + ["--plan", "--mode", "hybrid", "--gpus", "4", "--gpu-memory-gib", "141"]) == 0
     out = capsys.readouterr().out
     assert "zero3, 4 GPUs (tp 1 x dp 4)" in out
-    assert re.search(r"parameters\s+0\.36\n", out)  # 2 x 774_090_240 / 4 bytes = 0.360 GiB
+    assert re.search(r"parameters\s+0\.72\n", out)  # fp32: 4 x 774_090_240 / 4 bytes = 0.721 GiB
     assert "fits in 141.0 GiB" in out
     assert "dp param all-gather (fwd)" in out and "dp grad reduce-scatter" in out
     assert train.main(LARGE + ["--plan", "--mode", "baseline", "--batch-size", "64", "--gpu-memory-gib", "80"]) == 0

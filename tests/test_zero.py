@@ -11,6 +11,7 @@ gradient norm [identical]; exported ZeRO-3 weights vs single's after 10 steps <=
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import shutil
@@ -141,7 +142,19 @@ def test_ds_config_takes_cli_values_and_rejects_disagreement(tmp_path: Path) -> 
     batch_keys = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
     assert [ds[k] for k in batch_keys] == [8, 2, 64]
     assert ds["gradient_clipping"] == 0.5 and ds["zero_optimization"]["stage"] == 3
-    assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+    # bf16 is torch autocast over fp32 weights, single's recipe; every matmul weight travels in bf16
+    assert ds["torch_autocast"]["enabled"] and ds["torch_autocast"]["dtype"] == "bfloat16"
+    assert not ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+    safe = ds["torch_autocast"]["lower_precision_safe_modules"]
+    assert {"gpt2.model.Linear", "parallel.layers.ColumnParallelLinear", "parallel.layers.RowParallelLinear"} == set(
+        safe)
+    for name in safe:  # DeepSpeed imports them by these names
+        module, _, cls = name.rpartition(".")
+        assert issubclass(getattr(importlib.import_module(module), cls), torch.nn.Module)
+    cfg.parallel.zero_precision = "deepspeed"
+    ds16 = build_ds_config(cfg, dp_size=4, device=torch.device("cuda"))
+    assert ds16["bf16"]["enabled"] and not ds16["fp16"]["enabled"] and not ds16["torch_autocast"]["enabled"]
+    cfg.parallel.zero_precision = "autocast"
     assert ds["zero_optimization"]["overlap_comm"]  # from ds_configs/zero3.json
     assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 0  # per-block gathers (the default)
     cfg.parallel.zero3_fetch = "module"
@@ -149,7 +162,7 @@ def test_ds_config_takes_cli_values_and_rejects_disagreement(tmp_path: Path) -> 
     assert module_ds["zero_optimization"]["stage3_param_persistence_threshold"] == 1e5
     cfg.parallel.zero3_fetch = "block"
     cpu = build_ds_config(cfg, dp_size=4, device=torch.device("cpu"))
-    assert not cpu["bf16"]["enabled"] and not cpu["fp16"]["enabled"]  # CPU runs are fp32
+    assert not any(cpu[k]["enabled"] for k in ("bf16", "fp16", "torch_autocast"))  # CPU runs are fp32
 
     cfg.parallel.ds_config = path = _write(tmp_path, {"train_micro_batch_size_per_gpu": 4})
     with pytest.raises(ConfigError, match=f"{path} sets train_micro_batch_size_per_gpu=4 but --batch-size is 8"):
@@ -158,7 +171,8 @@ def test_ds_config_takes_cli_values_and_rejects_disagreement(tmp_path: Path) -> 
     with pytest.raises(ConfigError, match=f"{path} sets zero_optimization.stage=2 but --zero-stage is 3"):
         build_ds_config(cfg, 4, torch.device("cpu"))
     cfg.parallel.ds_config = path = _write(tmp_path, {"fp16": {"enabled": True}})
-    with pytest.raises(ConfigError, match=f"{path} sets fp16.enabled=true but --precision is bf16"):
+    with pytest.raises(ConfigError, match=f"{path} sets fp16.enabled=true but --precision is bf16 with "
+                                          "--zero-precision autocast"):
         build_ds_config(cfg, 4, torch.device("cpu"))
     cfg.parallel.ds_config = _write(tmp_path, {"optimizer": {"type": "Adam"}})
     with pytest.raises(ConfigError, match="'optimizer' section"):
