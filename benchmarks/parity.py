@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
                         "lr-x2='--lr 1.2e-3'")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=8, help="global batch: sequences per optimizer step")
+    p.add_argument("--micro-batch", type=int, help="largest per-rank micro-batch: every row accumulates gradients "
+                   "to reach --batch-size (default: none, the reference takes the global batch at once)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup-steps", type=int, default=10, help="LR warm-up")
     p.add_argument("--lr", type=float, default=6e-4)
@@ -239,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--extra-row names must differ from each other and from the matrix rows")
     if args.jobs < 1:
         p.error("--jobs must be >= 1")
+    if args.micro_batch is not None and (args.micro_batch < 1 or args.batch_size % args.micro_batch):
+        p.error(f"--micro-batch must be >= 1 and divide --batch-size {args.batch_size}")
     out = args.out.resolve()
     data = data_flags(args, p)
 
@@ -252,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         max_samples, eval_batches = prepare_data(common(args.models[0]), args.batch_size, args.eval_batches)
         jobs = [plan(row, model, [*common(model), "--max-samples", str(max_samples)], args.batch_size, eval_batches,
-                     device) for model in args.models for row in rows]
+                     device, args.micro_batch) for model in args.models for row in rows]
     except ConfigError as err:
         p.error(str(err))
     except ModuleNotFoundError as err:  # tokenising needs `datasets`, which a GPU machine may lack
@@ -282,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         "versions": f"torch {tag['torch']}, CUDA {tag['cuda']}, triton {tag['triton']}, deepspeed {tag['deepspeed']}",
         "date": tag["date"],
         "settings": f"seq {args.seq_len}, global batch {args.batch_size} sequences per step (micro-batch x "
-                    f"grad-accum x dp), {args.steps} steps, lr {args.lr:g} (warm-up {args.warmup_steps}), seed "
+                    f"grad-accum x dp{f', micro-batch at most {args.micro_batch}' if args.micro_batch else ''}), "
+                    f"{args.steps} steps, lr {args.lr:g} (warm-up {args.warmup_steps}), seed "
                     f"{args.seed}, validation loss over {eval_batches} x {args.batch_size} sequences",
         "data": f"`{shlex.join(data)}`, the first {max_samples} training sequences",
     }

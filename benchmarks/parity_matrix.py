@@ -105,11 +105,14 @@ class Job:
         return [*launcher, *self.argv, "--run-name", run_name]
 
 
-def plan(row: Row, model: str, common: list[str], batch: int, eval_batches: int, device: str) -> Job:
+def plan(row: Row, model: str, common: list[str], batch: int, eval_batches: int, device: str,
+         micro_batch: int | None = None) -> Job:
     """The row's flags for `model` with the global batch `batch` split over dp x grad-accum, or a skip reason.
 
-    train.py's own parser resolves the flags (tp size, accumulation, kernels, precision) and its start-up check
-    decides whether the kernel and attention backends can run here."""
+    With `micro_batch`, the reference's per-rank micro-batch is at most that: every row accumulates
+    batch / (dp x micro_batch) micro-steps, times its own --grad-accum (the noise row: half the reference's
+    micro-batch). train.py's own parser resolves the flags (tp size, accumulation, kernels, precision) and its
+    start-up check decides whether the kernel and attention backends can run here."""
     try:
         cfg = parse_args([*common, *row.flags])
     except ConfigError as err:
@@ -123,11 +126,16 @@ def plan(row: Row, model: str, common: list[str], batch: int, eval_batches: int,
     if world % tp:
         return Job(row, model, key=key, skip=f"--tp-size {tp} does not divide the {world} processes")
     dp = world // tp
+    if micro_batch is not None:
+        if batch % (dp * micro_batch):
+            return Job(row, model, key=key, skip=f"batch {batch} is not divisible by dp {dp} x micro-batch "
+                                                 f"{micro_batch}")
+        accum *= batch // (dp * micro_batch)
     if batch % (dp * accum):
         return Job(row, model, key=key, skip=f"batch {batch} is not divisible by dp {dp} x grad-accum {accum}")
     if device == "cpu" and cfg.train.precision == "fp32":
         return Job(row, model, key=key, skip="CPU runs are fp32 whatever --precision says: this would repeat the "
                                              "reference")
-    argv = (*common, *row.flags, "--batch-size", str(batch // (dp * accum)), "--eval-batches",
-            str(eval_batches * accum))
+    argv = (*common, *row.flags, "--grad-accum", str(accum), "--batch-size", str(batch // (dp * accum)),
+            "--eval-batches", str(eval_batches * accum))
     return Job(row, model, argv, key)
