@@ -170,14 +170,6 @@ def package_version(name: str) -> str:
         return "not installed"
 
 
-def row_tolerance(tol: float, precision: str, ref_precision: str) -> tuple[float, str]:
-    """The tolerance one row is judged by, and a note: every row gets the noise-derived tolerance; a row computing
-    in another precision than the reference (fp32 against bf16 on a GPU) is noted, its delta is not noise."""
-    if precision == ref_precision:
-        return tol, ""
-    return tol, f"{precision} against the {ref_precision} reference: the difference measures precision, not noise"
-
-
 def judge(jobs: list[Job], outcomes: dict[Job, Outcome], args: argparse.Namespace
           ) -> tuple[list[RowResult], Tolerance | None]:
     """One model's rows against its reference, and the tolerance (None without a reference curve)."""
@@ -214,9 +206,8 @@ def judge(jobs: list[Job], outcomes: dict[Job, Outcome], args: argparse.Namespac
         if ref is None or tol is None:
             r.verdict, r.note = "error", "no reference curve: the single run failed"
             continue
-        row_tol, r.note = row_tolerance(tol.value, r.curve.precision, ref.precision)
         try:
-            r.comparison = compare(ref, r.curve, row_tol)
+            r.comparison = compare(ref, r.curve, tol.value)
         except CurveError as err:
             r.verdict, r.note = "error", str(err)
             continue
@@ -224,6 +215,10 @@ def judge(jobs: list[Job], outcomes: dict[Job, Outcome], args: argparse.Namespac
             r.verdict = "reference"
         elif job.row == NOISE:
             r.verdict, r.note = "noise", "sets the tolerance"
+        elif r.curve.precision != ref.precision:
+            r.verdict = "precision"
+            r.note = (f"{r.curve.precision} against the {ref.precision} reference: not judged, the difference "
+                      "measures precision, not the code path")
         else:
             r.verdict = "pass" if r.comparison.passed else "fail"
     return results, tol

@@ -32,7 +32,8 @@ from gpt2.run_logging import run_label
 
 # verdicts, best first: a configuration checked by several rows (e.g. `single` and `grad-accum` share a key) gets
 # the worst of them. `reference` and `noise` are the rows the others are measured against: they pass by definition.
-VERDICTS = ("reference", "noise", "pass", "skipped", "fail", "error")
+# `precision`: a row computing in another precision than the reference (fp32 against bf16) is not judged.
+VERDICTS = ("reference", "noise", "pass", "precision", "skipped", "fail", "error")
 PASSING = frozenset({"reference", "noise", "pass"})
 TRAIN_MODES = get_args(Mode)  # train.py's --mode choices
 # default floor of the tolerance, by the reference run's precision. The noise row measures a summation-order change
@@ -117,7 +118,7 @@ def worst(verdicts: list[str]) -> str:
 
 def config_key(config: dict[str, Any], world_size: int) -> str:
     """The code path a run takes, from its config.json (= RunConfig.to_dict()) and world size, e.g.
-    `gpt2-large zero3-tp2-sp w4 kernels=triton attn=sdpa compile=blocks ckpt=off bf16 fetch=block`.
+    `gpt2-large zero3-tp2-sp w4 kernels=triton attn=sdpa compile=blocks ckpt=off bf16 fetch=block zprec=autocast`.
 
     Batch size, accumulation, step counts and learning rate are left out: a parity run checks the code path at its
     own (small) batch, a throughput run measures it at its own. The precision is --precision as given (a CPU run
@@ -129,6 +130,8 @@ def config_key(config: dict[str, Any], world_size: int) -> str:
            f"ckpt={'on' if t['activation_checkpointing'] else 'off'} {t['precision']}")
     if t["mode"] == "hybrid" and p["zero_stage"] == 3:
         key += f" fetch={p['zero3_fetch']}"
+    if t["mode"] == "hybrid":  # configs written before --zero-precision existed ran DeepSpeed's 16-bit model
+        key += f" zprec={p.get('zero_precision', 'deepspeed')}"
     return key
 
 

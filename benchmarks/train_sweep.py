@@ -5,11 +5,12 @@
     python -m benchmarks.train_sweep --gpus 4 --modes hybrid-tp2 --batches 8 max --extra-args="--compile"
     python -m benchmarks.train_sweep --gpus 4 --parity benchmarks/results/parity/4xh200/parity.csv   # gated tables
 
-Modes (train.py flags): baseline (DDP), hybrid (ZeRO-3), hybrid-tp2 (ZeRO-3 + TP 2), hybrid-tp2-sp (+ sequence
-parallelism), and the reference rows hf-ddp / hf-zero3 (`benchmarks.hf_reference`: Hugging Face GPT-2 as users
-run it). Each of our modes runs with every `--fused` backend; the HF rows have no fused kernels. `--batches`
-takes micro-batch sizes per GPU and `max`: the largest of `--max-batches` (tried in descending order) that
-completes without running out of CUDA memory; sizes at or above one that already ran out are not tried.
+Modes (train.py flags): single (--gpus 1 only), baseline (DDP), zero1 / zero2, hybrid (ZeRO-3), hybrid-tp2
+(ZeRO-3 + TP 2), hybrid-tp2-sp (+ sequence parallelism), and the reference rows hf-ddp / hf-zero3
+(`benchmarks.hf_reference`: Hugging Face GPT-2 as users run it). Each of our modes runs with every `--fused`
+backend; the HF rows have no fused kernels. `--batches` takes micro-batch sizes per GPU and `max`: the largest
+of `--max-batches` (tried in descending order) that completes without running out of CUDA memory; sizes at or
+above one that already ran out are not tried.
 
 Every run: `python -m torch.distributed.run --standalone --nproc_per_node=N train.py ...` (or `-m
 benchmarks.hf_reference`), `--max-steps` steps of which the first `--warmup` are excluded from tokens/s and
@@ -53,7 +54,10 @@ class Mode:
 
 
 MODES: dict[str, Mode] = {
+    "single": Mode("single", ("--mode", "single")),  # under torchrun too: world size 1, the reference of --gpus 1
     "baseline": Mode("DDP", ("--mode", "baseline")),
+    "zero1": Mode("ZeRO-1", ("--mode", "hybrid", "--zero-stage", "1")),
+    "zero2": Mode("ZeRO-2", ("--mode", "hybrid", "--zero-stage", "2")),
     "hybrid": Mode("ZeRO-3", ("--mode", "hybrid")),
     "hybrid-tp2": Mode("ZeRO-3 + TP2", ("--mode", "hybrid", "--tp-size", "2")),
     "hybrid-tp2-sp": Mode("ZeRO-3 + TP2 + SP", ("--mode", "hybrid", "--tp-size", "2", "--sequence-parallel")),
@@ -97,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for b in args.batches:
         if b != "max" and not (b.isdigit() and int(b) > 0):
             p.error(f"--batches takes positive integers or 'max', not {b!r}")
+    if "single" in args.modes and args.gpus != 1:
+        p.error(f"--modes single runs on one GPU; drop it or pass --gpus 1 (not {args.gpus})")
     args.wandb_group = args.wandb_group or time.strftime("sweep-%Y%m%d-%H%M%S")
     return args
 
