@@ -1,8 +1,9 @@
 """The DeepSpeed config of a `--mode hybrid` run: ds_configs/zero{stage}.json (or --ds-config) + our CLI values.
 
 Our CLI stays the single source of truth: batch size, gradient accumulation, clipping, precision and ZeRO stage
-are written into the DeepSpeed config, and a JSON file that sets one of them to another value is an error naming
-both. Needs no DeepSpeed import (train.py checks the config before any work; the planner reads its ZeRO settings).
+(and the two checks the non-finite guard relies on) are written into the DeepSpeed config, and a JSON file that
+sets one of them to another value is an error naming both. Needs no DeepSpeed import (train.py checks the config
+before any work; the planner reads its ZeRO settings).
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ def _harness_values(layout: RunLayout) -> list[tuple[tuple[str, ...], Any, str]]
         (("zero_optimization", "stage"), cfg.parallel.zero_stage, f"--zero-stage is {cfg.parallel.zero_stage}"),
         (("bf16", "enabled"), t.precision == "bf16", f"--precision is {t.precision}"),
         (("fp16", "enabled"), t.precision == "fp16", f"--precision is {t.precision}"),
+        # the non-finite guard (gpt2.guard) relies on DeepSpeed skipping every step whose global gradient norm is
+        # not finite: bf16 ZeRO-1/2 skips only with this check on, and the norm must be computed
+        (("bf16", "check_grad_overflow"), True, "the non-finite guard needs DeepSpeed to skip a step whose gradient "
+                                                "norm is not finite"),
+        (("zero_optimization", "compute_grad_norm"), True, "the non-finite guard reads the global gradient norm"),
     ]
 
 
