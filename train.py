@@ -6,8 +6,9 @@
     python train.py --plan --mode hybrid --model gpt2-large --gpus 4 [--search]  # predicted memory/communication
 
 config -> process groups -> data (sharded by data-parallel rank) -> engine -> loop -> logs.
-Exit status: 0 trained to --max-steps; 2 bad configuration; 75 preempted by SIGUSR1/SIGTERM after saving a
-checkpoint (gpt2/preemption.py; rerun with --resume auto).
+Exit status: 0 trained to --max-steps; 2 bad configuration; 65 stopped after --max-bad-steps consecutive steps with
+a non-finite loss or gradient norm, none applied or saved (gpt2/guard.py; the message says what to change); 75
+preempted by SIGUSR1/SIGTERM after saving a checkpoint (gpt2/preemption.py; rerun with --resume auto).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         from gpt2.data import build_data
         from gpt2.distributed import init_distributed, shutdown_distributed
         from gpt2.engine import build_engine
+        from gpt2.guard import EXIT_NONFINITE, NonFiniteError
         from gpt2.metrics import model_params_for_flops
         from gpt2.preemption import EXIT_PREEMPTED, Preempted, PreemptionWatcher
         from gpt2.run_logging import MetricsLogger, log, make_run_dir, setup_console
@@ -98,9 +100,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2
     except Preempted as stop:
-        hint = "resume with --resume auto" if stop.checkpoint else "a rerun starts from scratch: pass --save-dir"
+        hint = "resume with --resume auto" if cfg.checkpoint.save_dir else (
+            "a rerun starts from scratch: pass --save-dir")
         log.warning("%s; exit %d (%s)", stop, EXIT_PREEMPTED, hint)
         return EXIT_PREEMPTED
+    except NonFiniteError as err:
+        log.error("%s; exit %d", err, EXIT_NONFINITE)
+        return EXIT_NONFINITE
     finally:
         if logger:
             logger.close()

@@ -31,8 +31,11 @@ of N + M uninterrupted steps. A checkpoint resumes only into the same parallel l
 and data order (batch size, accumulation, seq len, seed); to change the layout, export the weights and
 --init-from them.
 
-`Checkpointer.save(step)` may be called at any step boundary (the loop calls `maybe_save`; a preemption
-handler can call `save`). Every function here that touches the process group is collective.
+`Checkpointer.save(step)` may be called at any step boundary; the loop calls it when `Checkpointer.due(step)` and at
+a preemption, but never after a step whose update the non-finite guard skipped (`gpt2.guard`; a due save waits for
+the next applied step). So every checkpoint holds only finite updates and ends outside a run of bad steps, and the
+newest good checkpoint is the one just written, which --keep-last never deletes. Every function here that touches
+the process group is collective.
 
 Integrity: before anything in a checkpoint is loaded (resume, export), rank 0 checks every file against
 `manifest.json`: a missing, truncated, modified or unlisted file is refused with a CheckpointError naming it, so
@@ -531,13 +534,15 @@ def prepare_resume(layout: RunLayout, ctx: DistContext) -> ResumePoint | None:
 
 
 class Checkpointer:
-    """Saves at --save-interval steps and at the end of training; `save(step)` works at any step boundary."""
+    """Saves at --save-interval steps and at the end of training (when `due`); `save(step)` works at any step
+    boundary."""
 
     def __init__(self, layout: RunLayout, ctx: DistContext, engine: Any, train_loader: BatchLoader):
         self.layout, self.cfg, self.ctx, self.engine, self.train_loader = layout, layout.cfg, ctx, engine, train_loader
 
-    def maybe_save(self, step: int) -> Path | None:
-        return self.save(step) if _save_due(self.cfg, step) else None
+    def due(self, step: int) -> bool:
+        """A save is due after `step`: every --save-interval steps and at --max-steps."""
+        return _save_due(self.cfg, step)
 
     def save(self, step: int) -> Path:
         return save_checkpoint(self.layout, self.ctx, self.engine, self.train_loader, step,

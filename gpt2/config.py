@@ -120,6 +120,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    max_bad_steps: int = 3  # consecutive non-finite steps (each skipped) that stop the run (gpt2.guard)
     precision: Precision = "bf16"
     seed: int = 1337
     activation_checkpointing: bool = False
@@ -218,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-lr", type=float, default=6e-5)
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--grad-clip", type=float, default=1.0, help="0 disables clipping")
+    g.add_argument("--max-bad-steps", type=_positive_int, default=3,
+                   help="a step whose loss or gradient norm is not finite is skipped (nothing updated, nothing "
+                        "saved); this many in a row stop the run with exit code 65")
     g.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16",
                    help="autocast dtype on GPU; CPU runs always use fp32")
     g.add_argument("--seed", type=int, default=1337)
@@ -313,6 +317,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         seq_len=args.seq_len, max_steps=args.max_steps,
         warmup_steps=args.warmup_steps, throughput_warmup_steps=args.throughput_warmup_steps,
         lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+        max_bad_steps=args.max_bad_steps,
         precision=args.precision, seed=args.seed,
         activation_checkpointing=args.activation_checkpointing, compile=args.compile,
         compile_scope=resolve_compile_scope(args.compile_scope, args.mode, args.tp_size),

@@ -1,8 +1,9 @@
 """The DeepSpeed config of a `--mode hybrid` run: ds_configs/zero{stage}.json (or --ds-config) + our CLI values.
 
 Our CLI stays the single source of truth: batch size, gradient accumulation, clipping, precision and ZeRO stage
-are written into the DeepSpeed config, and a JSON file that sets one of them to another value is an error naming
-both. Needs no DeepSpeed import (train.py checks the config before any work; the planner reads its ZeRO settings).
+(and the two checks the non-finite guard relies on) are written into the DeepSpeed config, and a JSON file that
+sets one of them to another value is an error naming both. Needs no DeepSpeed import (train.py checks the config
+before any work; the planner reads its ZeRO settings).
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ def _harness_values(layout: RunLayout) -> list[tuple[tuple[str, ...], Any, str]]
         (("zero_optimization", "stage"), cfg.parallel.zero_stage, f"--zero-stage is {cfg.parallel.zero_stage}"),
         *[(keys, value, f"--precision is {t.precision} with --zero-precision {cfg.parallel.zero_precision}")
           for keys, value in precision_values(t.precision, cfg.parallel.zero_precision).items()],
+        # the non-finite guard (gpt2.guard) relies on DeepSpeed skipping every step whose global gradient norm is
+        # not finite: ZeRO-1/2 over DeepSpeed's bf16 model (--zero-precision deepspeed) skips only with this check
+        # on (over fp32 weights, torch_autocast, it checks the norm anyway), and the norm must be computed
+        (("bf16", "check_grad_overflow"), True, "the non-finite guard needs DeepSpeed to skip a step whose gradient "
+                                                "norm is not finite"),
+        (("zero_optimization", "compute_grad_norm"), True, "the non-finite guard reads the global gradient norm"),
     ]
 
 

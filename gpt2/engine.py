@@ -33,6 +33,7 @@ from fused_kernels.attention import get_attention
 from gpt2.compiling import compile_whole
 from gpt2.config import ConfigError, RunConfig, TrainConfig
 from gpt2.distributed import DistContext
+from gpt2.guard import NonFiniteGuard, step_if_finite
 from gpt2.layout import RunLayout
 from gpt2.parallelize import build_model, parallelize, param_groups, tp_comm_stats
 from parallel.grads import allreduce_sequence_parallel_grads, clip_grad_norm_
@@ -56,14 +57,6 @@ def check_backends(cfg: RunConfig) -> None:
         raise ConfigError(str(err)) from err
 
 
-def step_with_scaler(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
-    """scaler.step + update; False when the scaler skipped the update (fp16 inf/NaN gradients)."""
-    scale = scaler.get_scale() if scaler.is_enabled() else None
-    scaler.step(optimizer)
-    scaler.update()
-    return scale is None or scaler.get_scale() >= scale  # the scale backs off only after a skipped step
-
-
 @torch.no_grad()
 def evaluate_batches(
     forward: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
@@ -84,7 +77,8 @@ def evaluate_batches(
 
 
 class TorchEngine:
-    """Single-device or DDP training with autocast, GradScaler (fp16), clipping and fused AdamW."""
+    """Single-device or DDP training with autocast, GradScaler (fp16), clipping, fused AdamW and the non-finite
+    guard (`gpt2.guard`): a step whose global gradient norm is not finite updates nothing."""
 
     def __init__(self, layout: RunLayout, ctx: DistContext):
         self.cfg = cfg = layout.cfg
@@ -104,11 +98,12 @@ class TorchEngine:
             self.model = compile_whole(self.model)
         self.dtype = layout.autocast_dtype
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.dtype == torch.float16)
+        # fused on every device: it skips a non-finite step on the device (`step_if_finite`)
         self.optimizer = torch.optim.AdamW(
-            param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-            fused=ctx.device.type == "cuda")
+            param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_at(s, t) / t.lr)
         self._step_lr = self.scheduler.get_last_lr()[0]  # the lr of the last optimizer step
+        self.guard = NonFiniteGuard.for_run(layout, ctx.device)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype is None:
@@ -123,13 +118,14 @@ class TorchEngine:
         with contextlib.nullcontext() if sync else self.ddp.no_sync():
             with self.autocast():
                 loss, correct = self.model(x, y)
-            self.scaler.scale(loss / self.layout.grad_accum).backward()
+            self.scaler.scale(self.guard.gate(loss) / self.layout.grad_accum).backward()
         if last_micro_step and self.layout.sequence_parallel:
             allreduce_sequence_parallel_grads(self.module, self.ctx.dims, self.comm_stats)
         return loss.detach(), correct.detach()
 
     def optimizer_step(self) -> torch.Tensor:
-        """Clip, step, schedule; returns the pre-clip global gradient norm (a device tensor)."""
+        """Clip, step unless the global gradient norm is not finite (decided on the device), schedule; returns the
+        pre-clip global gradient norm (a device tensor)."""
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.train.grad_clip
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -138,11 +134,13 @@ class TorchEngine:
             norm = clip_grad_norm_(params, max_norm, self.ctx.dims)  # sharded weights' squares summed over TP
         else:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        stepped = step_with_scaler(self.scaler, self.optimizer)
+        # fp16: an inf/NaN gradient the scaler found makes the norm non-finite too, so this skips what
+        # scaler.step would; the scaler still backs off from the inf checks unscale_ recorded
+        step_if_finite(self.optimizer, norm)
+        self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self._step_lr = self.scheduler.get_last_lr()[0]  # this update's lr; scheduler.step() moves to the next
-        if stepped:  # like DeepSpeed: an fp16 overflow skips the update and leaves the schedule where it is
-            self.scheduler.step()
+        self.scheduler.step()  # a skipped update still uses up its step of the schedule (no host sync to know)
         return norm
 
     @property

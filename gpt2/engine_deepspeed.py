@@ -7,9 +7,9 @@
 Same interface as `gpt2.engine.TorchEngine` (forward_backward / optimizer_step / evaluate / lr / module),
 so the loop, metrics and logs are shared. Our CLI stays the single source of truth: batch size, gradient
 accumulation, clipping, precision and ZeRO stage are written into the DeepSpeed config, and a JSON file
-that sets one of them to another value is an error naming both. The optimizer (torch AdamW, fused on CUDA)
-and the LR schedule (LambdaLR over `gpt2.engine.lr_at`) are our objects passed to `deepspeed.initialize`,
-so no DeepSpeed op needs compiling.
+that sets one of them to another value is an error naming both. The optimizer (torch AdamW, fused, as in
+TorchEngine) and the LR schedule (LambdaLR over `gpt2.engine.lr_at`) are our objects passed to
+`deepspeed.initialize`, so no DeepSpeed op needs compiling.
 
 `--zero3-fetch block` (default) marks each transformer block a DeepSpeed ZeRO-3 leaf module: its parameters
 are gathered by one coalesced all-gather in one pre-forward hook (and again before its backward) instead of
@@ -38,6 +38,12 @@ is NOT built under zero.Init (the plan cuts existing full weights): the full fp3
 between its construction and `deepspeed.initialize` (GPT-2 XL: 6 GB per GPU, transiently), then only this
 rank's TP shard, partitioned over DP, is kept.
 
+Non-finite guard (`gpt2.guard`): the loss passes through `guard.gate` before `engine.backward`, so a non-finite loss
+makes the gradients NaN, and DeepSpeed's own check skips every step whose global gradient norm is not finite
+(ZeRO-1/2/3; `gpt2.ds_config` keeps `bf16.check_grad_overflow` and `zero_optimization.compute_grad_norm` on). DeepSpeed
+then leaves the LR schedule where it is; we step it, so that a skipped update uses up its step of the schedule as in
+TorchEngine. DeepSpeed reads its decision on the host inside `engine.step()`; asking it afterwards costs nothing.
+
 On CPU (tests): `DS_ACCELERATOR=cpu`, gloo, fp32. DeepSpeed's CPU communication backend would JIT-build a
 shared-memory all-reduce op that only its inference path uses; we mark it incompatible instead.
 """
@@ -58,6 +64,7 @@ from gpt2.config import ConfigError
 from gpt2.distributed import DistContext
 from gpt2.ds_config import build_ds_config
 from gpt2.engine import evaluate_batches, lr_at
+from gpt2.guard import NonFiniteGuard
 from gpt2.layout import RunLayout
 from gpt2.model import GPT
 from gpt2.parallelize import build_model, parallelize, param_groups, tp_comm_stats
@@ -140,7 +147,7 @@ class DeepSpeedEngine:
         if cfg.parallel.sequence_parallel:  # before initialize: ZeRO consumes gradients during backward
             register_sequence_parallel_grad_hooks(model, ctx.dims, self.comm_stats)
         optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-                                      fused=ctx.device.type == "cuda")
+                                      fused=True)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, t) / t.lr)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
@@ -148,23 +155,27 @@ class DeepSpeedEngine:
         self._step_lr = self.scheduler.get_last_lr()[0]  # the lr of the last optimizer step
         self.module: GPT = model
         self.zero_comm_log = ZeroCommLog(ctx.dims.dp_size) if cfg.parallel.comm_log else None
+        self.guard = NonFiniteGuard.for_run(layout, ctx.device)
 
     def forward_backward(
         self, x: torch.Tensor, y: torch.Tensor, last_micro_step: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One micro-step; DeepSpeed divides the loss by grad_accum and steps only at the boundary."""
         loss, correct = self.engine(x, y)
-        self.engine.backward(loss)
+        self.engine.backward(self.guard.gate(loss))
         if not last_micro_step:
             self.engine.step()  # bookkeeping only: DeepSpeed counts micro-steps in step()
         return loss.detach(), correct.detach()
 
     def optimizer_step(self) -> torch.Tensor:
-        """Clip, step, schedule (all inside DeepSpeed); returns the pre-clip global gradient norm."""
+        """Clip, step unless the global gradient norm is not finite, schedule (all inside DeepSpeed); returns the
+        pre-clip global gradient norm (inf after a skipped step: DeepSpeed reports that)."""
         self._step_lr = self.scheduler.get_last_lr()[0]  # this update's lr; engine.step() schedules the next
         self.engine.step()
+        if not self.engine.was_step_applied():  # DeepSpeed skipped it and kept the schedule: move on as TorchEngine
+            self.scheduler.step()
         norm = self.engine.get_global_grad_norm()
-        return torch.as_tensor(float("nan") if norm is None else float(norm))
+        return torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float32, device=self.ctx.device)
 
     @property
     def lr(self) -> float:

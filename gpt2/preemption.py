@@ -27,12 +27,12 @@ PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
 class Preempted(Exception):
-    """Raised by the training loop after the preemption checkpoint of `step` (None: no --save-dir)."""
+    """Raised by the training loop after the preemption checkpoint of `step` (None: `unsaved` says why not)."""
 
-    def __init__(self, step: int, signum: int, checkpoint: str | None):
+    def __init__(self, step: int, signum: int, checkpoint: str | None, unsaved: str = "no --save-dir, nothing saved"):
         name = signal.Signals(signum).name if signum else "a peer's signal"
-        super().__init__(f"preempted by {name} after step {step}; "
-                         + (f"checkpoint {checkpoint}" if checkpoint else "no --save-dir, nothing saved"))
+        outcome = f"checkpoint {checkpoint}" if checkpoint else unsaved
+        super().__init__(f"preempted by {name} after step {step}; {outcome}")
         self.step, self.checkpoint = step, checkpoint
 
 

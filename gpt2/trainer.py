@@ -1,6 +1,6 @@
-"""The training loop, shared by every mode: `train_step` (micro-steps + optimizer step), `step_record` (the logged
-metrics), a recorder (JSONL/wandb + progress bar on the main rank, `NullRecorder` elsewhere), eval, and
-`build_summary`."""
+"""The training loop, shared by every mode: `train_step` (micro-steps + optimizer step), the non-finite guard's
+reads (`gpt2.guard`), `step_record` (the logged metrics), a recorder (JSONL/wandb + progress bar on the main rank,
+`NullRecorder` elsewhere), eval, and `build_summary`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from gpt2.checkpoint import Checkpointer
 from gpt2.config import RunConfig
 from gpt2.data import DataBundle
 from gpt2.distributed import DistContext
+from gpt2.guard import GuardReading, NonFiniteGuard, install_fault_injection
 from gpt2.layout import RunLayout
 from gpt2.metrics import (
     StepTimer,
@@ -35,6 +36,9 @@ from gpt2.run_logging import MetricsLogger, log
 
 
 class Engine(Protocol):
+    guard: NonFiniteGuard
+    module: torch.nn.Module
+
     def forward_backward(
         self, x: torch.Tensor, y: torch.Tensor, last_micro_step: bool
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -160,15 +164,38 @@ def _warn_about_settings(layout: RunLayout, start_step: int) -> None:
                     t.max_steps, t.lr)
 
 
+def _save_unless_skipped(checkpointer: Checkpointer, step: int, reading: GuardReading) -> tuple[Path | None, bool]:
+    """Save after `step` if its update was applied; returns (the checkpoint, whether a save is still owed)."""
+    if reading.streak:
+        log.warning("checkpoint of step %d postponed: its update was skipped (non-finite loss or gradient norm); "
+                    "the save waits for the next applied step", step)
+        return None, True
+    return checkpointer.save(step), False
+
+
+def _preempted(step: int, preemption: PreemptionWatcher, checkpointer: Checkpointer | None, saved: Path | None,
+               reading: GuardReading) -> Preempted:
+    """Save this step unless just saved or skipped; the Preempted to raise (every rank)."""
+    if checkpointer is None:
+        return Preempted(step, preemption.received, None)
+    if saved is None:
+        saved, _ = _save_unless_skipped(checkpointer, step, reading)
+    return Preempted(step, preemption.received, str(saved) if saved else None,
+                     "its update was skipped (non-finite): not saved")
+
+
 def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: DataBundle,
                  logger: MetricsLogger | None, start_step: int = 0,
                  checkpointer: Checkpointer | None = None,
                  preemption: PreemptionWatcher | None = None) -> dict[str, Any]:
     """Train from `start_step` to max_steps; returns the summary record (identical on every rank).
 
-    `checkpointer.maybe_save(step)` runs after every optimizer step (a step boundary: it may also save).
-    Then, before the last step, all ranks agree on `preemption.should_stop`: if any rank got a preemption
-    signal, every rank saves this step (unless just saved) and raises Preempted.
+    After every optimizer step the non-finite guard counts it on the device (`gpt2.guard`); the loop reads the
+    guard where it reads numbers anyway (log steps, saves, every --max-bad-steps steps, a preemption) and raises
+    NonFiniteError on every rank once the run must stop. A checkpoint is saved when `checkpointer.due(step)`, but
+    only after an applied update: a save due at a skipped step is made after the next applied one. Then, before the
+    last step, all ranks agree on `preemption.should_stop`: if any rank got a preemption signal, every rank saves
+    this step (unless just saved, or skipped) and raises Preempted.
     """
     cfg, t = layout.cfg, layout.cfg.train
     peak = device_peak_tflops(ctx.device, cfg.log.peak_tflops)
@@ -187,41 +214,56 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
     recorder = ProgressRecorder(logger, t.max_steps, start_step) if logger is not None else NullRecorder()
     profiler = StepProfiler(t.profile, recorder.run_dir, start_step + t.throughput_warmup_steps, ctx.device)
     _warn_about_settings(layout, start_step)
+    guard = engine.guard
+    install_fault_injection(engine.module, layout.grad_accum, start_step, ctx.rank)
     last: dict[str, Any] = {}
+    reading = GuardReading(0, 0, 0, 0)
+    owed = False  # a save came due at a skipped step
     comm = TrainingCommMeter(engine)
     train_start = time.perf_counter()
     for step in range(start_step + 1, t.max_steps + 1):
         timer.start()
         comm.start_step()
         loss_sum, correct_sum, grad_norm = train_step(layout, ctx, engine, data)
+        guard.record(step, loss_sum, grad_norm)
         comm.end_step()
         meter.record(step, timer.stop())
         profiler.step()
 
-        if step % cfg.log.log_interval == 0 or step in (start_step + 1, t.max_steps):
+        log_due = step % cfg.log.log_interval == 0 or step in (start_step + 1, t.max_steps)
+        save_due = checkpointer is not None and (owed or checkpointer.due(step))
+        if log_due or save_due or guard.check_due(step):
+            reading = guard.check(step, ctx)
+        if log_due:
             last = step_record(layout, ctx, engine, meter, step, loss_sum, correct_sum, grad_norm)
+            last["skipped_steps"] = reading.skipped
             recorder.log_step(step, last)
             recorder.show(last)
             log.debug("step %d %s", step, last)
-            if not math.isfinite(last["loss"]):
-                raise FloatingPointError(f"loss is {last['loss']} at step {step}; lower --lr or use bf16/fp32")
+        guard.raise_if_tripped(reading, step)
         recorder.advance()
-        saved = checkpointer.maybe_save(step) if checkpointer else None
+        saved = None
+        if save_due:
+            saved, owed = _save_unless_skipped(checkpointer, step, reading)
         if preemption and step < t.max_steps and preemption.should_stop(ctx):
-            saved = saved or (checkpointer.save(step) if checkpointer else None)
+            reading = guard.check(step, ctx)
+            guard.raise_if_tripped(reading, step)
             recorder.close()
             profiler.stop()
-            raise Preempted(step, preemption.received, str(saved) if saved else None)
+            raise _preempted(step, preemption, checkpointer, saved, reading)
 
         if t.eval_interval and step % t.eval_interval == 0 and step != t.max_steps:
             _evaluate(cfg, engine, data, recorder, step)
+    if owed:
+        log.warning("no checkpoint of the last step %d: its update was skipped; the newest checkpoint is older",
+                    t.max_steps)
     recorder.close()
     profiler.stop()
     train_time = time.perf_counter() - train_start
 
     val = _evaluate(cfg, engine, data, recorder, t.max_steps)
     summary = build_summary(layout, ctx, meter, peak, start_step=start_step, train_time=train_time, last=last,
-                            val=val)
+                            val=val, skipped_steps=reading.skipped)
     # predicted next to measured memory and communication
     summary.update(compare_with_run(plan, summary, comm.per_step("tp"), comm.per_step("dp")))
     recorder.log_summary(summary)
@@ -234,7 +276,8 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
 
 
 def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, peak: float | None, *,
-                  start_step: int, train_time: float, last: dict[str, Any], val: dict[str, float]) -> dict[str, Any]:
+                  start_step: int, train_time: float, last: dict[str, Any], val: dict[str, float],
+                  skipped_steps: int) -> dict[str, Any]:
     """The run's summary record (collective: peak memory is the max over ranks)."""
     cfg, t = layout.cfg, layout.cfg.train
     return {
@@ -246,6 +289,7 @@ def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, p
         "activation_checkpointing": t.activation_checkpointing, "device": _device_name(ctx),
         "peak_tflops_per_gpu": peak, "flops_per_token": meter.flops_per_token,
         "steps": t.max_steps, "start_step": start_step,  # a resumed run trained steps start_step+1..steps
+        "skipped_steps": skipped_steps,  # of those, updates skipped for a non-finite loss or gradient norm
         "train_time_s": train_time, **meter.summary(), **_peak_memory(ctx),
         "final_loss": last.get("loss"), "final_accuracy": last.get("accuracy"), **val,
         "torch_version": torch.__version__, "profiled": t.profile,

@@ -1,4 +1,5 @@
-"""Engine details that need no process group: the fp16 loss-scaler step and the LR schedule."""
+"""Engine details that need no process group: the fp16 loss-scaler step with the non-finite guard, the LR schedule,
+the compile paths."""
 
 from __future__ import annotations
 
@@ -7,25 +8,26 @@ import torch
 
 from gpt2.compiling import INDUCTOR_SETTINGS, compile_forwards, compile_model, compile_whole
 from gpt2.config import MODEL_PRESETS, ModelConfig, parse_args
-from gpt2.engine import lr_at, step_with_scaler
+from gpt2.engine import lr_at
+from gpt2.guard import step_if_finite
 from gpt2.model import GPT
 
 
-@pytest.mark.parametrize(("grad", "expect_step"), [(1.0, True), (float("inf"), False), (float("nan"), False)])
-def test_scaler_step_reports_skipped_updates(grad: float, expect_step: bool) -> None:
+@pytest.mark.parametrize(("grad", "applied"), [(1.0, True), (float("inf"), False), (float("nan"), False)])
+def test_fp16_scaler_and_guard_skip_the_same_steps(grad: float, applied: bool) -> None:
+    """TorchEngine's fp16 step: unscale_, step_if_finite on the global norm, update. The fused AdamW skips on the
+    device exactly what scaler.step would, leaving weights, moments and step count, and the scaler still backs
+    off from the inf checks unscale_ recorded."""
     weight = torch.nn.Parameter(torch.ones(3))
-    optimizer = torch.optim.SGD([weight], lr=0.1)
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
     scaler.scale((weight * torch.full((3,), grad)).sum()).backward()  # d/dweight = grad (x the scale)
-    assert step_with_scaler(scaler, optimizer) is expect_step
-    assert torch.equal(weight.detach(), torch.ones(3)) is not expect_step  # a skipped step leaves the weight
-
-
-def test_disabled_scaler_always_steps() -> None:
-    weight = torch.nn.Parameter(torch.ones(1))
-    weight.grad = torch.ones(1)
-    assert step_with_scaler(torch.amp.GradScaler("cpu", enabled=False), torch.optim.SGD([weight], lr=1.0))
-    assert weight.item() == 0.0
+    scaler.unscale_(optimizer)
+    step_if_finite(optimizer, torch.linalg.vector_norm(weight.grad))
+    scaler.update()
+    assert torch.equal(weight.detach(), torch.ones(3)) is not applied  # a skipped step leaves the weight
+    assert optimizer.state[weight]["step"].item() == float(applied)
+    assert scaler.get_scale() == (2.0**4 if applied else 2.0**3)
 
 
 def test_lr_schedule_warmup_then_cosine_to_min() -> None:
