@@ -124,6 +124,21 @@ def test_matrix_keeps_the_global_batch_in_every_layout():
                                      common, 8, 2, "cuda").skip
 
 
+def test_micro_batch_accumulates_to_the_global_batch():
+    """--micro-batch 8 at a global batch of 32: every row accumulates 32 / (dp x 8) micro-steps times its own
+    --grad-accum, so the noise row still halves the reference's micro-batch."""
+    common = ["--model", "gpt2-tiny", "--seq-len", "32", "--data", "synthetic"]
+    rows = {row.name: row for row in matrix(4)}
+
+    def split(name: str) -> tuple[int, int]:
+        t = parse_args(list(plan(rows[name], "gpt2-tiny", common, 32, 2, "cuda", micro_batch=8).argv)).train
+        return t.batch_size, t.grad_accum
+
+    assert split("single") == (8, 4) and split("noise") == (4, 8) and split("grad-accum") == (2, 16)
+    assert split("ddp-w4") == (8, 1) and split("zero3-tp2-w4") == (8, 2)
+    assert "not divisible" in plan(rows["single"], "gpt2-tiny", common, 32, 2, "cuda", micro_batch=5).skip
+
+
 def curve(losses: list[float], val: float = 5.0, precision: str = "bf16") -> Curve:
     return Curve(tuple(range(1, len(losses) + 1)), tuple(losses), val, precision)
 
@@ -140,6 +155,28 @@ def test_compare_on_synthetic_curves():
     assert compare(ref, curve([10.0, 8.0, 7.0, 6.75]), tol=0.25).passed  # the bound is inclusive (exact in binary)
     with pytest.raises(CurveError, match="steps differ"):
         compare(ref, curve([10.0, 8.0, 7.0]), tol=0.02)
+
+
+def test_a_row_in_another_precision_is_not_judged():
+    """fp32 against the bf16 reference measures what bf16 changes: verdict `precision` however far it is, while a
+    bf16 row as far off fails."""
+    common = ["--model", "gpt2-tiny", "--seq-len", "32", "--data", "synthetic"]
+    rows = [Row("single"), Row("noise", ("--grad-accum", "2")), Row("fp32", ("--precision", "fp32")),
+            Row("compile-model", ("--compile", "--compile-scope", "model"))]
+    jobs = [plan(row, "gpt2-tiny", common, 8, 2, "cuda") for row in rows]
+    curves = [curve([10.0, 8.0]), curve([10.0, 8.001]), curve([10.0, 8.5], precision="fp32"), curve([10.0, 8.5])]
+
+    class Ran:  # an Outcome whose run left this curve
+        def __init__(self, c: Curve) -> None:
+            self.c, self.command, self.run_dir = c, "train.py", "runs/x"
+
+        def curve(self) -> Curve:
+            return self.c
+
+    args = parity.parse_args(["--out", "unused"])[1]
+    results, tol = parity.judge(jobs, {job: Ran(c) for job, c in zip(jobs, curves, strict=True)}, args)
+    assert [r.verdict for r in results] == ["reference", "noise", "precision", "fail"]
+    assert tol.value == 0.05 and results[2].comparison.max_abs_dloss == pytest.approx(0.5)
 
 
 def test_tolerance_rule():
@@ -165,7 +202,13 @@ def _config(flags: list[str]) -> dict:
 
 def test_config_key_names_the_code_path():
     assert config_key(_config(["--mode", "hybrid", "--compile"]), 4) == (
-        "gpt2-large zero3 w4 kernels=none attn=sdpa compile=blocks ckpt=off bf16 fetch=block")
+        "gpt2-large zero3 w4 kernels=none attn=sdpa compile=blocks ckpt=off bf16 fetch=block zprec=autocast")
+    # DeepSpeed's 16-bit model is another function: its own key; a config from before the flag ran that recipe
+    deepspeed16 = _config(["--mode", "hybrid", "--zero-stage", "2", "--zero-precision", "deepspeed"])
+    assert config_key(deepspeed16, 4).endswith("zero2 w4 kernels=none attn=sdpa compile=off ckpt=off bf16 "
+                                               "zprec=deepspeed")
+    del deepspeed16["parallel"]["zero_precision"]
+    assert config_key(deepspeed16, 4).endswith("zprec=deepspeed")
     assert config_key(_config(["--mode", "baseline", "--tp-size", "2", "--sequence-parallel",
                                "--fused-kernels", "triton", "--activation-checkpointing"]), 2) == (
         "gpt2-large ddp-tp2-sp w2 kernels=triton attn=sdpa compile=off ckpt=on bf16")
