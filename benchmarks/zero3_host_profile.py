@@ -1,0 +1,100 @@
+"""Where a training step's host time goes: step time, then Python's cProfile over a few steps, by function.
+
+    torchrun --nproc_per_node=1 -m benchmarks.zero3_host_profile --out /tmp/hp.txt -- --mode hybrid --model gpt2-large
+    python -m benchmarks.zero3_host_profile --out /tmp/hp-single.txt -- --model gpt2-large     # single, to compare
+
+The flags after `--` are train.py's (synthetic tokens are forced). The engine is the one train.py builds
+(`gpt2.engine.build_engine`), so the step is the harness's own: forward_backward + optimizer_step. The report lists
+the mean step time over `--steps` timed steps (after `--warmup`), then the functions with the most own (tottime)
+and cumulative time over `--profile-steps` profiled steps, with DeepSpeed's own functions separately: what the
+GPU waits for when ZeRO-3 at world size 1 runs at a fraction of single's speed. cProfile slows Python code down,
+so its times rank the host work; the timed steps give the real step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from gpt2.config import parse_args as parse_train_args
+from gpt2.distributed import init_distributed, shutdown_distributed
+from gpt2.engine import build_engine
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.zero3_host_profile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="the report (text)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="timed steps")
+    p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--top", type=int, default=25, help="functions per table")
+    return p.parse_args(argv[:split]), argv[split + 1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, train_argv = parse_args(argv)
+    cfg = parse_train_args([*train_argv, "--data", "synthetic"])
+    layout, ctx = init_distributed(cfg)
+    engine = build_engine(layout, ctx)
+    t = cfg.train
+    gen = torch.Generator().manual_seed(t.seed)
+    batch = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1), generator=gen).to(ctx.device)
+    x, y = batch[:, :-1], batch[:, 1:]  # [b, s] inputs and next-token targets
+
+    def step() -> None:
+        for micro in range(layout.grad_accum):
+            engine.forward_backward(x, y, last_micro_step=micro == layout.grad_accum - 1)
+        engine.optimizer_step()
+
+    def synchronize() -> None:
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(args.warmup):
+        step()
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    synchronize()
+    step_s = (time.perf_counter() - start) / args.steps
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.profile_steps):
+        step()
+    synchronize()
+    profiler.disable()
+
+    if ctx.is_main:
+        tokens = t.batch_size * t.seq_len * layout.grad_accum * layout.dp_size
+        lines = [f"flags: {' '.join(train_argv)}", f"device: {ctx.device} "
+                 f"({torch.cuda.get_device_name() if ctx.device.type == 'cuda' else 'cpu'}), torch {torch.__version__}",
+                 f"step: {step_s * 1e3:.1f} ms over {args.steps} steps ({tokens / step_s:,.0f} tokens/s)", ""]
+        for title, sort, restrict in (("own time (tottime), all functions", "tottime", ()),
+                                      ("cumulative time, DeepSpeed's functions", "cumulative", ("deepspeed",)),
+                                      ("own time (tottime), DeepSpeed's functions", "tottime", ("deepspeed",))):
+            buffer = io.StringIO()
+            stats = pstats.Stats(profiler, stream=buffer).strip_dirs() if not restrict else pstats.Stats(
+                profiler, stream=buffer)
+            stats.sort_stats(sort).print_stats(*restrict, args.top)
+            lines += [f"== {title}, {args.profile_steps} profiled steps", buffer.getvalue()]
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(lines))
+        print("\n".join(lines[:3]) + f"\nwrote {args.out}")
+    shutdown_distributed(all_ranks_finished=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

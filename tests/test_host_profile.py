@@ -1,0 +1,24 @@
+"""benchmarks.zero3_host_profile: the step time and the host functions of a ZeRO-3 step (world size 1, gloo)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.common import free_port
+from tests.train_runs import ROOT, train_env
+
+
+def test_reports_step_time_and_deepspeeds_host_functions(tmp_path: Path) -> None:
+    out = tmp_path / "hp.txt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
+           "-m", "benchmarks.zero3_host_profile", "--out", str(out), "--warmup", "1", "--steps", "1",
+           "--profile-steps", "1", "--", "--mode", "hybrid", "--model", "gpt2-tiny", "--batch-size", "2",
+           "--seq-len", "32", "--grad-accum", "2", "--wandb", "disabled"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=train_env(), cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = out.read_text()
+    assert "step: " in report and "tokens/s" in report
+    deepspeed_part = report.split("== cumulative time, DeepSpeed's functions")[1]
+    assert "deepspeed/runtime/zero/" in deepspeed_part  # ZeRO-3's hooks are among the profiled functions
