@@ -99,12 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2
+    # Both stops are collective: every rank takes the decision at the same step (an all-reduced preemption flag, the
+    # global gradient norm), so the ranks leave together, through the barrier, as after a finished run. Without
+    # it a rank could still be in gloo's teardown when its peer's connections closed (an abort, not the exit code).
     except Preempted as stop:
+        finished = True
         hint = "resume with --resume auto" if cfg.checkpoint.save_dir else (
             "a rerun starts from scratch: pass --save-dir")
         log.warning("%s; exit %d (%s)", stop, EXIT_PREEMPTED, hint)
         return EXIT_PREEMPTED
     except NonFiniteError as err:
+        finished = True
         log.error("%s; exit %d", err, EXIT_NONFINITE)
         return EXIT_NONFINITE
     finally:
