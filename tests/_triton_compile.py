@@ -47,9 +47,10 @@ def _cases() -> list[tuple[str, object, dict[str, str], dict[str, object], dict[
                       {"b_ptr": None} | tile if not has_bias else tile, {"num_warps": 8}))
     for has_res in (True, False):
         sig = {"x_ptr": "*bf16", "res_ptr": "*bf16" if has_res else "constexpr", "w_ptr": "*fp32", "b_ptr": "*fp32",
-               "y_ptr": "*fp32", "r_ptr": "*bf16", "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "M": "i32", "N": "i32",
-               "eps": "fp32"}
-        const = {"HAS_RESIDUAL": has_res, "BLOCK_M": 1, "BLOCK_N": 2048} | ({} if has_res else {"res_ptr": None})
+               "y_ptr": "*fp32", "r_ptr": "*bf16" if has_res else "constexpr", "mean_ptr": "*fp32",
+               "rstd_ptr": "*fp32", "M": "i32", "N": "i32", "eps": "fp32"}
+        const = {"HAS_RESIDUAL": has_res, "BLOCK_M": 1, "BLOCK_N": 2048} | (
+            {} if has_res else {"res_ptr": None, "r_ptr": None})
         cases.append((f"add_layernorm_fwd residual={has_res}", add_layernorm_fwd_kernel, sig, const, {"num_warps": 8}))
         sig = {"dy_ptr": "*fp32", "drout_ptr": "*bf16" if has_res else "constexpr", "r_ptr": "*bf16", "w_ptr": "*fp32",
                "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "dr_ptr": "*bf16", "dw_part_ptr": "*fp32",

@@ -1,7 +1,9 @@
 """The `cuda` backend: the MLP up-projection's epilogue is our CUDA C++ bias+GELU kernel.
 
 linear(x, W, b, gelu=True) = bias_gelu(x @ W^T) with the matmul by cuBLAS (no bias) and bias + GELU
-fused in one elementwise pass; every other op comes from `fused_kernels.reference`.
+fused in one elementwise pass, as the custom ops `gpt2_fused::cuda_bias_gelu` (with autograd) and
+`gpt2_fused::cuda_bias_gelu_backward`, so `torch.compile` traces it without a graph break; every other op
+comes from `fused_kernels.reference`.
 The extension is JIT-built on first use by torch.utils.cpp_extension.load for sm_80 and sm_90, and
 cached under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so later runs only load it.
 """
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from fused_kernels import KernelOps, KernelUnavailableError, reference
+from fused_kernels.custom_ops import bias_gelu_ops
 
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCES = [SOURCE_DIR / "bias_gelu.cpp", SOURCE_DIR / "bias_gelu.cu"]
@@ -47,26 +50,21 @@ def load_extension() -> ModuleType:
             "ninja matching PyTorch's CUDA version. Use --fused-kernels triton or none instead") from e
 
 
-class BiasGeluCuda(torch.autograd.Function):
-    """y = gelu_tanh(x + b); saves x (pre-bias) and b, recomputes gelu' in backward."""
+def _forward(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return load_extension().forward(x, bias)
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        ctx.save_for_backward(x, bias)
-        return load_extension().forward(x, bias)
 
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        x, bias = ctx.saved_tensors
-        dx = load_extension().backward(dy.contiguous(), x, bias)  # [..., N]
-        db = dx.reshape(-1, dx.shape[-1]).sum(0, dtype=torch.float32).to(bias.dtype)  # [N]
-        return dx, db
+def _backward(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return load_extension().backward(dy.contiguous(), x, bias)
+
+
+# opaque custom ops (an extension launch cannot be traced); the fakes and autograd are the Triton bias+GELU's
+bias_gelu_op, bias_gelu_backward_op = bias_gelu_ops("cuda", _forward, _backward, traced=False)
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(x + bias) by the CUDA kernel; bias is cast to x's dtype."""
-    return BiasGeluCuda.apply(x, bias.to(x.dtype))
+    return bias_gelu_op(x.contiguous(), bias.to(x.dtype))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""LM-head cross-entropy without materialising the [N, V] logits: chunked over rows, Liger-style.
+"""LM-head cross-entropy without materialising the [N, V] logits: chunked over rows, Liger-style, as the
+custom op `gpt2_fused::triton_lm_cross_entropy` (opaque to Inductor: see the comment above it).
 
 For each chunk of rows (all in the input/autocast dtype except the softmax statistics):
     logits = h_c W^T                                   [C, Vp]   (cuBLAS)
@@ -15,6 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from fused_kernels.custom_ops import kernel_op
 
 IGNORE_INDEX = -100  # for the host code; the kernel reads the constexpr below
 IGNORE = tl.constexpr(IGNORE_INDEX)  # compiled kernels may only read constexpr globals (the interpreter reads any)
@@ -69,42 +72,67 @@ def _chunk_rows(n_rows: int, v_padded: int) -> int:
     return max(1, min(n_rows, CHUNK_ELEMENTS // v_padded))
 
 
-class LinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, vocab_size: int, compute_dtype: torch.dtype,
-                need_grad: bool, chunk_rows: int):
-        N = hidden.shape[0]
-        v_padded = weight.shape[0]
-        h = hidden.to(compute_dtype)  # [N, d]
-        w = weight.to(compute_dtype)  # [Vp, d]
-        inv_n = 1.0 / (targets != IGNORE_INDEX).sum().to(torch.float32)  # [] on device: no host sync
-        loss_rows = torch.empty(N, dtype=torch.float32, device=h.device)
-        correct_rows = torch.empty(N, dtype=torch.int32, device=h.device)
-        grad_h = torch.empty_like(h) if need_grad else None  # [N, d]
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=h.device) if need_grad else None  # [Vp, d]
-        # the interpreter pays per op, not per element: one block spanning the row is fastest there
-        block_v = min(triton.next_power_of_2(v_padded), 8192) if INTERPRETING else 4096
-        for s in range(0, N, chunk_rows):
-            e = min(s + chunk_rows, N)
-            logits = h[s:e] @ w.t()  # [C, Vp]
-            ce_chunk_kernel[(e - s,)](
-                logits, targets[s:e], inv_n, loss_rows[s:e], correct_rows[s:e], logits.stride(0),
-                V=vocab_size, V_PADDED=v_padded, COMPUTE_GRAD=need_grad, BLOCK_V=block_v, num_warps=8)
-            if need_grad:  # logits now holds dlogits
-                torch.mm(logits, w, out=grad_h[s:e])  # [C, d]
-                grad_w += logits.t() @ h[s:e]  # [Vp, d]
-        if need_grad:
-            ctx.save_for_backward(grad_h, grad_w)
-            ctx.dtypes = (hidden.dtype, weight.dtype)
-        correct = correct_rows.sum(dtype=torch.int64)
-        ctx.mark_non_differentiable(correct)
-        return loss_rows.sum() * inv_n, correct
+def _forward_fake(hidden, weight, targets, vocab_size, compute_dtype, need_grad, chunk_rows):
+    loss, correct = hidden.new_empty((), dtype=torch.float32), hidden.new_empty((), dtype=torch.int64)
+    if not need_grad:
+        return loss, correct, hidden.new_empty(0), hidden.new_empty(0)
+    grad_h = hidden.new_empty(hidden.shape, dtype=compute_dtype)
+    return loss, correct, grad_h, weight.new_empty(weight.shape, dtype=torch.float32)
 
-    @staticmethod
-    def backward(ctx, dloss, _dcorrect):
-        grad_h, grad_w = ctx.saved_tensors
-        h_dtype, w_dtype = ctx.dtypes
-        return (grad_h * dloss).to(h_dtype), (grad_w * dloss).to(w_dtype), None, None, None, None, None
+
+# Opaque (custom_op), not a triton_op that Inductor would trace into, because:
+# - the body is a host loop that writes cuBLAS results into slices of its outputs and overwrites each [C, Vp]
+#   logits chunk with its gradient in place; traced, these become functional copies that Inductor re-plans,
+#   losing the one-chunk peak-memory bound that is this op's point;
+# - Dynamo tracing into these launches crashed on an H200 (an illegal memory access in an Inductor kernel next
+#   to the chunks); opaque, the op runs exactly the eager code that passed there;
+# - there is nothing to fuse: the work is cuBLAS GEMMs either way, and the op's outputs are scalars and gradients.
+@kernel_op("triton_lm_cross_entropy", fake=_forward_fake, traced=False)
+def lm_cross_entropy_forward(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int, compute_dtype: torch.dtype,
+    need_grad: bool, chunk_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden [N, d], weight [Vp, d], targets [N]) -> (mean loss, n_correct, d loss/d hidden in compute_dtype,
+    d loss/d weight in fp32); the gradients are empty [0] tensors unless `need_grad`."""
+    N = hidden.shape[0]
+    v_padded = weight.shape[0]
+    h = hidden.to(compute_dtype)  # [N, d]
+    w = weight.to(compute_dtype)  # [Vp, d]
+    inv_n = 1.0 / (targets != IGNORE_INDEX).sum().to(torch.float32)  # [] on device: no host sync
+    loss_rows = torch.empty(N, dtype=torch.float32, device=h.device)
+    correct_rows = torch.empty(N, dtype=torch.int32, device=h.device)
+    grad_h = torch.empty(h.shape, dtype=h.dtype, device=h.device) if need_grad else hidden.new_empty(0)  # [N, d]
+    grad_w = torch.zeros(w.shape, dtype=torch.float32, device=h.device) if need_grad else hidden.new_empty(0)
+    # the interpreter pays per op, not per element: one block spanning the row is fastest there
+    block_v = min(triton.next_power_of_2(v_padded), 8192) if INTERPRETING else 4096
+    for s in range(0, N, chunk_rows):
+        e = min(s + chunk_rows, N)
+        logits = h[s:e] @ w.t()  # [C, Vp]
+        ce_chunk_kernel[(e - s,)](
+            logits, targets[s:e], inv_n, loss_rows[s:e], correct_rows[s:e], logits.stride(0),
+            V=vocab_size, V_PADDED=v_padded, COMPUTE_GRAD=need_grad, BLOCK_V=block_v, num_warps=8)
+        if need_grad:  # logits now holds dlogits
+            torch.mm(logits, w, out=grad_h[s:e])  # [C, d]
+            grad_w += logits.t() @ h[s:e]  # [Vp, d]
+    return loss_rows.sum() * inv_n, correct_rows.sum(dtype=torch.int64), grad_h, grad_w
+
+
+def _setup_context(ctx, inputs: tuple, output: tuple[torch.Tensor, ...]) -> None:
+    hidden, weight = inputs[:2]
+    _, correct, grad_h, grad_w = output
+    ctx.mark_non_differentiable(correct, grad_h, grad_w)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(grad_h, grad_w)
+    ctx.dtypes = (hidden.dtype, weight.dtype)
+
+
+def _backward(ctx, dloss: torch.Tensor, *_: None):
+    grad_h, grad_w = ctx.saved_tensors
+    h_dtype, w_dtype = ctx.dtypes
+    return (grad_h * dloss).to(h_dtype), (grad_w * dloss).to(w_dtype), None, None, None, None, None
+
+
+lm_cross_entropy_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def lm_cross_entropy(
@@ -121,6 +149,7 @@ def lm_cross_entropy(
     compute_dtype = torch.get_autocast_dtype(device_type) if autocast else hidden.dtype
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     rows = chunk_rows or _chunk_rows(hidden.shape[0], weight.shape[0])
-    with torch.autocast(device_type, enabled=False):
-        return LinearCrossEntropy.apply(
+    with torch.autocast(device_type, enabled=False):  # the op's matmuls run in compute_dtype
+        loss, correct, _, _ = lm_cross_entropy_forward(
             hidden, weight, targets.contiguous(), vocab_size, compute_dtype, need_grad, rows)
+    return loss, correct

@@ -1,4 +1,5 @@
-"""Residual add + LayerNorm, forward and backward, as an autograd Function.
+"""Residual add + LayerNorm, forward and backward, as the custom ops `gpt2_fused::triton_add_layernorm` (with
+its backward registered) and `gpt2_fused::triton_add_layernorm_backward`.
 
 Forward, one program per tile of BLOCK_M rows (whole rows in registers, N <= BLOCK_N):
     r = x + residual (rounded to r's dtype, as the unfused add would be),  mu = mean(r),
@@ -17,7 +18,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
+from fused_kernels.custom_ops import kernel_op, opaque_requested
 from fused_kernels.triton.runtime import is_interpreted
 
 
@@ -83,70 +86,102 @@ def add_layernorm_bwd_kernel(
     tl.store(db_part_ptr + pid * N + cols, db, mask=col_ok)
 
 
-def _tile(N: int, interpreted: bool) -> tuple[int, int, int]:
+INTERPRETED = is_interpreted(add_layernorm_fwd_kernel)
+TRACED = not INTERPRETED and not opaque_requested()
+
+
+def _tile(N: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): whole rows in registers, several short rows per tile. The interpreter
     pays per program and per op rather than per element, so it gets tall tiles."""
     block_n = triton.next_power_of_2(N)
-    block_m = max(1, (4096 if interpreted else 2048) // block_n)
+    block_m = max(1, (4096 if INTERPRETED else 2048) // block_n)
     return block_m, block_n, min(max(block_m * block_n // 256, 1), 16)
 
 
-def _bwd_tiles(M: int, block_m: int, interpreted: bool) -> int:
+def _bwd_tiles(M: int, block_m: int, device: torch.device) -> int:
     """Tiles per backward program: enough programs to fill the GPU, few partial rows to reduce."""
     n_tiles = triton.cdiv(M, block_m)
-    if interpreted:
+    if INTERPRETED:
         return 2  # few programs, yet more than one partial sum on the test shapes
-    n_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    n_sm = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, triton.cdiv(n_tiles, 4 * n_sm))
 
 
-class AddLayerNorm(torch.autograd.Function):
-    """(x [M, N], residual [M, N] or None, w [N], b [N]) -> (y, r) with r = x + residual, or y alone without
-    a residual; y in out_dtype."""
+def _forward_outputs(x, residual, weight, bias, eps, out_dtype) -> tuple[torch.Tensor, ...]:
+    """add_layernorm_forward's outputs (y, r, mean, rstd), uninitialised: its allocation, and its fake."""
+    M, N = x.shape
+    if residual is None:
+        r = x.new_empty(0)  # r is x itself, which an op cannot return
+    else:
+        r = torch.empty(M, N, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    return y, r, *(torch.empty(M, dtype=torch.float32, device=x.device) for _ in range(2))
 
-    @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps: float, out_dtype: torch.dtype):
-        M, N = x.shape
-        block_m, block_n, num_warps = _tile(N, is_interpreted(add_layernorm_fwd_kernel))
-        has_res = residual is not None
-        r_dtype = torch.result_type(x, residual) if has_res else x.dtype
-        r = torch.empty(M, N, dtype=r_dtype, device=x.device) if has_res else x
-        y = torch.empty(M, N, dtype=out_dtype, device=x.device)
-        mean = torch.empty(M, dtype=torch.float32, device=x.device)
-        rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-        add_layernorm_fwd_kernel[(triton.cdiv(M, block_m),)](
-            x, residual, weight, bias, y, r, mean, rstd, M, N, eps,
-            HAS_RESIDUAL=has_res, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-        ctx.save_for_backward(r, weight, mean, rstd)
-        ctx.has_res = has_res
-        ctx.x_dtype = x.dtype
-        ctx.res_dtype = residual.dtype if has_res else None
-        return (y, r) if has_res else y  # without a residual, r is x itself: the caller returns x
 
-    @staticmethod
-    def backward(ctx, dy, *maybe_dr_out):
-        r, weight, mean, rstd = ctx.saved_tensors
-        dr_out = maybe_dr_out[0] if maybe_dr_out else None
-        M, N = r.shape
-        dy = dy.contiguous()
-        has_drout = ctx.has_res and dr_out is not None
-        if has_drout:
-            dr_out = dr_out.contiguous()
-        interpreted = is_interpreted(add_layernorm_bwd_kernel)
-        block_m, block_n, num_warps = _tile(N, interpreted)
-        tiles = _bwd_tiles(M, block_m, interpreted)
-        n_prog = triton.cdiv(M, block_m * tiles)
-        dr = torch.empty(M, N, dtype=r.dtype, device=r.device)
-        dw_part = torch.empty(n_prog, N, dtype=torch.float32, device=r.device)
-        db_part = torch.empty(n_prog, N, dtype=torch.float32, device=r.device)
-        add_layernorm_bwd_kernel[(n_prog,)](
-            dy, dr_out if has_drout else None, r, weight, mean, rstd, dr, dw_part, db_part, M, N,
-            HAS_DROUT=has_drout, TILES=tiles, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-        dw = dw_part.sum(0).to(weight.dtype)  # [N]
-        db = db_part.sum(0).to(weight.dtype)  # [N]
-        dx = dr.to(ctx.x_dtype)
-        dres = dr.to(ctx.res_dtype) if ctx.has_res else None
-        return dx, dres, dw, db, None, None
+@kernel_op("triton_add_layernorm", fake=_forward_outputs, traced=TRACED)
+def add_layernorm_forward(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [M, N], residual [M, N] or None, w [N], b [N]) -> (y in out_dtype, r = x + residual, mean, rstd) for
+    contiguous x and residual; without a residual r is an empty [0]."""
+    M, N = x.shape
+    block_m, block_n, num_warps = _tile(N)
+    has_res = residual is not None
+    y, r, mean, rstd = _forward_outputs(x, residual, weight, bias, eps, out_dtype)
+    wrap_triton(add_layernorm_fwd_kernel)[(triton.cdiv(M, block_m),)](
+        x, residual, weight, bias, y, r if has_res else None, mean, rstd, M, N, eps,
+        HAS_RESIDUAL=has_res, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    return y, r, mean, rstd
+
+
+def _backward_fake(dy, dr_out, r, weight, mean, rstd):
+    return torch.empty_like(r), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+
+
+@kernel_op("triton_add_layernorm_backward", fake=_backward_fake, traced=TRACED)
+def add_layernorm_backward(
+    dy: torch.Tensor, dr_out: torch.Tensor | None, r: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
+    rstd: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dr [M, N] in r's dtype, dw [N], db [N] in w's dtype); dr_out: the gradient arriving at r, or None."""
+    M, N = r.shape
+    dy = dy.contiguous()
+    has_drout = dr_out is not None
+    if has_drout:
+        dr_out = dr_out.contiguous()
+    block_m, block_n, num_warps = _tile(N)
+    tiles = _bwd_tiles(M, block_m, r.device)
+    n_prog = triton.cdiv(M, block_m * tiles)
+    dr = torch.empty(M, N, dtype=r.dtype, device=r.device)
+    dw_part = torch.empty(n_prog, N, dtype=torch.float32, device=r.device)
+    db_part = torch.empty(n_prog, N, dtype=torch.float32, device=r.device)
+    wrap_triton(add_layernorm_bwd_kernel)[(n_prog,)](
+        dy, dr_out, r, weight, mean, rstd, dr, dw_part, db_part, M, N,
+        HAS_DROUT=has_drout, TILES=tiles, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    return dr, dw_part.sum(0).to(weight.dtype), db_part.sum(0).to(weight.dtype)
+
+
+def _setup_context(ctx, inputs: tuple, output: tuple[torch.Tensor, ...]) -> None:
+    x, residual, weight, _, _, _ = inputs
+    _, r, mean, rstd = output
+    ctx.has_res = residual is not None
+    ctx.mark_non_differentiable(mean, rstd, *(() if ctx.has_res else (r,)))
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zero-filled [M, N] tensors
+    ctx.save_for_backward(r if ctx.has_res else x, weight, mean, rstd)  # backward needs r = x + residual only
+    ctx.x_dtype = x.dtype
+    ctx.res_dtype = residual.dtype if ctx.has_res else None
+
+
+def _backward(ctx, dy: torch.Tensor | None, dr_out: torch.Tensor | None, _dmean: None, _drstd: None):
+    r, weight, mean, rstd = ctx.saved_tensors
+    if dy is None:  # only r is used downstream
+        dy = torch.zeros_like(r)
+    dr, dw, db = add_layernorm_backward(dy, dr_out if ctx.has_res else None, r, weight, mean, rstd)
+    return dr.to(ctx.x_dtype), dr.to(ctx.res_dtype) if ctx.has_res else None, dw, db, None, None
+
+
+add_layernorm_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def add_layernorm(
@@ -161,11 +196,8 @@ def add_layernorm(
     if torch.is_autocast_enabled(x.device.type):
         out_dtype = torch.float32
     else:
-        out_dtype = torch.result_type(x, residual) if residual is not None else x.dtype
+        out_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
     x2 = x.reshape(-1, N).contiguous()  # [M, N]
-    if residual is None:
-        y = AddLayerNorm.apply(x2, None, weight, bias, eps, out_dtype)
-        return y.view(shape), x
-    res2 = residual.reshape(-1, N).contiguous()  # [M, N]
-    y, r = AddLayerNorm.apply(x2, res2, weight, bias, eps, out_dtype)
-    return y.view(shape), r.view(shape)
+    res2 = residual.reshape(-1, N).contiguous() if residual is not None else None  # [M, N]
+    y, r, _, _ = add_layernorm_forward(x2, res2, weight, bias, eps, out_dtype)
+    return y.view(shape), (x if residual is None else r.view(shape))

@@ -1,9 +1,10 @@
-"""y = GELU_tanh(x @ W^T + b) in one tiled Triton kernel (the MLP up-projection), with backward.
+"""y = GELU_tanh(x @ W^T + b) in one tiled Triton kernel (the MLP up-projection), as the custom op
+`gpt2_fused::triton_matmul_bias_gelu` with its backward registered (`fused_kernels.custom_ops`).
 
 Forward: a grouped-order tiled matmul that accumulates in fp32 and applies bias + GELU in the
 epilogue, so the pre-activation never makes a round trip through memory before the GELU. When a
 gradient is needed the epilogue also stores pre = x W^T + b (in x's dtype), which backward needs:
-    dpre = dy * gelu'(pre)        (one elementwise Triton kernel)
+    dpre = dy * gelu'(pre)        (one elementwise Triton kernel: the op triton_bias_gelu_backward)
     dx = dpre @ W,  dW = dpre^T @ x,  db = sum_rows dpre     (cuBLAS / torch)
 Saving pre costs one extra store of [M, N]; recomputing it would cost a third more backward FLOPs.
 """
@@ -13,8 +14,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
-from fused_kernels.triton.bias_gelu import bias_gelu_backward
+from fused_kernels.custom_ops import kernel_op, opaque_requested
+from fused_kernels.triton.bias_gelu import bias_gelu_backward_op
 from fused_kernels.triton.gelu import gelu_fwd
 
 INTERPRETING = triton.knobs.runtime.interpret  # read when the kernels below are decorated
@@ -89,20 +92,28 @@ def matmul_bias_gelu_kernel(
     tl.store(y_ptr + out_offs, gelu_fwd(acc).to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-def matmul_bias_gelu_forward(
+def _outputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             store_pre: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """matmul_bias_gelu's outputs (y, pre), uninitialised: its allocation, and its fake."""
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    return y, torch.empty_like(y) if store_pre else y.new_empty(0)
+
+
+@kernel_op("triton_matmul_bias_gelu", fake=_outputs, traced=not INTERPRETING and not opaque_requested())
+def matmul_bias_gelu(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store_pre: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [M, K], weight [N, K], bias [N] -> (gelu(x W^T + b) [M, N], pre [M, N] or None)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K], weight [N, K], bias [N] -> (gelu(x W^T + b) [M, N], pre = x W^T + b [M, N]; pre is an empty [0]
+    unless `store_pre`)."""
     M, K = x.shape
     N = weight.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    pre = torch.empty_like(y) if store_pre else None
+    y, pre = _outputs(x, weight, bias, store_pre)
 
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    matmul_bias_gelu_kernel[grid](
-        x, weight, bias, y, pre, M, N, K,
+    wrap_triton(matmul_bias_gelu_kernel)[grid](
+        x, weight, bias, y, pre if store_pre else None, M, N, K,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
         HAS_BIAS=bias is not None, STORE_PRE=store_pre,
         # fp32 inputs: tf32 only where PyTorch's own matmuls would use it; other dtypes ignore this
@@ -111,24 +122,25 @@ def matmul_bias_gelu_forward(
     return y, pre
 
 
-class MatmulBiasGelu(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        needs_grad = any(ctx.needs_input_grad)
-        y, pre = matmul_bias_gelu_forward(x, weight, bias, store_pre=needs_grad)
-        if needs_grad:
-            ctx.save_for_backward(x, weight, pre)
-        ctx.has_bias = bias is not None
-        return y
+def _setup_context(ctx, inputs: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    x, weight, bias, _ = inputs
+    _, pre = output
+    ctx.mark_non_differentiable(pre)
+    ctx.set_materialize_grads(False)  # no zero-filled [M, N] gradient for pre
+    ctx.save_for_backward(x, weight, pre)
+    ctx.has_bias = bias is not None
 
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        x, weight, pre = ctx.saved_tensors
-        dpre = bias_gelu_backward(dy, pre, None)  # [M, N] = dy * gelu'(pre)
-        dx = dpre @ weight if ctx.needs_input_grad[0] else None  # [M, K]
-        dw = dpre.t() @ x if ctx.needs_input_grad[1] else None  # [N, K]
-        db = dpre.sum(0, dtype=torch.float32).to(dpre.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db
+
+def _backward(ctx, dy: torch.Tensor, _dpre: None):
+    x, weight, pre = ctx.saved_tensors
+    dpre = bias_gelu_backward_op(dy, pre, None)  # [M, N] = dy * gelu'(pre)
+    dx = dpre @ weight if ctx.needs_input_grad[0] else None  # [M, K]
+    dw = dpre.t() @ x if ctx.needs_input_grad[1] else None  # [N, K]
+    db = dpre.sum(0, dtype=torch.float32).to(dpre.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return dx, dw, db, None
+
+
+matmul_bias_gelu.register_autograd(_backward, setup_context=_setup_context)
 
 
 def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -137,8 +149,10 @@ def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         dtype = torch.get_autocast_dtype(x.device.type)
         x, weight = x.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
+    # pre is stored only when backward will need it
+    store_pre = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     with torch.autocast(x.device.type, enabled=False):
-        y = MatmulBiasGelu.apply(x2, weight, bias)  # [M, N]
+        y, _ = matmul_bias_gelu(x2, weight, bias, store_pre)  # [M, N]
     return y.view(*lead, weight.shape[0])
