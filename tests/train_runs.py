@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 TINY_ARGS = ["--model", "gpt2-tiny", "--seq-len", "32", "--warmup-steps", "2", "--log-interval", "1",
              "--wandb", "disabled", "--precision", "fp32", "--device", "cpu"]
-# What every run compared with the single reference shares: lr 3e-3 on 8 repeated synthetic blocks, so the loss
-# falls (10.84 -> 9.44 in 10 steps) and the gradient clip (1.0) is active on most steps: a wrong gradient shows.
+# The session reference's flags (tests/conftest.py), shared by every run compared with it: lr 3e-3 on 8 repeated
+# synthetic blocks, so the loss falls (10.84 -> 9.44 in 10 steps) and the gradient clip (1.0) is active on most
+# steps: a wrong gradient shows.
 REFERENCE_STEPS = 10
 REFERENCE_ARGS = TINY_ARGS + ["--data", "synthetic", "--max-steps", str(REFERENCE_STEPS), "--seed", "3",
                               "--eval-batches", "2", "--lr", "3e-3", "--max-samples", "8"]
