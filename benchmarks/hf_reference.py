@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from gpt2.config import MODEL_PRESETS, DataConfig, LogConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from gpt2.layout import run_precision
 from gpt2.metrics import (
     StepTimer,
     ThroughputMeter,
@@ -125,7 +126,7 @@ def build_ddp(cfg: RunConfig, device: torch.device) -> tuple[StepFn, str]:
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda")
-    bf16 = device.type == "cuda" and cfg.train.precision == "bf16"
+    bf16 = run_precision(cfg.train.precision, device.type) == "bf16"
 
     def step(ids: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
@@ -163,7 +164,7 @@ def build_zero3(cfg: RunConfig, device: torch.device) -> tuple[StepFn, str]:
 
     deepspeed = _import_deepspeed(device)
     ds_config = zero3_ds_config(cfg.train.batch_size, cfg.model.n_embd,
-                                device.type == "cuda" and cfg.train.precision == "bf16")
+                                run_precision(cfg.train.precision, device.type) == "bf16")
     torch.manual_seed(cfg.train.seed)
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
         model = GPT2LMHeadModel(hf_config(cfg.model))
@@ -230,7 +231,7 @@ def train(cfg: RunConfig, device: torch.device, step_fn: StepFn, attn: str,
     summary = {
         "mode": t.mode, "model": t.model, "n_params": model_params_for_flops(cfg.model), "world_size": world,
         "tp_size": 1, "dp_size": world, "batch_size_per_gpu": t.batch_size, "grad_accum": 1, "seq_len": t.seq_len,
-        "tokens_per_step": tokens_per_step, "precision": t.precision if device.type == "cuda" else "fp32",
+        "tokens_per_step": tokens_per_step, "precision": run_precision(t.precision, device.type),
         "fused_kernels": "none", "attn": attn, "compile": False, "activation_checkpointing": False,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "peak_tflops_per_gpu": peak, "flops_per_token": fpt, "steps": t.max_steps, "train_time_s": train_time,

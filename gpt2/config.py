@@ -368,6 +368,13 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                      plan=plan)
 
 
+def check_sequence_parallel(tp_size: int, sequence_parallel: bool) -> None:
+    """Sequence parallelism shards the sequence over the tensor-parallel group: it needs tp_size > 1."""
+    if sequence_parallel and tp_size == 1:
+        raise ConfigError("--sequence-parallel shards the sequence over the tensor-parallel group; "
+                          "pass --tp-size > 1 or drop --sequence-parallel")
+
+
 def validate(cfg: RunConfig) -> None:
     """Checks that need no process group, no data and no GPU."""
     m, t = cfg.model, cfg.train
@@ -405,9 +412,7 @@ def validate(cfg: RunConfig) -> None:
         # GradScaler finds inf/NaN per rank; TP ranks hold different shards and could skip different steps
         raise ConfigError("--precision fp16 with --tp-size > 1 needs a GradScaler synchronised over the TP "
                           "group, which --mode baseline lacks; use --precision bf16, or --mode hybrid")
-    if cfg.parallel.sequence_parallel and cfg.parallel.tp_size == 1:
-        raise ConfigError("--sequence-parallel shards the sequence over the tensor-parallel group; "
-                          "pass --tp-size > 1 or drop --sequence-parallel")
+    check_sequence_parallel(cfg.parallel.tp_size, cfg.parallel.sequence_parallel)
     if cfg.checkpoint.resume == "auto" and not cfg.checkpoint.save_dir:
         raise ConfigError("--resume auto looks for the latest checkpoint in --save-dir; pass --save-dir "
                           "or --resume <checkpoint folder>")

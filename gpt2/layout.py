@@ -17,14 +17,15 @@ from typing import Any
 
 import torch
 
-from gpt2.config import ConfigError, ModelConfig, RunConfig
+from gpt2.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
 from gpt2.ds_config import default_ds_config_path
+from parallel.dims import dp_size_of, tp_divides_world
 
 
 def check_tp_divides_world(world_size: int, tp_size: int) -> None:
     """tp x dp = world size: a tp-size that does not divide it is an error listing the sizes that do."""
-    if tp_size < 1 or world_size % tp_size:
-        choices = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    if not tp_divides_world(world_size, tp_size):
+        choices = [d for d in range(1, world_size + 1) if tp_divides_world(world_size, d)]
         raise ConfigError(f"world size {world_size} is not divisible by --tp-size {tp_size}; "
                           f"choose --tp-size from {choices}")
 
@@ -56,12 +57,27 @@ def check_tp_divides_model(cfg: ModelConfig, tp_size: int) -> None:
                               f"or change {knob}")
 
 
+def sequence_splits(seq_len: int, tp_size: int) -> bool:
+    """Whether sequence parallelism can shard the sequence into tp_size equal blocks."""
+    return seq_len % tp_size == 0
+
+
 def check_sequence_split(seq_len: int, tp_size: int, sequence_parallel: bool) -> None:
     """Sequence parallelism shards the sequence into tp_size equal blocks."""
-    if sequence_parallel and tp_size > 1 and seq_len % tp_size:
+    if sequence_parallel and tp_size > 1 and not sequence_splits(seq_len, tp_size):
         raise ConfigError(f"--sequence-parallel needs --seq-len divisible by --tp-size {tp_size}, "
                           f"got {seq_len}; use --seq-len {seq_len - seq_len % tp_size} or drop "
                           f"--sequence-parallel")
+
+
+def run_precision(requested: str, device_type: str) -> str:
+    """The precision that runs: --precision on GPU; CPU runs are always fp32."""
+    return requested if device_type == "cuda" else "fp32"
+
+
+def ds_config_file(p: ParallelConfig) -> Path:
+    """The DeepSpeed JSON a hybrid run reads: --ds-config, else ds_configs/zero{--zero-stage}.json."""
+    return Path(p.ds_config) if p.ds_config else default_ds_config_path(p.zero_stage)
 
 
 def resolve_grad_accum(cfg: RunConfig, dp_size: int) -> int:
@@ -95,7 +111,7 @@ class RunLayout:
             raise ConfigError(f"--mode single was launched on {world_size} processes; "
                               "use --mode baseline (DDP) or launch one process")
         check_tp_divides_world(world_size, p.tp_size)
-        grad_accum = resolve_grad_accum(cfg, world_size // p.tp_size)
+        grad_accum = resolve_grad_accum(cfg, dp_size_of(world_size, p.tp_size))
         check_tp_divides_model(cfg.model, p.tp_size)
         check_sequence_split(t.seq_len, p.tp_size, p.sequence_parallel)
         device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
@@ -112,7 +128,7 @@ class RunLayout:
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // self.tp_size
+        return dp_size_of(self.world_size, self.tp_size)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -125,13 +141,8 @@ class RunLayout:
 
     # ------------------------------------------------------------ precision
     @property
-    def on_gpu(self) -> bool:
-        return self.device_type == "cuda"
-
-    @property
     def precision(self) -> str:
-        """The precision that runs: --precision on GPU; CPU runs are always fp32."""
-        return self.cfg.train.precision if self.on_gpu else "fp32"
+        return run_precision(self.cfg.train.precision, self.device_type)
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -163,8 +174,7 @@ class RunLayout:
 
     @property
     def ds_config_path(self) -> Path:
-        p = self.cfg.parallel
-        return Path(p.ds_config) if p.ds_config else default_ds_config_path(p.zero_stage)
+        return ds_config_file(self.cfg.parallel)
 
     # ------------------------------------------------------------ records
     def config_record(self, resumed_from: str | None = None) -> dict[str, Any]:

@@ -26,7 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from gpt2.config import ModelConfig
+from gpt2.config import ModelConfig, check_sequence_parallel
+from gpt2.layout import check_tp_divides_model
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv"]
 Group = Literal["dp", "tp", "pp"]
@@ -67,8 +68,7 @@ class Layout:
             raise ValueError(f"dp, tp, pp and micro_batches must be >= 1: {self}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0..3, got {self.zero_stage}")
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("sequence_parallel needs tp > 1")
+        check_sequence_parallel(self.tp, self.sequence_parallel)
 
     @property
     def world_size(self) -> int:
@@ -116,9 +116,7 @@ def param_count(cfg: ModelConfig) -> int:
 def _check_layout(cfg: ModelConfig, layout: Layout) -> None:
     if cfg.n_layer % layout.pp:
         raise ValueError(f"pp {layout.pp} does not divide n_layer {cfg.n_layer}")
-    for name, value in (("n_head", cfg.n_head), ("n_embd", cfg.n_embd), ("padded vocab", cfg.padded_vocab_size)):
-        if value % layout.tp:
-            raise ValueError(f"tp {layout.tp} does not divide {name} {value}")
+    check_tp_divides_model(cfg, layout.tp)
 
 
 def stage_params(cfg: ModelConfig, layout: Layout, stage: int = 0) -> float:

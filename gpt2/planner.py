@@ -55,8 +55,8 @@ from pathlib import Path
 from typing import Any
 
 from gpt2.config import MODEL_PRESETS, ConfigError, ModelConfig, RunConfig
-from gpt2.ds_config import default_ds_config_path, persistence_threshold_default
-from gpt2.layout import RunLayout, check_tp_divides_world, tp_divides_model
+from gpt2.ds_config import persistence_threshold_default
+from gpt2.layout import RunLayout, check_tp_divides_world, ds_config_file, sequence_splits, tp_divides_model
 from gpt2.metrics import hardware_flops_per_token
 from gpt2.perf_model import (
     AMP_FP32_WEIGHTS,
@@ -72,6 +72,7 @@ from gpt2.perf_model import (
     step_communication,
 )
 from gpt2.run_logging import run_label
+from parallel.dims import dp_size_of, tp_divides_world
 
 GIB = 1024**3
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # torch's cuBLAS workspace on Hopper (CUBLAS_WORKSPACE_CONFIG :4096:8)
@@ -122,7 +123,7 @@ class Setup:
 
     @property
     def dp(self) -> int:
-        return self.world_size // self.tp
+        return dp_size_of(self.world_size, self.tp)
 
     @property
     def layout(self) -> Layout:
@@ -167,7 +168,7 @@ def setup_from_config(cfg: RunConfig, world_size: int) -> Setup:
     t, p = cfg.train, cfg.parallel
     ds = DeepSpeedSettings()
     if t.mode == "hybrid":
-        ds = DeepSpeedSettings.from_file(p.ds_config or default_ds_config_path(p.zero_stage), p.zero3_fetch)
+        ds = DeepSpeedSettings.from_file(ds_config_file(p), p.zero3_fetch)
     preset = MODEL_PRESETS[t.model]
     custom = any(getattr(cfg.model, k) != v for k, v in preset.items() if k != "n_positions")
     return Setup(
@@ -541,8 +542,9 @@ def search(base: Setup, global_batch: int, hw: Hardware) -> list[Candidate]:
     """
     out = []
     g = base.world_size
-    for tp in (t for t in (1, 2, 4, 8) if g % t == 0 and t <= hw.gpus_per_node and tp_divides_model(base.model, t)):
-        dp = g // tp
+    for tp in (t for t in (1, 2, 4, 8)
+               if tp_divides_world(g, t) and t <= hw.gpus_per_node and tp_divides_model(base.model, t)):
+        dp = dp_size_of(g, tp)
         if global_batch % dp:
             continue
         per_replica = global_batch // dp
@@ -551,7 +553,7 @@ def search(base: Setup, global_batch: int, hw: Hardware) -> list[Candidate]:
         modes = [("baseline", 0)] + [("hybrid", z) for z in (1, 2, 3)]
         for (mode, zero), sp, ckpt, mb in (
                 (m, sp, c, mb) for m in modes for sp in ({False, tp > 1}) for c in (False, True) for mb in micros):
-            if sp and base.seq_len % tp:
+            if sp and not sequence_splits(base.seq_len, tp):
                 continue
             s = replace(base, mode=mode, zero_stage=zero, tp=tp, sequence_parallel=sp, activation_checkpointing=ckpt,
                         micro_batch=mb, grad_accum=per_replica // mb, compile=True, fused_loss=False)

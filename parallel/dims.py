@@ -8,7 +8,8 @@ ranks, which share a node and its NVLink), data-parallel groups are columns. Wit
 
 Everything that needs a group receives it from this object; there are no module-level globals. It takes
 integers: which sizes a run may use (tp divides the world, the model and the sequence) is checked once, with
-the fix, by `gpt2.layout.RunLayout.resolve`.
+the fix, by `gpt2.layout.RunLayout.resolve`. `dp_size_of` is the one place dp = world / tp is computed
+(and `tp_divides_world` the one rule it needs); the run layout and the planner call them too.
 """
 
 from __future__ import annotations
@@ -19,6 +20,17 @@ import torch
 import torch.distributed as dist
 
 
+def tp_divides_world(world_size: int, tp_size: int) -> bool:
+    return tp_size >= 1 and world_size % tp_size == 0
+
+
+def dp_size_of(world_size: int, tp_size: int) -> int:
+    """The data-parallel size of a world of `world_size` ranks split into TP groups of `tp_size`."""
+    if not tp_divides_world(world_size, tp_size):  # the user-facing check, naming the fix, is gpt2.layout's
+        raise ValueError(f"world_size {world_size} is not a multiple of tp_size {tp_size}")
+    return world_size // tp_size
+
+
 @dataclass
 class ParallelDims:
     world_size: int
@@ -27,13 +39,12 @@ class ParallelDims:
     tp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     dp_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
-    def __post_init__(self) -> None:  # the user-facing check, naming the fix, is gpt2.layout's
-        if self.tp_size < 1 or self.world_size % self.tp_size:
-            raise ValueError(f"world_size {self.world_size} is not a multiple of tp_size {self.tp_size}")
+    def __post_init__(self) -> None:
+        dp_size_of(self.world_size, self.tp_size)  # raises on a tp_size that does not divide the world
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // self.tp_size
+        return dp_size_of(self.world_size, self.tp_size)
 
     @property
     def tp_rank(self) -> int:

@@ -6,7 +6,20 @@ kernel is decorated (at import), so it is set here, before any test module impor
 
 import os
 
+import pytest
 import torch
+
+from tests.train_runs import ReferenceRun, step_losses, train_reference
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def single_reference(tmp_path_factory) -> ReferenceRun:
+    """The `--mode single` run of REFERENCE_ARGS that the TP and mode tests compare with, trained once per session
+    (read-only: a test that trains from its checkpoint writes elsewhere)."""
+    ref = train_reference(tmp_path_factory.mktemp("reference"))
+    losses = step_losses(ref.run_dir)
+    assert losses[-1] < losses[0] - 1.0  # the model learns: the comparisons cover real updates
+    return ref

@@ -165,7 +165,7 @@ def test_unfused_attention_reproduces_korthikanti():
 def test_bad_layouts_rejected():
     with pytest.raises(ValueError, match="divisible"):
         Workload(batch=100, seq_len=8).micro_batch(Layout(dp=8))
-    with pytest.raises(ValueError, match="tp 3"):
+    with pytest.raises(ValueError, match="--tp-size 3 does not divide n_head"):  # gpt2.layout's rule and message
         stage_params(CFG_7B, Layout(tp=3))
-    with pytest.raises(ValueError, match="sequence_parallel"):
+    with pytest.raises(ValueError, match="--sequence-parallel shards the sequence"):  # gpt2.config's
         Layout(sequence_parallel=True)

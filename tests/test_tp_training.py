@@ -1,7 +1,7 @@
 """Tensor parallelism through train.py (gloo CPU ranks, fp32) against --mode single with the same global batch.
 
-Runs (global batch 4 sequences of 32 tokens everywhere):
-    single         batch 4                                                     (reference)
+Runs (global batch 4 sequences of 32 tokens everywhere), compared with the session's single reference (batch 4,
+tests/conftest.py):
     ddp-tp2dp2     --mode baseline --tp-size 2 on 4 ranks, batch 2, --sequence-parallel
     zero3-tp2dp2   --mode hybrid (ZeRO-3) --tp-size 2 on 4 ranks, batch 1 x accum 2, --no-tp-overlap,
                    --activation-checkpointing
@@ -10,18 +10,18 @@ Runs (global batch 4 sequences of 32 tokens everywhere):
     zero3-tp2-sp-compile  --mode hybrid --tp-size 2 --sequence-parallel --compile on 2 ranks (dp 1): compiled
                    block forwards inside ZeRO-3's per-block (leaf-module) gather hooks
 
-lr 3e-3 on 8 repeated synthetic blocks, so the loss falls (10.84 -> 9.44 in 10 steps) and the gradient clip
-(1.0) is active on most steps: a wrong gradient shows (without the sequence-parallel all-reduce, step 2 is
-off by 1.7e-4 relative).
+tests/train_runs.REFERENCE_ARGS: lr 3e-3 on 8 repeated synthetic blocks, so the loss falls (10.84 -> 9.44 in 10
+steps) and the gradient clip (1.0) is active on most steps: a wrong gradient shows (without the sequence-parallel
+all-reduce, step 2 is off by 1.7e-4 relative).
 
-Tolerances (measured on CPU in brackets): per-step loss vs single <= 1e-5 relative [<= 3e-7]; pre-clip
+Tolerances (measured on CPU in brackets): per-step loss vs single <= 1e-5 relative [<= 3.9e-7]; pre-clip
 gradient norm vs single <= 1e-3 relative [1.1e-5 at step 1, <= 2.5e-4 after: single's clip_grad_norm_ reduces
 the 3.2M-element embedding gradient with an fp32 vector_norm that is ~1e-5 off on CPU, and TP's fp32 sum of
 squares is off by about as much (step 1: fp64 1.5540834, single 1.554066, DDP+TP 1.554067); Adam amplifies such
-differences on near-zero gradients]; resume vs uninterrupted
-<= 1e-6 absolute [identical]; consolidated TP weights vs single's after 10 steps <= 5e-4 absolute [1.3e-4, one
-element: at lr 3e-3 one Adam step on a near-zero gradient moves a weight by up to 6e-3]; exported HF logits vs
-our model on the same weights 1e-5; --init-from first loss of TP=2 vs transformers on that batch <= 1e-5 [TODO].
+differences on near-zero gradients]; resume vs uninterrupted <= 1e-6 absolute, loss and gradient norm
+[identical]; consolidated TP weights vs single's after 10 steps <= 5e-4 absolute [1.3e-4, one element: at lr 3e-3
+one Adam step on a near-zero gradient moves a weight by up to 6e-3]; exported HF logits vs our model on the same
+weights 1e-5; --init-from first loss of TP=2 vs transformers on that batch <= 1e-5 [TODO].
 """
 
 from __future__ import annotations
@@ -36,10 +36,13 @@ import torch
 from gpt2.config import DataConfig
 from gpt2.data import build_data
 from tests.train_runs import (
+    REFERENCE_ARGS,
+    REFERENCE_BATCH,
     ROOT,
-    TINY_ARGS,
+    ReferenceRun,
     assert_hf_export_matches,
-    read_records,
+    assert_matches_reference,
+    assert_resume_exact,
     run_train,
     step_losses,
     summary,
@@ -47,8 +50,6 @@ from tests.train_runs import (
 )
 
 pytestmark = pytest.mark.slow
-COMMON = TINY_ARGS + ["--data", "synthetic", "--max-steps", "10", "--seed", "3", "--eval-batches", "2",
-                      "--lr", "3e-3", "--max-samples", "8"]
 TP_RUNS = {  # run name -> (processes, flags)
     "ddp-tp2dp2": (4, ["--mode", "baseline", "--tp-size", "2", "--batch-size", "2", "--sequence-parallel"]),
     "zero3-tp2dp2": (4, ["--mode", "hybrid", "--tp-size", "2", "--batch-size", "1", "--grad-accum", "2",
@@ -58,52 +59,38 @@ TP_RUNS = {  # run name -> (processes, flags)
     "zero3-tp2-sp-compile": (2, ["--mode", "hybrid", "--tp-size", "2", "--batch-size", "4", "--sequence-parallel",
                                  "--compile"]),
 }
-REL_TOL = 1e-5
+GRAD_NORM_REL_TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tp")
-    run_train(COMMON + ["--batch-size", "4", "--run-name", "single", "--save-dir", str(root / "ck-single")], root)
     for name, (nproc, flags) in TP_RUNS.items():
         resumable = ["--save-interval", "5"] if name == "tp2" else []
-        run_train(COMMON + flags + resumable + ["--run-name", name, "--save-dir", str(root / f"ck-{name}")], root,
-                  nproc=nproc)
-    run_train(COMMON + TP_RUNS["tp2"][1] + ["--run-name", "tp2-resumed",
-                                           "--resume", str(root / "ck-tp2" / "step-000005")], root, nproc=2)
+        run_train(REFERENCE_ARGS + flags + resumable + ["--run-name", name, "--save-dir", str(root / f"ck-{name}")],
+                  root, nproc=nproc)
+    run_train(REFERENCE_ARGS + TP_RUNS["tp2"][1] + ["--run-name", "tp2-resumed",
+                                                   "--resume", str(root / "ck-tp2" / "step-000005")], root, nproc=2)
     return root
 
 
-def _grad_norms(run_dir: Path) -> list[float]:
-    return [r["grad_norm"] for r in read_records(run_dir) if r["type"] == "step" and "grad_norm" in r]
-
-
 @pytest.mark.parametrize("name", list(TP_RUNS))
-def test_tp_matches_single(runs: Path, name: str) -> None:
-    ref, got = step_losses(runs / "single"), step_losses(runs / name)
-    assert len(ref) == len(got) == 10, (len(ref), len(got))
-    assert ref[-1] < ref[0] - 1.0  # the model learns: the comparison covers real updates
-    for step, (a, b) in enumerate(zip(ref, got), start=1):
-        assert abs(a - b) <= REL_TOL * abs(a), f"{name} step {step}: single {a} vs {b}"
-    for step, (a, b) in enumerate(zip(_grad_norms(runs / "single"), _grad_norms(runs / name)), start=1):
-        assert abs(a - b) <= 1e-3 * a, f"{name} step {step}: grad norm single {a} vs {b}"
+def test_tp_matches_single(single_reference: ReferenceRun, runs: Path, name: str) -> None:
+    assert_matches_reference(single_reference, runs / name, GRAD_NORM_REL_TOL)
     s = summary(runs / name)
     dp = s["world_size"] // 2
     assert (s["tp_size"], s["dp_size"]) == (2, dp)
-    assert s["tokens_per_step"] == 4 * 32  # dp x batch x accum x seq: TP ranks share their batch
+    assert s["tokens_per_step"] == REFERENCE_BATCH * 32  # dp x batch x accum x seq: TP ranks share their batch
 
 
 def test_tp_resume_is_exact(runs: Path) -> None:
-    full, resumed = step_losses(runs / "tp2"), step_losses(runs / "tp2-resumed")
-    assert len(resumed) == 5
-    for step, (a, b) in enumerate(zip(full[5:], resumed), start=6):
-        assert abs(a - b) <= 1e-6, f"step {step}: uninterrupted {a} vs resumed {b}"
+    assert_resume_exact(runs / "tp2", runs / "tp2-resumed", at=5)
     assert sorted(p.name for p in (runs / "ck-tp2" / "step-000005").glob("*-tp*.pt")) == [
         "model-tp00.pt", "model-tp01.pt", "optimizer-tp00.pt", "optimizer-tp01.pt"]
 
 
 def test_resume_with_another_tp_size_names_both(runs: Path, tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *COMMON, "--batch-size", "4", "--out-dir",
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *REFERENCE_ARGS, "--batch-size", "4", "--out-dir",
                            str(tmp_path), "--resume", str(runs / "ck-tp2" / "step-000005")],
                           capture_output=True, text=True, env=train_env(), timeout=120, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -111,13 +98,13 @@ def test_resume_with_another_tp_size_names_both(runs: Path, tmp_path: Path) -> N
     assert not any(tmp_path.iterdir())  # failed before a run folder was made
 
 
-def test_tp_checkpoints_export_and_init(runs: Path, tmp_path: Path) -> None:
+def test_tp_checkpoints_export_and_init(single_reference: ReferenceRun, runs: Path, tmp_path: Path) -> None:
     """TP checkpoints (DDP files per TP rank, ZeRO-3 files per mp rank) -> the single-device weights; the HF
     export gives transformers logits equal to our model's; --init-from it into TP=2 starts at transformers' loss."""
 
     from gpt2.export import consolidated_state_dict, export_hf
 
-    _, single_sd = consolidated_state_dict(runs / "ck-single" / "step-000010")
+    _, single_sd = consolidated_state_dict(single_reference.checkpoint)
     for name in TP_RUNS:
         cfg, tp_sd = consolidated_state_dict(runs / f"ck-{name}" / "step-000010")
         assert set(tp_sd) == set(single_sd), name
@@ -131,7 +118,7 @@ def test_tp_checkpoints_export_and_init(runs: Path, tmp_path: Path) -> None:
 
     # --init-from the export into TP=2 (each rank cuts its shards from the HF weights): the first step's loss
     # is transformers' loss on the run's first batch
-    run_train(COMMON + ["--max-steps", "1", "--init-from", str(tmp_path / "hf"), "--batch-size", "4", "--mode",
+    run_train(REFERENCE_ARGS + ["--max-steps", "1", "--init-from", str(tmp_path / "hf"), "--batch-size", "4", "--mode",
                         "baseline", "--tp-size", "2", "--run-name", "init-tp2"], tmp_path, nproc=2)
     data = build_data(DataConfig(data="synthetic", max_samples=8, eval_batches=2), seq_len=32, batch_size=4,
                       model_vocab_size=cfg.vocab_size, dp_rank=0, dp_size=1, seed=3, is_main=True,
@@ -140,4 +127,4 @@ def test_tp_checkpoints_export_and_init(runs: Path, tmp_path: Path) -> None:
     with torch.no_grad():
         want = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
     (got,) = step_losses(tmp_path / "init-tp2")
-    assert abs(got - want) <= 1e-5 and abs(got - step_losses(runs / "single")[0]) > 0.5  # trained weights
+    assert abs(got - want) <= 1e-5 and abs(got - step_losses(single_reference.run_dir)[0]) > 0.5  # trained weights

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import free_port
@@ -14,6 +15,34 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 TINY_ARGS = ["--model", "gpt2-tiny", "--seq-len", "32", "--warmup-steps", "2", "--log-interval", "1",
              "--wandb", "disabled", "--precision", "fp32", "--device", "cpu"]
+# The session reference's flags (tests/conftest.py), shared by every run compared with it: lr 3e-3 on 8 repeated
+# synthetic blocks, so the loss falls (10.84 -> 9.44 in 10 steps) and the gradient clip (1.0) is active on most
+# steps: a wrong gradient shows.
+REFERENCE_STEPS = 10
+REFERENCE_ARGS = TINY_ARGS + ["--data", "synthetic", "--max-steps", str(REFERENCE_STEPS), "--seed", "3",
+                              "--eval-batches", "2", "--lr", "3e-3", "--max-samples", "8"]
+REFERENCE_BATCH = 4  # sequences per optimizer step: the global batch of every run compared with the reference
+LOSS_REL_TOL = 1e-5  # per-step loss vs the reference: only the reduction order differs (fp32)
+
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    """A `--mode single --batch-size 4` run that others are compared with (`train_reference`)."""
+
+    run_dir: Path  # its metrics.jsonl, console.log, ...
+    save_dir: Path  # its checkpoint of the last step
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.save_dir / f"step-{REFERENCE_STEPS:06d}"
+
+
+def train_reference(root: Path, args: list[str] = REFERENCE_ARGS) -> ReferenceRun:
+    """`--mode single --batch-size 4` with `args` (REFERENCE_STEPS steps), its last step saved."""
+    ref = ReferenceRun(run_dir=root / "single", save_dir=root / "ck-single")
+    run_train(args + ["--batch-size", str(REFERENCE_BATCH), "--run-name", "single", "--save-dir", str(ref.save_dir)],
+              root)
+    return ref
 
 
 def train_env() -> dict[str, str]:
@@ -53,6 +82,25 @@ def step_values(run_dir: Path, key: str) -> list[float]:
 
 def summary(run_dir: Path) -> dict:
     return next(r for r in read_records(run_dir) if r["type"] == "summary")
+
+
+def assert_matches_reference(ref: ReferenceRun, run_dir: Path, grad_norm_rel_tol: float) -> None:
+    """A run with the reference's flags trains its function: per-step loss within LOSS_REL_TOL and pre-clip
+    gradient norm within `grad_norm_rel_tol` (relative), over every one of its REFERENCE_STEPS steps."""
+    for key, rel_tol in (("loss", LOSS_REL_TOL), ("grad_norm", grad_norm_rel_tol)):
+        want, got = step_values(ref.run_dir, key), step_values(run_dir, key)
+        assert len(want) == len(got) == REFERENCE_STEPS, (key, len(want), len(got))
+        for step, (a, b) in enumerate(zip(want, got), start=1):
+            assert abs(a - b) <= rel_tol * abs(a), f"{run_dir.name} {key} step {step}: single {a} vs {b}"
+
+
+def assert_resume_exact(full: Path, resumed: Path, at: int, keys: tuple[str, ...] = ("loss", "grad_norm")) -> None:
+    """The run resumed from `full`'s step-`at` checkpoint logs `full`'s later steps (<= 1e-6 absolute)."""
+    for key in keys:
+        a_all, b_all = step_values(full, key), step_values(resumed, key)
+        assert len(b_all) == len(a_all) - at, (key, len(a_all), len(b_all))
+        for step, (a, b) in enumerate(zip(a_all[at:], b_all), start=at + 1):
+            assert abs(a - b) <= 1e-6, f"{key} step {step}: uninterrupted {a} vs resumed {b}"
 
 
 def assert_hf_export_matches(cfg, state_dict: dict, hf_dir: Path):
