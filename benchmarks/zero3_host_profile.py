@@ -77,10 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     profiler.disable()
 
     if ctx.is_main:
-        tokens = t.batch_size * t.seq_len * layout.grad_accum * layout.dp_size
+        # the step time only: a throughput figure belongs next to a parity verdict (benchmarks.train_sweep)
         lines = [f"flags: {' '.join(train_argv)}", f"device: {ctx.device} "
                  f"({torch.cuda.get_device_name() if ctx.device.type == 'cuda' else 'cpu'}), torch {torch.__version__}",
-                 f"step: {step_s * 1e3:.1f} ms over {args.steps} steps ({tokens / step_s:,.0f} tokens/s)", ""]
+                 f"step: {step_s * 1e3:.1f} ms over {args.steps} steps", ""]
         for title, sort, restrict in (("own time (tottime), all functions", "tottime", ()),
                                       ("cumulative time, DeepSpeed's functions", "cumulative", ("deepspeed",)),
                                       ("own time (tottime), DeepSpeed's functions", "tottime", ("deepspeed",))):

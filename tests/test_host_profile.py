@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,6 @@ def test_reports_step_time_and_deepspeeds_host_functions(tmp_path: Path) -> None
     proc = subprocess.run(cmd, capture_output=True, text=True, env=train_env(), cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = out.read_text()
-    assert "step: " in report and "tokens/s" in report
+    assert re.search(r"^step: [\d.]+ ms over 1 steps$", report, re.M)
     deepspeed_part = report.split("== cumulative time, DeepSpeed's functions")[1]
     assert "deepspeed/runtime/zero/" in deepspeed_part  # ZeRO-3's hooks are among the profiled functions
