@@ -25,6 +25,7 @@ from tests.train_runs import (
     step_losses,
     step_values,
     summary,
+    train_error,
 )
 
 COMMON = TINY_ARGS + ["--data", "synthetic", "--max-steps", "8", "--seed", "11", "--eval-batches", "2"]
@@ -39,14 +40,6 @@ def single(tmp_path_factory) -> Path:
     run_train(COMMON + ["--batch-size", "4", "--run-name", "resumed", "--resume", str(root / "ck" / "step-000004"),
                         "--save-dir", str(root / "ck2"), "--save-interval", "1", "--keep-last", "2"], root)
     return root
-
-
-def _train_error(argv: list[str], capsys) -> str:
-    """train.main in-process for cases that must fail at start-up; returns stderr."""
-    from train import main
-
-    assert main(argv + ["--out-dir", "/nonexistent-never-created"]) == 2
-    return capsys.readouterr().err
 
 
 def test_single_resume_is_exact_and_layout_is_complete(single: Path) -> None:
@@ -89,7 +82,7 @@ def test_baseline_resume_is_exact_and_layout_is_checked(tmp_path: Path, capsys) 
     full, resumed = step_losses(tmp_path / "full"), step_losses(tmp_path / "resumed")
     assert len(full) == 6 and resumed == full[3:]  # bit-identical
 
-    err = _train_error(COMMON + ["--batch-size", "4", "--resume", str(ck / "step-000003")], capsys)
+    err = train_error(COMMON + ["--batch-size", "4", "--resume", str(ck / "step-000003")], capsys)
     assert "mode: checkpoint 'baseline', this run 'single'" in err
     assert "world_size: checkpoint 2, this run 1" in err and "dp_size: checkpoint 2, this run 1" in err
 
@@ -97,32 +90,32 @@ def test_baseline_resume_is_exact_and_layout_is_checked(tmp_path: Path, capsys) 
 def test_bad_checkpoints_fail_at_start_naming_the_problem(single: Path, tmp_path: Path, capsys) -> None:
     ck = single / "ck"
     args = COMMON + ["--batch-size", "4"]
-    assert "does not exist" in _train_error(args + ["--resume", str(tmp_path / "nothing")], capsys)
+    assert "does not exist" in train_error(args + ["--resume", str(tmp_path / "nothing")], capsys)
 
     partial = tmp_path / "step-000006.tmp"  # an interrupted save
     shutil.copytree(ck / "step-000004", partial)
     (partial / "meta.json").unlink()
-    assert "is a partial checkpoint" in _train_error(args + ["--resume", str(partial)], capsys)
+    assert "is a partial checkpoint" in train_error(args + ["--resume", str(partial)], capsys)
     no_meta = tmp_path / "step-000006"
     partial.rename(no_meta)
-    assert "has no meta.json" in _train_error(args + ["--resume", str(no_meta)], capsys)
+    assert "has no meta.json" in train_error(args + ["--resume", str(no_meta)], capsys)
     (tmp_path / "latest").write_text("step-000009\n")
-    assert "points at step-000009, which is missing" in _train_error(args + ["--resume", str(tmp_path)], capsys)
+    assert "points at step-000009, which is missing" in train_error(args + ["--resume", str(tmp_path)], capsys)
 
-    err = _train_error(args + ["--n-layer", "3", "--resume", str(ck / "step-000004")], capsys)
+    err = train_error(args + ["--n-layer", "3", "--resume", str(ck / "step-000004")], capsys)
     assert "model.n_layer: checkpoint 2, this run 3" in err and "--init-from" in err
 
     # a fresh run into a save dir that holds another run's checkpoints: refused before training, whether or not it
     # would write the same steps (it would move `latest`, and --keep-last would delete that run's checkpoints)
     for extra in (["--save-interval", "4"], ["--max-steps", "3", "--keep-last", "1"]):
-        err = _train_error(args + ["--save-dir", str(ck)] + extra, capsys)
+        err = train_error(args + ["--save-dir", str(ck)] + extra, capsys)
         assert "already holds checkpoints of another run (step-000004 ... step-000008)" in err
         assert "--resume auto" in err
     # a resume must keep the data order: batch size, sequence length and seed are checked before any work
-    err = _train_error(COMMON + ["--batch-size", "2", "--seed", "12", "--resume", str(ck / "step-000004")], capsys)
+    err = train_error(COMMON + ["--batch-size", "2", "--seed", "12", "--resume", str(ck / "step-000004")], capsys)
     assert "batch_size: checkpoint 4, this run 2" in err and "seed: checkpoint 11, this run 12" in err
     # --resume auto takes `latest` (step 8), which is not before --max-steps 8
-    assert "is at step 8, not before --max-steps 8" in _train_error(
+    assert "is at step 8, not before --max-steps 8" in train_error(
         args + ["--save-dir", str(ck), "--resume", "auto"], capsys)
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-000004", "step-000008"]  # untouched
 
@@ -161,7 +154,7 @@ def test_checkpoint_files_are_verified_before_any_load(single: Path, tmp_path: P
     }
     for name, (damage, message) in cases.items():
         folder = broken(name, damage)
-        err = _train_error(args + ["--resume", str(folder)], capsys)
+        err = train_error(args + ["--resume", str(folder)], capsys)
         assert re.search(message, err), (name, err)
         with pytest.raises(CheckpointError, match=message):
             consolidated_state_dict(folder)

@@ -67,6 +67,15 @@ def run_train(args: list[str], out_dir: Path, nproc: int = 1, timeout: int = 300
     return proc
 
 
+def train_error(argv: list[str], capsys, out_dir: Path = Path("/nonexistent-never-created")) -> str:
+    """train.main in-process for a run that must fail at start-up (exit 2); returns its stderr. In-process: no
+    interpreter to start, and the failure comes before any model, data or process group is made."""
+    from train import main
+
+    assert main(argv + ["--out-dir", str(out_dir)]) == 2
+    return capsys.readouterr().err
+
+
 def read_records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
