@@ -16,6 +16,7 @@ from benchmarks.common import ROOT
 from benchmarks.parity_verdict import config_key
 from gpt2.config import ConfigError, build_parser, parse_args
 from gpt2.engine import check_backends
+from parallel.dims import dp_size_of, tp_divides_world
 
 
 @dataclass(frozen=True)
@@ -123,9 +124,9 @@ def plan(row: Row, model: str, common: list[str], batch: int, eval_batches: int,
         check_backends(cfg)
     except ConfigError as err:
         return Job(row, model, key=key, skip=str(err))
-    if world % tp:
+    if not tp_divides_world(world, tp):
         return Job(row, model, key=key, skip=f"--tp-size {tp} does not divide the {world} processes")
-    dp = world // tp
+    dp = dp_size_of(world, tp)
     if micro_batch is not None:
         if batch % (dp * micro_batch):
             return Job(row, model, key=key, skip=f"batch {batch} is not divisible by dp {dp} x micro-batch "
