@@ -3,8 +3,8 @@
     torchrun --nproc_per_node=1 -m benchmarks.zero3_host_profile --out /tmp/hp.txt -- --mode hybrid --model gpt2-large
     python -m benchmarks.zero3_host_profile --out /tmp/hp-single.txt -- --model gpt2-large     # single, to compare
 
-The flags after `--` are train.py's (synthetic tokens are forced). The engine is the one train.py builds
-(`gpt2.engine.build_engine`), so the step is the harness's own: forward_backward + optimizer_step. The report lists
+The flags after `--` are train.py's (synthetic tokens are forced). The data, the engine and the step are the ones
+train.py runs (`gpt2.data.build_data`, `gpt2.engine.build_engine`, `gpt2.trainer.train_step`). The report lists
 the mean step time over `--steps` timed steps (after `--warmup`), then the functions with the most own (tottime)
 and cumulative time over `--profile-steps` profiled steps, with DeepSpeed's own functions separately: what the
 GPU waits for when ZeRO-3 at world size 1 runs at a fraction of single's speed. cProfile slows Python code down,
@@ -24,8 +24,10 @@ from pathlib import Path
 import torch
 
 from gpt2.config import parse_args as parse_train_args
+from gpt2.data import build_data
 from gpt2.distributed import init_distributed, shutdown_distributed
 from gpt2.engine import build_engine
+from gpt2.trainer import train_step
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -45,16 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     args, train_argv = parse_args(argv)
     cfg = parse_train_args([*train_argv, "--data", "synthetic"])
     layout, ctx = init_distributed(cfg)
-    engine = build_engine(layout, ctx)
     t = cfg.train
-    gen = torch.Generator().manual_seed(t.seed)
-    batch = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1), generator=gen).to(ctx.device)
-    x, y = batch[:, :-1], batch[:, 1:]  # [b, s] inputs and next-token targets
+    data = build_data(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, model_vocab_size=cfg.model.vocab_size,
+                      dp_rank=ctx.dims.dp_rank, dp_size=ctx.dims.dp_size, seed=t.seed, is_main=ctx.is_main,
+                      barrier=ctx.barrier)
+    engine = build_engine(layout, ctx)
 
     def step() -> None:
-        for micro in range(layout.grad_accum):
-            engine.forward_backward(x, y, last_micro_step=micro == layout.grad_accum - 1)
-        engine.optimizer_step()
+        train_step(layout, ctx, engine, data)
 
     def synchronize() -> None:
         if ctx.device.type == "cuda":
