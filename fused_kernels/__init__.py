@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,13 +44,19 @@ def register_backend(name: str, factory: Callable[[], KernelOps]) -> None:
     _BACKENDS[name] = factory
 
 
-def get_ops(backend: str) -> KernelOps:
-    """The ops of `backend` ("none", "triton", "cuda"); raises KernelUnavailableError if unusable."""
+def get_ops(backend: str, *, inductor_head: bool = False) -> KernelOps:
+    """The ops of `backend` ("none", "triton", "cuda"); raises KernelUnavailableError if unusable.
+
+    inductor_head: torch.compile traces the LM head too (`--compile-scope model`). Inductor fuses the head's
+    matmul + cross-entropy itself, faster than the chunked kernel (GPT-2 Large, batch 8, H200: 6.5 against 7.5 ms
+    forward+backward, benchmarks/results/kernels/kernels.md), so the reference op is used there.
+    """
     if backend not in _BACKENDS:
         raise KernelUnavailableError(
             f"fused-kernel backend {backend!r} is not available in this version; "
             f"choose one of {sorted(_BACKENDS)}")
-    return _BACKENDS[backend]()
+    ops = _BACKENDS[backend]()
+    return replace(ops, lm_cross_entropy=reference.lm_cross_entropy) if inductor_head else ops
 
 
 def _lazy_backend(module: str, factory: str) -> Callable[[], KernelOps]:

@@ -57,7 +57,7 @@ def test_gpt_with_triton_kernels_compiles_to_one_graph(backend, tol):
     want_loss, want_correct, want_grads = _loss_and_grads(model, model, idx, targets)
     assert len(graphs) == 1
     called = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
-    assert {f"gpt2_fused.triton_{op}.default" for op in ("add_layernorm", "matmul_bias_gelu", "lm_cross_entropy")
+    assert {f"gpt2_fused.triton_{op}.default" for op in ("add_layernorm", "bias_gelu", "lm_cross_entropy")
             } <= called, sorted(called)
     assert_close(loss, want_loss, tol, "loss")
     assert correct.item() == want_correct.item()
@@ -160,3 +160,15 @@ def test_triton_ops_trace_for_the_gpu(opaque):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
     assert proc.stdout.count("ok ") == 9, proc.stdout
+
+
+def test_a_compiled_lm_head_keeps_inductor_s_cross_entropy_and_the_up_projection_keeps_cublas():
+    """Each kernel is used only where it measured faster (fused_kernels.triton's docstring): the up-projection is
+    cuBLAS + the Triton bias+GELU, and where Inductor compiles the LM head its own cross-entropy stays."""
+    from fused_kernels import reference
+
+    ops = get_ops("triton")
+    assert ops.lm_cross_entropy is not reference.lm_cross_entropy
+    assert get_ops("triton", inductor_head=True).lm_cross_entropy is reference.lm_cross_entropy
+    x, w, b = torch.randn(4, 8), torch.randn(16, 8), torch.randn(16)
+    assert_close(ops.linear(x, w, b, True), reference.linear(x, w, b, True), 1e-5, "up-projection")

@@ -1,4 +1,11 @@
-"""The `triton` backend: fused matmul+bias+GELU, residual-add+LayerNorm and chunked LM cross-entropy.
+"""The `triton` backend: bias+GELU after the up-projection's cuBLAS matmul, residual-add+LayerNorm and chunked
+LM cross-entropy.
+
+Each op is used in training only where it measured faster than what it replaces (GPT-2 Large training shapes,
+H200, benchmarks/results/kernels/kernels.md): the one-kernel matmul+bias+GELU (`matmul_gelu`, kept for the
+kernel benchmark) ran at 0.85x of cuBLAS + GELU forward and 0.99x forward+backward, so the up-projection is
+cuBLAS followed by the Triton bias+GELU (1.76x eager forward+backward). Where Inductor compiles the LM head,
+`fused_kernels.get_ops` swaps the chunked cross-entropy for Inductor's own (faster there).
 
 Each kernel is a PyTorch custom op with a fake implementation and registered autograd
 (`fused_kernels.custom_ops`), so `torch.compile` traces a model using them without graph breaks.
@@ -9,20 +16,24 @@ before it is imported for the kernels to run on the CPU (and GPT2_OPAQUE_KERNELS
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from fused_kernels import KernelOps, reference
+from fused_kernels.triton.bias_gelu import bias_gelu
 from fused_kernels.triton.cross_entropy import lm_cross_entropy
+from fused_kernels.triton.gelu import bias_gelu_fwd_kernel
 from fused_kernels.triton.layernorm import add_layernorm
-from fused_kernels.triton.matmul_gelu import linear_gelu, matmul_bias_gelu_kernel
 from fused_kernels.triton.runtime import check_available
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool) -> torch.Tensor:
-    """The fused matmul+bias+GELU kernel for the MLP up-projection; plain F.linear otherwise."""
-    return linear_gelu(x, weight, bias) if gelu else reference.linear(x, weight, bias, gelu=False)
+    """cuBLAS matmul, then the Triton bias+GELU when `gelu` (the MLP up-projection); plain F.linear otherwise."""
+    if not gelu or bias is None:
+        return reference.linear(x, weight, bias, gelu)
+    return bias_gelu(F.linear(x, weight), bias)  # F.linear follows autocast; bias follows its output dtype
 
 
 def triton_ops() -> KernelOps:
     """The triton backend's ops; KernelUnavailableError if the kernels cannot run on this machine."""
-    check_available(matmul_bias_gelu_kernel)
+    check_available(bias_gelu_fwd_kernel)
     return KernelOps(name="triton", linear=linear, add_layernorm=add_layernorm, lm_cross_entropy=lm_cross_entropy)
