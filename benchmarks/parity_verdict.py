@@ -136,12 +136,16 @@ def config_key(config: dict[str, Any], world_size: int) -> str:
 
 
 def read_verdicts(paths: list[Path]) -> dict[str, str]:
-    """key -> verdict over parity CSVs written by benchmarks.parity (the worst where several rows share a key)."""
+    """key -> verdict over parity CSVs written by benchmarks.parity (the worst where several rows share a key).
+
+    The noise row shares the reference's key but only measures run-to-run noise: its failure to run (e.g. out of
+    memory) says nothing of the configuration, so it is left out."""
     by_key: dict[str, list[str]] = {}
     for path in paths:
         with Path(path).open(newline="") as f:
             for row in csv.DictReader(f):
-                by_key.setdefault(row["key"], []).append(row["verdict"])
+                if row["config"] != "noise":
+                    by_key.setdefault(row["key"], []).append(row["verdict"])
     return {key: worst(verdicts) for key, verdicts in by_key.items()}
 
 

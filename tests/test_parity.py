@@ -238,7 +238,8 @@ def test_sweep_records_parity_and_publishes_only_passing_runs(tmp_path, monkeypa
     monkeypatch.setattr(train_sweep, "launch", fake_launch)
     key = {mode: config_key(_config(["--mode", mode]), 4) for mode in ("baseline", "hybrid")}
     write_csv(tmp_path / "parity.csv", [{"config": "ddp-w4", "key": key["baseline"], "verdict": "pass"},
-                                        {"config": "zero3-w4", "key": key["hybrid"], "verdict": "fail"}])
+                                        {"config": "zero3-w4", "key": key["hybrid"], "verdict": "fail"},
+                                        {"config": "noise", "key": key["baseline"], "verdict": "error"}])
     sweep = ["--modes", "baseline", "hybrid", "hybrid-tp2", "hf-ddp", "--fused", "none", "--batches", "8"]
     assert train_sweep.main([*sweep, "--out", str(tmp_path / "gated"), "--parity", str(tmp_path / "parity.csv")]) == 0
     rows = read_csv(tmp_path / "gated" / "sweep.csv")
