@@ -5,14 +5,15 @@ dispatch key only, and DeepSpeed 0.19.8 registers its passes only where `is_deep
 and the cuda accelerator). Tried here (DS_ACCELERATOR=cpu, gloo, a 2-layer model under zero.Init, ZeRO-3 with
 compile.deepcompile=true): `engine.compile()` JIT-builds that op and fails with
 `RuntimeError: Error building extension 'dc'` ... `ATen/cuda/ATenCUDAGeneral.h: fatal error: cuda.h: No such file`.
-So the training function of DeepCompile (per-step loss and grad norm vs single) is checked on a GPU
-(benchmarks/repro/deepcompile_check.py, and the parity rows zero3-deepcompile[-wN]); here: the flag's rules, the
-DeepSpeed config it writes, the early CPU error, and the parity / sweep rows.
+So the training function of DeepCompile (per-step loss and grad norm vs single) is checked on a GPU only: the last
+test here (`-m gpu`), benchmarks/repro/deepcompile_check.py, and the parity rows zero3-deepcompile[-wN]. On CPU: the
+flag's rules, the DeepSpeed config it writes, the early CPU error, and the parity / sweep rows.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import train
 from benchmarks.parity_matrix import matrix, plan
@@ -119,3 +120,18 @@ def test_parity_and_sweep_rows() -> None:
     assert plan(four, "gpt2-tiny", common, 8, 2, "cuda").key.startswith("gpt2-tiny zero3 w4 ")
     assert "runs on CUDA only" in plan(one, "gpt2-tiny", common, 8, 2, "cpu").skip
     assert MODES["hybrid-deepcompile"].flags == ("--mode", "hybrid", "--compile", "--compiler", "deepcompile")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_zero3_deepcompile_trains_singles_function(tmp_path) -> None:
+    """The CPU-impossible half, on a GPU (`pytest -m gpu`): ZeRO-3 under DeepCompile at world size 1 (2-layer gpt2,
+    bf16, 8 steps: the compiled graph from step 1, the prefetch/selective-gather re-compile after 5) matches single's
+    loss and gradient norm on every step within the bounds of ZeRO-3 --compile (0.02, 5%)."""
+    pytest.importorskip("deepspeed")
+    from tests.test_gpu_compile_parity import _max_deltas, _run
+
+    steps = ("--max-steps", "8")
+    single = _run(tmp_path, "single", *steps, mode="single")
+    dloss, dnorm = _max_deltas(single, _run(tmp_path, "deepcompile", *steps, "--compile", "--compiler", "deepcompile"))
+    assert dloss < 0.02 and dnorm < 0.05, (dloss, dnorm)
