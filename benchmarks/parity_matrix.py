@@ -12,10 +12,13 @@ import shlex
 import sys
 from dataclasses import dataclass
 
+import torch
+
 from benchmarks.common import ROOT
 from benchmarks.parity_verdict import config_key
 from gpt2.config import ConfigError, build_parser, parse_args
 from gpt2.engine import check_backends
+from gpt2.layout import check_deepcompile_runs_here
 from parallel.dims import dp_size_of, tp_divides_world
 
 
@@ -30,6 +33,7 @@ REFERENCE = Row("single")  # eager: the function every other row must train
 NOISE = Row("noise", ("--grad-accum", "2"))  # the same function and data, another float summation order
 DDP = ("--mode", "baseline")
 TP2 = ("--tp-size", "2")
+DEEPCOMPILE = ("--compile", "--compiler", "deepcompile")  # ZeRO-3 under DeepSpeed's DeepCompile (CUDA only)
 
 
 def _zero(stage: int) -> tuple[str, ...]:
@@ -49,7 +53,7 @@ def one_device_rows() -> list[Row]:
              Row("grad-accum", ("--grad-accum", "4"))]
     for name, flags in [("ddp", DDP)] + [(f"zero{s}", _zero(s)) for s in (1, 2, 3)]:
         rows += [Row(name, flags, nproc=1), Row(f"{name}-compile", (*flags, "--compile"), nproc=1)]
-    return rows
+    return rows + [Row("zero3-deepcompile", (*_zero(3), *DEEPCOMPILE), nproc=1)]
 
 
 def multi_device_rows(world: int) -> list[Row]:
@@ -58,7 +62,8 @@ def multi_device_rows(world: int) -> list[Row]:
     rows = [Row("ddp" + w, DDP, world)] + [Row(f"zero{s}{w}", _zero(s), world) for s in (1, 2, 3)]
     for name, flags in (("ddp-tp2", (*DDP, *TP2)), ("zero3-tp2", (*_zero(3), *TP2))):
         rows += [Row(name + w, flags, world), Row(f"{name}-sp{w}", (*flags, "--sequence-parallel"), world)]
-    return rows + [Row(f"zero3-tp2-compile{w}", (*_zero(3), *TP2, "--compile"), world)]
+    return rows + [Row(f"zero3-tp2-compile{w}", (*_zero(3), *TP2, "--compile"), world),
+                   Row(f"zero3-deepcompile{w}", (*_zero(3), *DEEPCOMPILE), world)]
 
 
 def matrix(world: int) -> list[Row]:
@@ -122,6 +127,8 @@ def plan(row: Row, model: str, common: list[str], batch: int, eval_batches: int,
     key = config_key(cfg.to_dict(), world)
     try:
         check_backends(cfg)
+        if cfg.train.compile and cfg.train.compiler == "deepcompile":
+            check_deepcompile_runs_here(torch.device(device).type)
     except ConfigError as err:
         return Job(row, model, key=key, skip=str(err))
     if not tp_divides_world(world, tp):

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from benchmarks.report import load_run
-from gpt2.config import Mode
+from gpt2.config import Mode, compile_label
 from gpt2.run_logging import run_label
 
 # verdicts, best first: a configuration checked by several rows (e.g. `single` and `grad-accum` share a key) gets
@@ -126,7 +126,7 @@ def config_key(config: dict[str, Any], world_size: int) -> str:
     t, p = config["train"], config["parallel"]
     label = run_label(t["mode"], p["zero_stage"], p["tp_size"], p["sequence_parallel"])
     key = (f"{t['model']} {label} w{world_size} kernels={t['fused_kernels']} attn={t['attn']} "
-           f"compile={t['compile_scope'] if t['compile'] else 'off'} "
+           f"compile={compile_label(t['compile'], t['compile_scope'], t.get('compiler', 'torch'))} "
            f"ckpt={'on' if t['activation_checkpointing'] else 'off'} {t['precision']}")
     if t["mode"] == "hybrid" and p["zero_stage"] == 3:
         key += f" fetch={p['zero3_fetch']}"

@@ -5,7 +5,8 @@
     python -m benchmarks.train_sweep --gpus 4 --modes hybrid-tp2 --batches 8 max --extra-args="--compile"
     python -m benchmarks.train_sweep --gpus 4 --parity benchmarks/results/parity/4xh200/parity.csv   # gated tables
 
-Modes (train.py flags): single (--gpus 1 only), baseline (DDP), zero1 / zero2, hybrid (ZeRO-3), hybrid-tp2
+Modes (train.py flags): single (--gpus 1 only), baseline (DDP), zero1 / zero2, hybrid (ZeRO-3),
+hybrid-deepcompile (ZeRO-3 under DeepSpeed's DeepCompile: --compile --compiler deepcompile), hybrid-tp2
 (ZeRO-3 + TP 2), hybrid-tp2-sp (+ sequence parallelism), and the reference rows hf-ddp / hf-zero3
 (`benchmarks.hf_reference`: Hugging Face GPT-2 as users run it). Each of our modes runs with every `--fused`
 backend; the HF rows have no fused kernels. `--batches` takes micro-batch sizes per GPU and `max`: the largest
@@ -59,6 +60,7 @@ MODES: dict[str, Mode] = {
     "zero1": Mode("ZeRO-1", ("--mode", "hybrid", "--zero-stage", "1")),
     "zero2": Mode("ZeRO-2", ("--mode", "hybrid", "--zero-stage", "2")),
     "hybrid": Mode("ZeRO-3", ("--mode", "hybrid")),
+    "hybrid-deepcompile": Mode("ZeRO-3 DeepCompile", ("--mode", "hybrid", "--compile", "--compiler", "deepcompile")),
     "hybrid-tp2": Mode("ZeRO-3 + TP2", ("--mode", "hybrid", "--tp-size", "2")),
     "hybrid-tp2-sp": Mode("ZeRO-3 + TP2 + SP", ("--mode", "hybrid", "--tp-size", "2", "--sequence-parallel")),
     "hf-ddp": Mode("HF transformers DDP", ("--mode", "ddp"), "benchmarks.hf_reference", takes_fused=False),
@@ -235,6 +237,8 @@ def included_row(run_dir: Path) -> dict[str, Any] | None:
         return None
     tp = f"-tp{s['tp_size']}" if s.get("tp_size", 1) > 1 else ""
     mode = s["mode"] + tp + ("-sp" if tp and s["sequence_parallel"] else "")
+    if s.get("compile") == "deepcompile":
+        mode += "-deepcompile"
     return table_row(RunResult(mode, s.get("fused_kernels", "none"), s["batch_size_per_gpu"], "included",
                                run_dir.name, "ok", summary=s))
 

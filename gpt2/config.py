@@ -126,6 +126,10 @@ class TrainConfig:
     activation_checkpointing: bool = False
     compile: bool = False
     compile_scope: Literal["blocks", "model"] = "blocks"  # per-block graphs, or one graph (DDP-bucketed)
+    # who compiles under --compile: torch.compile of our parts (--compile-scope), or DeepSpeed's DeepCompile
+    # (engine.compile() with the ds config's compile.deepcompile: the whole model one graph, ZeRO-3's gathers and
+    # gradient reduce-scatters inside it, scheduled by its prefetch and selective-gather passes)
+    compiler: Literal["torch", "deepcompile"] = "torch"
     ddp_bucket_mb: int = 100  # DDP gradient bucket size (all-reduce granularity)
     eval_interval: int = 0  # 0: evaluate only at the end
     fused_kernels: Literal["none", "triton", "cuda"] = "none"
@@ -231,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: model for single/baseline without TP (measured fastest), else blocks; "
                         "blocks: each block + LM head compiled separately (fast compile); model: the whole "
                         "(DDP-wrapped) model as one graph, split at DDP buckets (less per-step CPU overhead)")
+    g.add_argument("--compiler", choices=["torch", "deepcompile"],
+                   help="with --compile: torch (default) = torch.compile of the model's parts as --compile-scope says; "
+                        "deepcompile = DeepSpeed's DeepCompile (--mode hybrid, ZeRO-3, CUDA, no TP): DeepSpeed "
+                        "compiles the whole model as one graph with ZeRO-3's all-gathers and gradient "
+                        "reduce-scatters in it (its hooks removed), prefetching and keeping parameters gathered as "
+                        "memory allows; same ZeRO-3 settings otherwise")
     g.add_argument("--ddp-bucket-mb", type=_positive_int, default=100, help="DDP gradient bucket size")
     g.add_argument("--eval-interval", type=_non_negative_int, default=0, help="0: evaluate at the end only")
     g.add_argument("--device", help="cpu | cuda (default: cuda when available)")
@@ -297,15 +307,54 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_compile_scope(requested: str, mode: str, tp_size: int) -> str:
+def resolve_compile_scope(requested: str, mode: str, tp_size: int, compiler: str = "torch") -> str:
     """`auto`: one whole-model graph for single/DDP without TP (4xH200, GPT-2 Large: +21% tokens/s at batch 8
-    over per-block graphs, benchmarks/results/train/), per-block graphs elsewhere (ZeRO hooks, TP collectives)."""
+    over per-block graphs, benchmarks/results/train/), per-block graphs elsewhere (ZeRO hooks, TP collectives).
+    DeepCompile always compiles the whole model (`engine.compile()`): `model`; it has no per-block scope."""
+    if compiler == "deepcompile":
+        if requested == "blocks":
+            raise ConfigError("--compiler deepcompile compiles the whole model as one graph (DeepSpeed's "
+                              "engine.compile()); drop --compile-scope blocks or use --compiler torch")
+        return "model"
     if requested != "auto":
         return requested
     return "model" if mode in ("single", "baseline") and tp_size == 1 else "blocks"
 
 
+def compile_label(enabled: bool, compile_scope: str, compiler: str = "torch") -> str:
+    """What --compile does, as run records, reports and parity keys name it: off, blocks, model or deepcompile."""
+    if not enabled:
+        return "off"
+    return "deepcompile" if compiler == "deepcompile" else compile_scope
+
+
+def check_deepcompile(args: argparse.Namespace) -> None:
+    """`--compiler deepcompile`: the combinations DeepSpeed's DeepCompile (0.19.8) cannot run, or this harness
+    has not wired, each an error naming the fix. The CUDA and torch-version needs are `gpt2.layout`'s (device)."""
+    if args.compiler != "deepcompile":
+        return
+    if not args.compile:
+        raise ConfigError("--compiler deepcompile says how --compile compiles; add --compile")
+    if args.mode != "hybrid":
+        raise ConfigError("--compiler deepcompile is DeepSpeed's ZeRO compiler: use --mode hybrid (ZeRO-3), or "
+                          "--compiler torch")
+    if (args.zero_stage or ParallelConfig.zero_stage) != 3:
+        raise ConfigError(f"--compiler deepcompile is wired for ZeRO-3 only (DeepSpeed's ZeRO-1/2 passes are not); "
+                          f"use --zero-stage 3, or --compiler torch with --zero-stage {args.zero_stage}")
+    if args.tp_size > 1:
+        raise ConfigError("--compiler deepcompile is not wired with our tensor parallelism (a TP model is not built "
+                          "under zero.Init, and Dynamo cannot capture the vocab-parallel head, gpt2.compiling); use "
+                          "--tp-size 1, or --compiler torch")
+    if args.zero3_fetch is not None:
+        raise ConfigError("--compiler deepcompile removes ZeRO-3's gather hooks and gathers each parameter inside "
+                          "the compiled graph, so there is no fetch unit to choose; drop --zero3-fetch")
+    if args.comm_log:
+        raise ConfigError("--comm-log reads DeepSpeed's comms logger, which DeepCompile's collectives (issued by its "
+                          "C++ op on the process group) bypass; drop --comm-log or use --compiler torch")
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
+    check_deepcompile(args)
     preset = dict(MODEL_PRESETS[args.model])
     for key in ("n_layer", "n_embd", "n_head"):
         if getattr(args, key) is not None:
@@ -320,7 +369,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         max_bad_steps=args.max_bad_steps,
         precision=args.precision, seed=args.seed,
         activation_checkpointing=args.activation_checkpointing, compile=args.compile,
-        compile_scope=resolve_compile_scope(args.compile_scope, args.mode, args.tp_size),
+        compile_scope=resolve_compile_scope(args.compile_scope, args.mode, args.tp_size, args.compiler or "torch"),
+        compiler=args.compiler or TrainConfig.compiler,
         ddp_bucket_mb=args.ddp_bucket_mb,
         eval_interval=args.eval_interval,
         fused_kernels="cuda" if args.use_fused_kernel else args.fused_kernels,
@@ -405,7 +455,8 @@ def validate(cfg: RunConfig) -> None:
     if t.compile and t.mode == "hybrid" and cfg.parallel.zero_stage == 3 and cfg.parallel.zero3_fetch == "module":
         raise ConfigError("--compile with ZeRO-3 needs --zero3-fetch block (per-module gather hooks inside a block "
                           "break graph capture); drop --zero3-fetch module or --compile")
-    if t.compile and t.compile_scope == "model" and (t.mode == "hybrid" or cfg.parallel.tp_size > 1):
+    if (t.compile and t.compile_scope == "model" and t.compiler == "torch"
+            and (t.mode == "hybrid" or cfg.parallel.tp_size > 1)):
         raise ConfigError("--compile-scope model (one graph cut at DDP buckets) is for single/baseline without TP; "
                           "use --compile-scope blocks (or auto)")
     if t.precision == "fp16" and t.mode != "hybrid" and cfg.parallel.tp_size > 1:

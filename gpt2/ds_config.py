@@ -52,6 +52,9 @@ def _harness_values(layout: RunLayout) -> list[tuple[tuple[str, ...], Any, str]]
         (("bf16", "check_grad_overflow"), True, "the non-finite guard needs DeepSpeed to skip a step whose gradient "
                                                 "norm is not finite"),
         (("zero_optimization", "compute_grad_norm"), True, "the non-finite guard reads the global gradient norm"),
+        # DeepCompile (ZeRO-3): DeepSpeed reads compile.deepcompile in initialize(); engine.compile() then applies it
+        (("compile", "deepcompile"), layout.deepcompile,
+         "--compile --compiler deepcompile " + ("is given" if layout.deepcompile else "is not given")),
     ]
 
 
@@ -111,6 +114,8 @@ def build_ds_config(layout: RunLayout) -> dict[str, Any]:
         node[keys[-1]] = ours
     if cfg.parallel.zero_stage == 3:
         zero = ds["zero_optimization"]
+        # DeepCompile (--zero3-fetch stays at its default, block): 0 as well, every parameter partitioned by zero.Init;
+        # DeepCompile then marks every parameter non-persistent anyway (deepspeed/compile/init_z3.py, `ds_persist`)
         zero.setdefault("stage3_param_persistence_threshold", persistence_threshold_default(cfg.parallel.zero3_fetch))
         # DeepSpeed's default (true) makes zero.Init replace torch.nn.functional.linear process-wide by its
         # autograd.Function LinearFunctionForZeroStage3. Traced by Dynamo (torch 2.11, CUDA, any backend) it returns

@@ -38,6 +38,14 @@ is NOT built under zero.Init (the plan cuts existing full weights): the full fp3
 between its construction and `deepspeed.initialize` (GPT-2 XL: 6 GB per GPU, transiently), then only this
 rank's TP shard, partitioned over DP, is kept.
 
+`--compile --compiler deepcompile` (ZeRO-3, CUDA, tp 1): the ds config gets compile.deepcompile=true and, after
+`deepspeed.initialize`, `engine.compile()` hands the whole model to DeepSpeed's DeepCompile: ZeRO-3's module hooks
+are removed and the parameters' all-gathers/releases and the gradients' reduce-scatters become ops in the compiled
+graphs, prefetched and selectively kept gathered after 5 profiled steps. Nothing else changes: the same zero.Init
+build, ZeRO-3 keys, optimizer, clipping and overflow check: by DeepSpeed's code (deepspeed/compile/init_z3.py) its op
+reduces each gradient into ZeRO-3's own partition buffer, and `engine.step()` computes the norm, clips and skips from
+there as without it. Not yet checked on a GPU (tests/test_deepcompile.py -m gpu, benchmarks/repro/deepcompile_check.py).
+
 Non-finite guard (`gpt2.guard`): the loss passes through `guard.gate` before `engine.backward`, so a non-finite loss
 makes the gradients NaN, and DeepSpeed's own check skips every step whose global gradient norm is not finite
 (ZeRO-1/2/3; `gpt2.ds_config` keeps `bf16.check_grad_overflow` and `zero_optimization.compute_grad_norm` on). DeepSpeed
@@ -60,6 +68,7 @@ import torch
 import torch.distributed as dist
 
 from gpt2.checkpoint import CHECKPOINT_TAG
+from gpt2.compiling import apply_inductor_settings
 from gpt2.config import ConfigError
 from gpt2.distributed import DistContext
 from gpt2.ds_config import build_ds_config
@@ -152,10 +161,25 @@ class DeepSpeedEngine:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
             mpu=ModelParallelUnit(ctx.dims), dist_init_required=False)
+        if layout.deepcompile:
+            self._deepcompile()
         self._step_lr = self.scheduler.get_last_lr()[0]  # the lr of the last optimizer step
         self.module: GPT = model
         self.zero_comm_log = ZeroCommLog(ctx.dims.dp_size) if cfg.parallel.comm_log else None
         self.guard = NonFiniteGuard.for_run(layout, ctx.device)
+
+    def _deepcompile(self) -> None:
+        """`engine.compile()` under the config's compile.deepcompile: DeepSpeed removes ZeRO-3's module hooks and
+        compiles the whole model with Inductor, inserting each parameter's all-gather and release and each
+        gradient's reduce-scatter into the graphs; after 5 steps it re-compiles with its prefetch and
+        selective-gather passes, scheduled from the profile of those steps (deepspeed/compile/init_z3.py). Our
+        Inductor settings apply as to every other whole-model graph (gpt2.compiling)."""
+        apply_inductor_settings()
+        log.info("DeepCompile: engine.compile(backend='inductor'); its ZeRO-3 passes replace the gather hooks")
+        self.engine.compile(backend="inductor")
+        if not self.engine.is_deepcompile_active():  # DeepSpeed falls back to plain torch.compile with a log line
+            raise ConfigError("DeepSpeed did not activate DeepCompile after engine.compile() (see its log above); "
+                              "refusing to run plain torch.compile under --compiler deepcompile")
 
     def forward_backward(
         self, x: torch.Tensor, y: torch.Tensor, last_micro_step: bool

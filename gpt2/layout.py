@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from gpt2.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
+from gpt2.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, compile_label
 from gpt2.ds_config import default_ds_config_path
 from parallel.dims import dp_size_of, tp_divides_world
 
@@ -75,6 +75,22 @@ def run_precision(requested: str, device_type: str) -> str:
     return requested if device_type == "cuda" else "fp32"
 
 
+DEEPCOMPILE_MIN_TORCH = (2, 6)  # deepspeed/compile/util.py is_deepcompile_supported (0.19.8)
+
+
+def check_deepcompile_runs_here(device_type: str, torch_version: str = torch.__version__) -> None:
+    """DeepCompile needs CUDA and torch >= 2.6: its native op (deepspeed/ops/csrc/compile) is CUDA C++ registered
+    for the CUDA dispatch key only, and DeepSpeed registers its passes only where `is_deepcompile_supported()`
+    (torch >= 2.6 and the cuda accelerator). On CPU `engine.compile()` fails building that op (cuda.h)."""
+    if device_type != "cuda":
+        raise ConfigError("--compiler deepcompile runs on CUDA only (DeepSpeed's DeepCompile op is CUDA C++); "
+                          "run on a GPU, or use --compiler torch for a CPU run")
+    major, minor = (int(part) for part in torch_version.split("+")[0].split(".")[:2])
+    if (major, minor) < DEEPCOMPILE_MIN_TORCH:
+        raise ConfigError(f"--compiler deepcompile needs torch >= 2.6 (DeepSpeed's is_deepcompile_supported), this "
+                          f"is torch {torch_version}; upgrade torch or use --compiler torch")
+
+
 def ds_config_file(p: ParallelConfig) -> Path:
     """The DeepSpeed JSON a hybrid run reads: --ds-config, else ds_configs/zero{--zero-stage}.json."""
     return Path(p.ds_config) if p.ds_config else default_ds_config_path(p.zero_stage)
@@ -115,6 +131,8 @@ class RunLayout:
         check_tp_divides_model(cfg.model, p.tp_size)
         check_sequence_split(t.seq_len, p.tp_size, p.sequence_parallel)
         device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+        if t.compile and t.compiler == "deepcompile":
+            check_deepcompile_runs_here(device_type)
         return cls(cfg=cfg, world_size=world_size, device_type=device_type, grad_accum=grad_accum)
 
     # ------------------------------------------------------------ parallel sizes
@@ -152,8 +170,16 @@ class RunLayout:
     # ------------------------------------------------------------ compile, TP comm counting
     @property
     def compile_scope(self) -> str:
-        """"off", "blocks" or "model" (--compile-scope as resolved by gpt2.config)."""
-        return self.cfg.train.compile_scope if self.cfg.train.compile else "off"
+        """"off", "blocks", "model" (--compile-scope as resolved by gpt2.config) or "deepcompile" (DeepSpeed
+        compiles the whole model in `gpt2.engine_deepspeed`; nothing is compiled before `deepspeed.initialize`)."""
+        t = self.cfg.train
+        return compile_label(t.compile, t.compile_scope, t.compiler)
+
+    @property
+    def deepcompile(self) -> bool:
+        """ZeRO-3 under DeepSpeed's DeepCompile (--compile --compiler deepcompile; gpt2.config allows it only there):
+        the ds config's compile.deepcompile, and `engine.compile()` after `deepspeed.initialize`."""
+        return self.compile_scope == "deepcompile"
 
     @property
     def counts_tp_comm(self) -> bool:
@@ -169,8 +195,9 @@ class RunLayout:
 
     @property
     def zero3_blocks(self) -> bool:
-        """ZeRO-3 gathering each transformer block as one DeepSpeed leaf module (--zero3-fetch block)."""
-        return self.zero_stage == 3 and self.cfg.parallel.zero3_fetch == "block"
+        """ZeRO-3 gathering each transformer block as one DeepSpeed leaf module (--zero3-fetch block). Not under
+        DeepCompile, which removes ZeRO-3's module hooks and gathers every parameter inside its graph."""
+        return self.zero_stage == 3 and self.cfg.parallel.zero3_fetch == "block" and not self.deepcompile
 
     @property
     def ds_config_path(self) -> Path:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from gpt2.config import ConfigError, RunConfig
+from gpt2.config import ConfigError, RunConfig, compile_label
 
 log = logging.getLogger("gpt2")
 
@@ -72,7 +72,8 @@ def wandb_identity(cfg: RunConfig) -> dict[str, Any]:
     """
     t, p = cfg.train, cfg.parallel
     label = run_label(t.mode, p.zero_stage, p.tp_size, p.sequence_parallel)
-    auto = [label, t.model, f"bs{t.batch_size}", t.precision, f"compile-{t.compile_scope}" if t.compile else "eager",
+    compiled = compile_label(t.compile, t.compile_scope, t.compiler)
+    auto = [label, t.model, f"bs{t.batch_size}", t.precision, f"compile-{compiled}" if t.compile else "eager",
             f"kernels-{t.fused_kernels}"] + (["ckpt"] if t.activation_checkpointing else [])
     return {"group": cfg.log.wandb_group or f"{t.model}-seq{t.seq_len}", "job_type": label,
             "tags": list(dict.fromkeys([*cfg.log.wandb_tags, *auto]))}

@@ -1,0 +1,137 @@
+"""`--compile --compiler deepcompile`: ZeRO-3 under DeepSpeed's DeepCompile, checked without a GPU.
+
+DeepCompile cannot run on CPU: its native op (deepspeed/ops/csrc/compile) is CUDA C++ registered for the CUDA
+dispatch key only, and DeepSpeed 0.19.8 registers its passes only where `is_deepcompile_supported()` (torch >= 2.6
+and the cuda accelerator). Tried here (DS_ACCELERATOR=cpu, gloo, a 2-layer model under zero.Init, ZeRO-3 with
+compile.deepcompile=true): `engine.compile()` JIT-builds that op and fails with
+`RuntimeError: Error building extension 'dc'` ... `ATen/cuda/ATenCUDAGeneral.h: fatal error: cuda.h: No such file`.
+So the training function of DeepCompile (per-step loss and grad norm vs single) is checked on a GPU only: the last
+test here (`-m gpu`), benchmarks/repro/deepcompile_check.py, and the parity rows zero3-deepcompile[-wN]. On CPU: the
+flag's rules, the DeepSpeed config it writes, the early CPU error, and the parity / sweep rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import train
+from benchmarks.parity_matrix import matrix, plan
+from benchmarks.parity_verdict import config_key
+from benchmarks.train_sweep import MODES
+from gpt2.config import ConfigError, parse_args
+from gpt2.ds_config import build_ds_config
+from gpt2.layout import RunLayout, check_deepcompile_runs_here
+from gpt2.run_logging import wandb_identity
+
+DC = ["--mode", "hybrid", "--compile", "--compiler", "deepcompile"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--mode", "hybrid", "--compiler", "deepcompile"], "add --compile"),
+        (["--compile", "--compiler", "deepcompile"], "use --mode hybrid (ZeRO-3), or --compiler torch"),
+        (["--mode", "baseline", "--compile", "--compiler", "deepcompile"], "use --mode hybrid"),
+        ([*DC, "--zero-stage", "1"], "use --zero-stage 3, or --compiler torch with --zero-stage 1"),
+        ([*DC, "--tp-size", "2"], "use --tp-size 1, or --compiler torch"),
+        ([*DC, "--compile-scope", "blocks"], "drop --compile-scope blocks"),
+        ([*DC, "--zero3-fetch", "block"], "drop --zero3-fetch"),
+        ([*DC, "--comm-log"], "drop --comm-log"),
+    ],
+)
+def test_deepcompile_rejects_what_it_cannot_do(argv: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        parse_args(argv)
+    assert needle in str(exc.value)
+
+
+def test_deepcompile_is_one_fact_of_the_layout() -> None:
+    """Parsed once: the whole model is the scope, the layout says deepcompile (no per-block compile, no leaf
+    modules), and records, tags and parity keys name it."""
+    cfg = parse_args([*DC, "--model", "gpt2-large", "--compile-scope", "auto"])
+    assert (cfg.train.compile, cfg.train.compile_scope, cfg.train.compiler) == (True, "model", "deepcompile")
+    assert cfg.parallel.zero3_fetch == "block"  # the ZeRO config stays the default one (persistence threshold 0)
+    layout = RunLayout.resolve(cfg, world_size=1, device="cuda")
+    assert layout.deepcompile and layout.compile_scope == "deepcompile" and not layout.zero3_blocks
+    assert config_key(cfg.to_dict(), 1).startswith("gpt2-large zero3 w1 kernels=none attn=sdpa compile=deepcompile ")
+    assert "compile-deepcompile" in wandb_identity(cfg)["tags"]
+    torch_cfg = parse_args(["--mode", "hybrid", "--compile"])
+    torch_layout = RunLayout.resolve(torch_cfg, world_size=1, device="cuda")
+    assert not torch_layout.deepcompile and torch_layout.compile_scope == "blocks" and torch_layout.zero3_blocks
+    assert "compile=blocks" in config_key(torch_cfg.to_dict(), 1)
+    old = torch_cfg.to_dict()
+    del old["train"]["compiler"]  # a config.json written before --compiler existed
+    assert config_key(old, 1) == config_key(torch_cfg.to_dict(), 1)
+
+
+def test_deepcompile_writes_the_compile_section_and_keeps_the_zero3_settings(tmp_path) -> None:
+    """Same ZeRO-3 keys as eager/torch-compiled ZeRO-3 at any world size (nothing special for one rank), plus
+    compile.deepcompile; a file that says otherwise is an error naming both."""
+    dc = build_ds_config(RunLayout.resolve(parse_args(DC), world_size=1, device="cuda"))
+    eager = build_ds_config(RunLayout.resolve(parse_args(["--mode", "hybrid"]), world_size=1, device="cuda"))
+    four = build_ds_config(RunLayout.resolve(parse_args(DC), world_size=4, device="cuda"))
+    assert dc["compile"] == {"deepcompile": True} and eager["compile"] == {"deepcompile": False}
+    assert dc["zero_optimization"] == eager["zero_optimization"] == four["zero_optimization"]
+    assert dc["zero_optimization"]["stage3_param_persistence_threshold"] == 0
+    assert dc["zero_optimization"]["memory_efficient_linear"] is False
+    assert dc["torch_autocast"] == eager["torch_autocast"] and dc["torch_autocast"]["enabled"]  # bf16 on CUDA
+    assert {k: v for k, v in dc.items() if k not in ("compile",)} == {k: v for k, v in eager.items()
+                                                                      if k not in ("compile",)}
+    path = tmp_path / "ds.json"
+    path.write_text('{"compile": {"deepcompile": true}, "zero_optimization": {"stage": 3}}')
+    cfg = parse_args(["--mode", "hybrid", "--ds-config", str(path)])
+    with pytest.raises(ConfigError, match="sets compile.deepcompile=true but --compile --compiler deepcompile is "
+                                          "not given"):
+        build_ds_config(RunLayout.resolve(cfg, world_size=1, device="cuda"))
+
+
+def test_deepcompile_needs_cuda_and_torch_2_6() -> None:
+    with pytest.raises(ConfigError, match="runs on CUDA only"):
+        RunLayout.resolve(parse_args(DC), world_size=1, device="cpu")
+    with pytest.raises(ConfigError, match="needs torch >= 2.6.*this is torch 2.5.1"):
+        check_deepcompile_runs_here("cuda", "2.5.1+cu124")
+    check_deepcompile_runs_here("cuda", "2.11.0+cu130")
+    check_deepcompile_runs_here("cuda", "2.13.0a0+git1234")
+
+
+def test_deepcompile_on_cpu_fails_before_data_and_run_folder(tmp_path, monkeypatch, capsys) -> None:
+    from benchmarks.common import free_port
+
+    for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", str(free_port()))):
+        monkeypatch.setenv(var, value)
+    out = tmp_path / "runs"
+    argv = [*DC, "--device", "cpu", "--data-path", str(tmp_path / "missing"), "--out-dir", str(out)]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--compiler deepcompile runs on CUDA only" in err and "missing" not in err
+    assert not out.exists()
+
+
+def test_parity_and_sweep_rows() -> None:
+    """zero3-deepcompile at world size 1 and N (the same ZeRO-3 flags); skipped on CPU with the layout's reason."""
+    common = ["--model", "gpt2-tiny", "--seq-len", "32", "--data", "synthetic"]
+    rows = {row.name: row for row in matrix(4)}
+    one, four = rows["zero3-deepcompile"], rows["zero3-deepcompile-w4"]
+    assert (one.nproc, four.nproc) == (1, 4) and one.flags == four.flags
+    job = plan(one, "gpt2-tiny", common, 8, 2, "cuda")
+    assert not job.skip and " compile=deepcompile " in job.key and "--compiler" in job.argv
+    assert plan(four, "gpt2-tiny", common, 8, 2, "cuda").key.startswith("gpt2-tiny zero3 w4 ")
+    assert "runs on CUDA only" in plan(one, "gpt2-tiny", common, 8, 2, "cpu").skip
+    assert MODES["hybrid-deepcompile"].flags == ("--mode", "hybrid", "--compile", "--compiler", "deepcompile")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_zero3_deepcompile_trains_singles_function(tmp_path) -> None:
+    """The CPU-impossible half, on a GPU (`pytest -m gpu`): ZeRO-3 under DeepCompile at world size 1 (2-layer gpt2,
+    bf16, 8 steps: the compiled graph from step 1, the prefetch/selective-gather re-compile after 5) matches single's
+    loss and gradient norm on every step within the bounds of ZeRO-3 --compile (0.02, 5%)."""
+    pytest.importorskip("deepspeed")
+    from tests.test_gpu_compile_parity import _max_deltas, _run
+
+    steps = ("--max-steps", "8")
+    single = _run(tmp_path, "single", *steps, mode="single")
+    dloss, dnorm = _max_deltas(single, _run(tmp_path, "deepcompile", *steps, "--compile", "--compiler", "deepcompile"))
+    assert dloss < 0.02 and dnorm < 0.05, (dloss, dnorm)
