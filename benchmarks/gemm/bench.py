@@ -215,13 +215,15 @@ def selected(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace, ext: dict[str, Gemm] | None = None,
-        t_start: float | None = None) -> list[dict[str, object]]:
+        t_start: float | None = None) -> tuple[list[dict[str, object]], dict[str, str]]:
+    """(rows, kernel -> probe status); with --bias-gelu wgmma_persistent is probed even if not selected."""
     t_start = time.time() if t_start is None else t_start
     order = selected(args)
     names = [k for k in order if k not in ("cublas", "triton")]
     ext = build_extension(verbose=args.verbose, kernels=names) if ext is None else ext
     print(f"built extensions in {time.time() - t_start:.0f} s", flush=True)
-    probes = probe_all(names, args.probe_timeout_s)
+    extra = ["wgmma_persistent"] if getattr(args, "bias_gelu", False) and "wgmma_persistent" in ext else []
+    probes = probe_all(list(dict.fromkeys([*names, *extra])), args.probe_timeout_s)
     kernels: dict[str, Gemm] = {"cublas": lambda A, B, C: torch.matmul(A, B, out=C)}
     kernels.update({k: ext[k] for k in names if probes[k] == "ok"})
     if "triton" in order:
@@ -264,7 +266,7 @@ def run(args: argparse.Namespace, ext: dict[str, Gemm] | None = None,
                 torch.cuda.empty_cache()
             print({k: row.get(k) for k in ("kernel", "shape", "M", "N", "K", "status", "rel_err", "gflops",
                                            "pct_cublas")}, flush=True)
-    return rows
+    return rows, probes
 
 
 MLP_UP = Shape("mlp_up.fwd", 8192, 5120, 1280)  # GPT-2 Large: 8192 tokens, d 1280 -> 4d 5120
@@ -477,17 +479,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.bias_gelu and "wgmma_persistent" in cuda_kernels():
         names = list(dict.fromkeys([*names, "wgmma_persistent"]))
     ext = build_extension(verbose=args.verbose, kernels=names)
-    rows = run(args, ext, t_start)
-    bias_rows = bias_gelu_bench(ext, args.point_budget_s) if args.bias_gelu else []
+    rows, probes = run(args, ext, t_start)
     tag = device_tag("cuda")
-    bw = copy_bandwidth()
-    peak = max((r["gflops"] for r in rows if r["kernel"] == "cublas" and "gflops" in r), default=1.0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    print("wrote", write_csv(out / "gemm.csv", rows, tag))  # rewritten below with the copy bandwidth
+    bias_rows = []
+    if args.bias_gelu:  # the fused variant only if its mainloop (wgmma_persistent) passed the probe
+        usable = {k: v for k, v in ext.items() if k != "wgmma_persistent_bias_gelu" or
+                  probes.get("wgmma_persistent") == "ok"}
+        bias_rows = bias_gelu_bench(usable, args.point_budget_s)
+        print("wrote", write_csv(out / "gemm_bias_gelu.csv", bias_rows, tag))
+    bw = copy_bandwidth()
+    peak = max((r["gflops"] for r in rows if r["kernel"] == "cublas" and "gflops" in r), default=1.0)
     title = tag_line(tag)
     print("wrote", write_csv(out / "gemm.csv", rows, {**tag, "copy_bw_GBps": f"{bw / 1e9:.0f}"}))
-    if bias_rows:
-        print("wrote", write_csv(out / "gemm_bias_gelu.csv", bias_rows, tag))
     plot_roofline(rows, bw, peak, out / "gemm_roofline.png", f"GEMM ladder (bf16): {title}")
     text = summary(rows, bw, peak, title, bias_rows)
     (out / "gemm_summary.md").write_text(text)
