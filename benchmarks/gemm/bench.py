@@ -1,16 +1,21 @@
 """GEMM ladder benchmark: our CUDA kernels and a Triton matmul against cuBLAS (torch.matmul), bf16.
 
     python -m benchmarks.gemm.bench --out benchmarks/results [--quick] [--time-budget-s 300]
+        [--kernels cublas,wgmma,wgmma_persistent] [--shapes 4096,gpt2,tail] [--bias-gelu]
 
 Order: 4096^3 first (the target: best hand-written CUDA kernel >= 70% of cuBLAS), then square
 sizes 512..8192, then GPT-2 Large's training GEMMs (8192 tokens, d=1280; forward, dgrad, wgrad),
-until the time budget is spent. On a Hopper GPU (compute capability 9.0) the ladder gains `wgmma`
-(gemm_wgmma.cu: wgmma.mma_async + TMA, built as a second extension for sm_90a only; compile-checked,
-not yet run on a GPU). Every (kernel, shape) is first checked against an fp64 reference on
+until the time budget is spent (--shapes picks groups of them, --kernels a subset of the kernels; only the
+extensions those kernels need are built). On a Hopper GPU (compute capability 9.0) the ladder gains `wgmma`
+(gemm_wgmma.cu: wgmma.mma_async + TMA) and `wgmma_persistent` (gemm_wgmma_persistent.cu: the same mainloop,
+persistent CTAs, epilogue through shared memory and TMA stores), built as a second extension for sm_90a only.
+--bias-gelu adds the MLP up-projection with bias + GELU(tanh) fused into wgmma_persistent's epilogue against
+cuBLAS + a separate bias-GELU (gemm_bias_gelu.csv). Every (kernel, shape) is first checked against an fp64 reference on
 fresh random inputs, with the output poisoned with NaN: relative Frobenius error <= 1e-2 (bf16
 output rounding alone gives ~2e-3) or it is reported FAIL and not timed. Each hand-written kernel is
 first run alone in a subprocess on a small shape, so one that crashes the CUDA context is reported
-and dropped instead of taking the others down. Timing: median of CUDA-event timings.
+and dropped instead of taking the others down. Timing: median over CUDA-event pairs, each around a burst of
+back-to-back calls (so host-side launch overhead overlaps the GPU work, as in a training step).
 Writes gemm.csv, gemm_roofline.png and gemm_summary.md; ceilings are measured here: copy bandwidth
 (device-to-device copy) and the best cuBLAS rate.
 """
@@ -18,6 +23,7 @@ Writes gemm.csv, gemm_roofline.png and gemm_summary.md; ceilings are measured he
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -32,7 +38,8 @@ from benchmarks.common import device_tag, markdown_table, median_ms, tag_line, t
 
 HERE = Path(__file__).resolve().parent
 CUDA_KERNELS = ["naive", "smem", "regblock", "wmma", "mma_128x128", "mma_128x256"]
-HOPPER_KERNELS = ["wgmma"]  # sm_90a only: gemm_wgmma.cu, its own extension
+HOPPER_KERNELS = ["wgmma", "wgmma_persistent"]  # sm_90a only: gemm_wgmma*.cu, their own extension
+PERSISTENT_KERNELS = {"wgmma_persistent"}  # probed on a shape with more tiles than SMs
 SLOW_KERNELS = {"naive", "smem"}  # timed only up to SLOW_MAX_FLOPS: 8192^3 naive takes seconds per call
 SLOW_MAX_FLOPS = 2 * 4096**3
 TOLERANCE = 1e-2
@@ -69,12 +76,22 @@ def gpt2_large_shapes(tokens: int = 8192, d: int = 1280, vocab: int = 50304) -> 
     return shapes
 
 
-def all_shapes(quick: bool) -> list[Shape]:
+SHAPE_GROUPS = ("4096", "squares", "gpt2", "tail")
+# Off the 128x256x64 tile in M, N and K (only wgmma_persistent takes it: TMA zero-fills and clips), more tiles
+# than SMs, and N's last tile has epilogue chunks wholly outside C.
+TAIL_SHAPE = Shape("tail", 2000, 4104, 328)
+
+
+def all_shapes(quick: bool, groups: tuple[str, ...] = ("4096", "squares", "gpt2")) -> list[Shape]:
+    """The shapes of the selected groups, in this order: 4096^3, the other squares, GPT-2 Large's training
+    GEMMs (forward only with quick), the tail shape."""
     squares = [512, 1024, 2048, 8192] if not quick else [1024, 2048, 8192]
     gpt = gpt2_large_shapes()
     if quick:
         gpt = [s for s in gpt if s.name.endswith(".fwd")]
-    return [Shape("square", 4096, 4096, 4096)] + [Shape("square", n, n, n) for n in squares] + gpt
+    shapes = {"4096": [Shape("square", 4096, 4096, 4096)], "squares": [Shape("square", n, n, n) for n in squares],
+              "gpt2": gpt, "tail": [TAIL_SHAPE]}
+    return [s for g in SHAPE_GROUPS if g in groups for s in shapes[g]]
 
 
 def cuda_kernels() -> list[str]:
@@ -83,22 +100,28 @@ def cuda_kernels() -> list[str]:
     return CUDA_KERNELS + (HOPPER_KERNELS if torch.cuda.get_device_capability() == (9, 0) else [])
 
 
-def build_extension(verbose: bool = False) -> dict[str, Gemm]:
-    """kernel name -> launcher, for cuda_kernels(). gemm_wgmma.cu is a second extension: load() applies one
-    flag set to every source, and gemm_kernels.cu must keep its sm_80 build while gemm_wgmma.cu must be
-    sm_90a only (an 'arch' flag in extra_cuda_cflags replaces torch's own -gencode flags). Both bind through
-    gemm_binding.cpp; -DGEMM_WGMMA selects the wgmma binding."""
+def build_extension(verbose: bool = False, kernels: list[str] | None = None) -> dict[str, Gemm]:
+    """kernel name -> launcher, for the kernels of cuda_kernels() that are in `kernels` (default: all);
+    an extension is only built if one of its kernels is wanted. gemm_wgmma*.cu are a second extension:
+    load() applies one flag set to every source, and gemm_kernels.cu must keep its sm_80 build while the
+    wgmma kernels must be sm_90a only (an 'arch' flag in extra_cuda_cflags replaces torch's own -gencode
+    flags). Both bind through gemm_binding.cpp; -DGEMM_WGMMA selects the wgmma binding, which also exports
+    wgmma_persistent_bias_gelu (A, B, bias, C)."""
     from torch.utils.cpp_extension import load
 
+    wanted = set(cuda_kernels() if kernels is None else kernels) & set(cuda_kernels())
     cuda_flags = ["-O3", "-std=c++17", "-lineinfo"]
-    ladder = load(name="gemm_ladder", sources=[str(HERE / "gemm_kernels.cu"), str(HERE / "gemm_binding.cpp")],
-                  extra_cuda_cflags=cuda_flags, extra_cflags=["-O3"], verbose=verbose)
-    fns = {k: getattr(ladder, k) for k in CUDA_KERNELS}
-    if set(HOPPER_KERNELS) <= set(cuda_kernels()):
-        hopper = load(name="gemm_wgmma", sources=[str(HERE / "gemm_wgmma.cu"), str(HERE / "gemm_binding.cpp")],
+    fns: dict[str, Gemm] = {}
+    if wanted & set(CUDA_KERNELS):
+        ladder = load(name="gemm_ladder", sources=[str(HERE / "gemm_kernels.cu"), str(HERE / "gemm_binding.cpp")],
+                      extra_cuda_cflags=cuda_flags, extra_cflags=["-O3"], verbose=verbose)
+        fns.update({k: getattr(ladder, k) for k in CUDA_KERNELS})
+    if wanted & set(HOPPER_KERNELS):
+        sources = [str(HERE / f) for f in ("gemm_wgmma.cu", "gemm_wgmma_persistent.cu", "gemm_binding.cpp")]
+        hopper = load(name="gemm_wgmma", sources=sources,
                       extra_cuda_cflags=[*cuda_flags, "-gencode=arch=compute_90a,code=sm_90a"],
                       extra_cflags=["-O3", "-DGEMM_WGMMA"], verbose=verbose)
-        fns.update({k: getattr(hopper, k) for k in HOPPER_KERNELS})
+        fns.update({k: getattr(hopper, k) for k in [*HOPPER_KERNELS, "wgmma_persistent_bias_gelu"]})
     return fns
 
 
@@ -124,21 +147,24 @@ def check(fn: Gemm, shape: Shape, seed: int) -> tuple[float, torch.Tensor, torch
 
 def probe(kernel: str) -> int:
     """Run one kernel alone on a small odd-ish shape; exit status 0 iff correct (crashes are non-zero).
-    K = 320 is a multiple of every tiled kernel's BK and runs more k-tiles than any pipeline has stages."""
-    ext = build_extension()
+    K = 320 is a multiple of every tiled kernel's BK and runs more k-tiles than any pipeline has stages; a
+    persistent kernel gets 256 tiles (more than any GPU has SMs), so its CTAs run several tiles each."""
+    ext = build_extension(kernels=[kernel])
     shape = Shape("probe", 200, 300, 100) if kernel in SLOW_KERNELS else Shape("probe", 256, 512, 320)
+    if kernel in PERSISTENT_KERNELS:
+        shape = Shape("probe", 2048, 4096, 320)
     err, *_ = check(ext[kernel], shape, seed=0)
     print(f"probe {kernel}: rel err {err:.2e}")
     return 0 if err <= TOLERANCE else 1
 
 
-def probe_all(kernels: list[str]) -> dict[str, str]:
-    """kernel -> "ok" or why it is dropped."""
+def probe_all(kernels: list[str], timeout_s: float = 300) -> dict[str, str]:
+    """kernel -> "ok" or why it is dropped (a hang, e.g. a pipeline waiting forever, costs timeout_s)."""
     status = {}
     for k in kernels:
         try:
             r = subprocess.run([sys.executable, "-m", "benchmarks.gemm.bench", "--probe", k], capture_output=True,
-                               text=True, timeout=300, cwd=HERE.parents[1])
+                               text=True, timeout=timeout_s, cwd=HERE.parents[1])
             status[k] = "ok" if r.returncode == 0 else f"probe failed: {(r.stdout + r.stderr).strip()[-200:]}"
         except subprocess.TimeoutExpired:
             status[k] = "probe timed out"
@@ -155,34 +181,66 @@ def copy_bandwidth() -> float:
 
 
 def timed_ms(fn: Gemm, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, budget_s: float) -> float:
-    """Median of CUDA-event timings; repetitions sized to about budget_s."""
-    first = min(time_ms(lambda: fn(A, B, C), iters=1, warmup=1, device=torch.device("cuda")))
-    reps = int(max(3, min(50, budget_s * 1e3 / max(first, 1e-3))))
-    return median_ms(lambda: fn(A, B, C), iters=reps, warmup=1, device=torch.device("cuda"))
+    return timed_call_ms(lambda: fn(A, B, C), budget_s)
 
 
-def run(args: argparse.Namespace) -> list[dict[str, object]]:
-    from benchmarks.gemm.triton_matmul import triton_matmul
+def timed_call_ms(call: Callable[[], object], budget_s: float) -> float:
+    """Per-call time: median over CUDA-event pairs, each around a burst of back-to-back calls (about 1 ms of
+    GPU work, at most 20 calls) so that the host-side launch cost of one call hides behind the previous one, as
+    in a training step; samples sized to about budget_s."""
+    first = min(time_ms(call, iters=1, warmup=1, device=torch.device("cuda")))
+    burst = int(max(1, min(20, 1.0 / max(first, 1e-3))))
+    reps = int(max(3, min(50, budget_s * 1e3 / max(first * burst, 1e-3))))
 
-    t_start = time.time()
-    ext = build_extension(verbose=args.verbose)
-    print(f"built extension in {time.time() - t_start:.0f} s", flush=True)
-    names = cuda_kernels()
-    probes = probe_all(names)
+    def bursts() -> None:
+        for _ in range(burst):
+            call()
+
+    return median_ms(bursts, iters=reps, warmup=1, device=torch.device("cuda")) / burst
+
+
+def selected(args: argparse.Namespace) -> list[str]:
+    """The kernels to run, in ladder order: --kernels (a comma list; default all) among those this device has."""
+    every = ["cublas", *cuda_kernels(), "triton"]
+    if args.kernels is None:
+        return every
+    want = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    unknown = set(want) - {"cublas", *CUDA_KERNELS, *HOPPER_KERNELS, "triton"}
+    if unknown:
+        sys.exit(f"unknown kernels {sorted(unknown)}")
+    missing = set(want) - set(every)
+    if missing:
+        print(f"not available on this device: {sorted(missing)}", flush=True)
+    return [k for k in every if k in want]
+
+
+def run(args: argparse.Namespace, ext: dict[str, Gemm] | None = None,
+        t_start: float | None = None) -> tuple[list[dict[str, object]], dict[str, str]]:
+    """(rows, kernel -> probe status); with --bias-gelu wgmma_persistent is probed even if not selected."""
+    t_start = time.time() if t_start is None else t_start
+    order = selected(args)
+    names = [k for k in order if k not in ("cublas", "triton")]
+    ext = build_extension(verbose=args.verbose, kernels=names) if ext is None else ext
+    print(f"built extensions in {time.time() - t_start:.0f} s", flush=True)
+    extra = ["wgmma_persistent"] if getattr(args, "bias_gelu", False) and "wgmma_persistent" in ext else []
+    probes = probe_all(list(dict.fromkeys([*names, *extra])), args.probe_timeout_s)
     kernels: dict[str, Gemm] = {"cublas": lambda A, B, C: torch.matmul(A, B, out=C)}
     kernels.update({k: ext[k] for k in names if probes[k] == "ok"})
-    kernels["triton"] = triton_matmul
+    if "triton" in order:
+        from benchmarks.gemm.triton_matmul import triton_matmul
+
+        kernels["triton"] = triton_matmul
 
     rows: list[dict[str, object]] = []
-    for i, shape in enumerate(all_shapes(args.quick)):
+    for i, shape in enumerate(all_shapes(args.quick, tuple(args.shapes.split(",")))):
         over = time.time() - t_start > args.time_budget_s
         cublas_ms = None
-        for name in ["cublas", *names, "triton"]:
+        for name in order:
             row: dict[str, object] = {"kernel": name, "shape": shape.name, "M": shape.M, "N": shape.N, "K": shape.K,
                                       "intensity": round(shape.intensity, 1), "tolerance": TOLERANCE}
             rows.append(row)
             if name not in kernels:
-                row["status"] = f"FAIL ({probes[name]})"
+                row["status"] = f"FAIL ({probes.get(name)})"
                 continue
             if over:
                 row["status"] = "SKIP (time budget)"
@@ -208,6 +266,70 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
                 torch.cuda.empty_cache()
             print({k: row.get(k) for k in ("kernel", "shape", "M", "N", "K", "status", "rel_err", "gflops",
                                            "pct_cublas")}, flush=True)
+    return rows, probes
+
+
+MLP_UP = Shape("mlp_up.fwd", 8192, 5120, 1280)  # GPT-2 Large: 8192 tokens, d 1280 -> 4d 5120
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def bias_gelu_bench(ext: dict[str, Gemm], budget_s: float, seed: int = 1000, shape: Shape = MLP_UP,
+                    device: str = "cuda") -> list[dict[str, object]]:
+    """GELU_tanh(x W + b) at GPT-2 Large's MLP up-projection, forward: wgmma_persistent_bias_gelu (bias + GELU
+    in the GEMM epilogue) against cuBLAS followed by a separate bias-GELU, three ways: eager add + gelu,
+    cuBLAS with the bias in its epilogue (addmm) + gelu, cuBLAS + the project's fused Triton bias-GELU; and
+    cuBLASLt with bias + GELU in its own epilogue (torch._addmm_activation) for reference. Each is checked
+    against an fp64 reference (threshold TOLERANCE) before it is timed."""
+    import torch.nn.functional as F
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    A = torch.randn(shape.M, shape.K, device=device, generator=g).to(torch.bfloat16)
+    B = torch.randn(shape.K, shape.N, device=device, generator=g).to(torch.bfloat16)
+    bias = torch.randn(shape.N, device=device, generator=g).to(torch.bfloat16)
+    ref = gelu_tanh(A.double() @ B.double() + bias.double())
+    C = torch.empty(shape.M, shape.N, device=device, dtype=torch.bfloat16)
+
+    def ours() -> torch.Tensor:
+        ext["wgmma_persistent_bias_gelu"](A, B, bias, C)
+        return C
+
+    variants: dict[str, Callable[[], torch.Tensor]] = {
+        "cublas + add + gelu (eager)": lambda: F.gelu(A @ B + bias, approximate="tanh"),
+        "cublas addmm (bias) + gelu": lambda: F.gelu(torch.addmm(bias, A, B), approximate="tanh"),
+    }
+    try:
+        from fused_kernels.triton.bias_gelu import bias_gelu as triton_bias_gelu
+
+        variants["cublas + triton bias_gelu"] = lambda: triton_bias_gelu(A @ B, bias)
+    except Exception as err:  # noqa: BLE001  (no Triton on this machine: leave the variant out)
+        print(f"triton bias_gelu unavailable: {err}", flush=True)
+    separate = list(variants)
+    variants["cublasLt fused (_addmm_activation)"] = lambda: torch._addmm_activation(bias, A, B, use_gelu=True)
+    if "wgmma_persistent_bias_gelu" in ext:
+        variants["wgmma_persistent_bias_gelu"] = ours
+    rows: list[dict[str, object]] = []
+    for name, fn in variants.items():
+        row: dict[str, object] = {"variant": name, "M": shape.M, "N": shape.N, "K": shape.K}
+        rows.append(row)
+        try:
+            C.fill_(float("nan"))
+            err = relative_error(fn(), ref)
+            row["rel_err"] = f"{err:.2e}"
+            if not err <= TOLERANCE:
+                row["status"] = "FAIL"
+                continue
+            ms = timed_call_ms(fn, budget_s)
+            row.update(status="PASS", time_ms=round(ms, 4), gflops=round(shape.flops / ms / 1e6, 1))
+        except Exception as err:  # noqa: BLE001  (a launch error, or Triton failing to compile: record, go on)
+            row["status"] = f"SKIP ({(str(err).splitlines() or [type(err).__name__])[0][:100]})"
+        print(row, flush=True)
+    best_sep = min((r["time_ms"] for r in rows if r["variant"] in separate and "time_ms" in r), default=None)
+    for r in rows:
+        if best_sep and "time_ms" in r:
+            r["speedup_vs_best_separate"] = round(best_sep / r["time_ms"], 3)
     return rows
 
 
@@ -239,7 +361,46 @@ def plot_roofline(rows: list[dict[str, object]], bw: float, peak_gflops: float, 
     plt.close(fig)
 
 
-def summary(rows: list[dict[str, object]], bw: float, peak_gflops: float, title: str) -> str:
+def shapes_table(rows: list[dict[str, object]]) -> str:
+    """Every shape but 4096^3: cuBLAS TFLOP/s and each hand-written kernel's % of cuBLAS (or its status)."""
+    shapes = list(dict.fromkeys((r["shape"], r["M"], r["N"], r["K"]) for r in rows))
+    shapes = [s for s in shapes if s != ("square", 4096, 4096, 4096)]
+    names = [k for k in dict.fromkeys(r["kernel"] for r in rows) if k != "cublas"]
+    by = {(r["kernel"], r["shape"], r["M"], r["N"], r["K"]): r for r in rows}
+    table = []
+    for s in shapes:
+        cub = by.get(("cublas", *s), {})
+        line: dict[str, object] = {"shape": s[0], "M x N x K": f"{s[1]} x {s[2]} x {s[3]}",
+                                   "cuBLAS TFLOP/s": round(cub["gflops"] / 1e3, 1) if "gflops" in cub else ""}
+        for k in names:
+            r = by.get((k, *s), {})
+            line[f"{k} %"] = r.get("pct_cublas", str(r.get("status", ""))[:12])
+        table.append(line)
+    return markdown_table(table, list(table[0])) if table else "not measured"
+
+
+def bias_gelu_section(rows: list[dict[str, object]]) -> str:
+    if not rows:
+        return ""
+    table = [{"variant": r["variant"], "status": r.get("status"), "rel err": r.get("rel_err", ""),
+              "ms": r.get("time_ms", ""), "TFLOP/s": round(r["gflops"] / 1e3, 1) if "gflops" in r else "",
+              "speedup vs best separate": r.get("speedup_vs_best_separate", "")} for r in rows]
+    return f"""
+## MLP up-projection with bias + GELU(tanh), forward ({MLP_UP.M} x {MLP_UP.N} x {MLP_UP.K})
+
+{markdown_table(table, list(table[0]))}
+
+Target (issue 16, deliverable 2): the fused epilogue >= 1.15x the best "cuBLAS + separate bias-GELU" variant.
+Backward is not fused yet. It needs the pre-activation pre = xW + b (the forward epilogue would write it as a
+second [M, N] bf16 output, or it is recomputed), and then belongs in the epilogue of the GEMM that produces
+dH (the down-projection's dgrad): dpre = dH * GELU'(pre) elementwise, and db = column sums of dpre reduced in
+the same epilogue (cuBLASLt's DGELU_BGRAD); the up-projection's dX = dpre W and dW = dpre^T x are then plain
+GEMMs (K-major operand variants of this kernel: the bench's B is [K, N] row-major, nn.Linear's W is [N, K]).
+"""
+
+
+def summary(rows: list[dict[str, object]], bw: float, peak_gflops: float, title: str,
+            bias_rows: list[dict[str, object]] | None = None) -> str:
     head = [r for r in rows if r["shape"] == "square" and r["M"] == 4096]
     table = [{"kernel": r["kernel"], "status": r.get("status"), "rel err": r.get("rel_err", ""),
               "TFLOP/s": round(r["gflops"] / 1e3, 1) if "gflops" in r else "",
@@ -267,6 +428,10 @@ bf16 inputs, threshold {TOLERANCE}; output poisoned with NaN before each check.
 
 {verdict}
 
+## Other shapes (GPT-2 Large training GEMMs: 8192 tokens, d 1280; % of cuBLAS)
+
+{shapes_table(rows)}
+{bias_gelu_section(bias_rows or [])}
 What limits the `mma_*` kernels: they use the Ampere-style `mma.sync` path (HMMA in SASS):
 each warp feeds the tensor cores from registers that `ldmatrix` filled, so shared-memory reads,
 register pressure (~225 registers per thread for a 64x64 warp tile, one 8-warp block per SM) and
@@ -275,8 +440,10 @@ multiplies straight out of shared memory, asynchronously) fed by TMA bulk copies
 specialisation (producer warps load, consumer warpgroups compute), and only that path reaches the
 chip's tensor-core peak; on A100 the same mma.sync kernel is the right design. `wgmma` (Hopper
 only, gemm_wgmma.cu) is that design: a TMA producer warpgroup, two consumer warpgroups issuing
-wgmma m64n256k16, a 4-stage mbarrier ring, 128x256 tile. Next steps: a persistent tile scheduler
-and an epilogue staged through shared memory.
+wgmma m64n256k16, a 4-stage mbarrier ring, 128x256 tile. `wgmma_persistent`
+(gemm_wgmma_persistent.cu) adds persistent CTAs (one per SM, grouped static tile order), a stage ring
+that runs across tiles (the next tile's loads overlap the epilogue) and an epilogue through swizzled shared
+memory written out by TMA stores.
 """
 
 
@@ -286,6 +453,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer squares; GPT-2 Large forward shapes only")
     p.add_argument("--time-budget-s", type=float, default=300, help="no new shape starts after this")
     p.add_argument("--point-budget-s", type=float, default=0.3, help="timing budget per (kernel, shape)")
+    p.add_argument("--kernels", help="comma list of kernels to run (default all): cublas, "
+                   + ", ".join(CUDA_KERNELS + HOPPER_KERNELS) + ", triton; include cublas for the %% column")
+    p.add_argument("--shapes", default="4096,squares,gpt2",
+                   help=f"comma list of shape groups among {', '.join(SHAPE_GROUPS)} (default: all but tail)")
+    p.add_argument("--bias-gelu", action="store_true",
+                   help="also time the MLP up-projection with bias + GELU fused (wgmma_persistent_bias_gelu)")
+    p.add_argument("--probe-timeout-s", type=float, default=300, help="per kernel probe subprocess")
     p.add_argument("--probe", choices=CUDA_KERNELS + HOPPER_KERNELS, help=argparse.SUPPRESS)
     p.add_argument("--verbose", action="store_true")
     return p.parse_args(argv)
@@ -297,16 +471,31 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(probe(args.probe))
     if not torch.cuda.is_available():
         sys.exit("the GEMM benchmark needs a CUDA GPU")
-    rows = run(args)
+    bad = set(args.shapes.split(",")) - set(SHAPE_GROUPS)
+    if bad:
+        sys.exit(f"unknown shape groups {sorted(bad)}; choose among {SHAPE_GROUPS}")
+    t_start = time.time()
+    names = [k for k in selected(args) if k not in ("cublas", "triton")]
+    if args.bias_gelu and "wgmma_persistent" in cuda_kernels():
+        names = list(dict.fromkeys([*names, "wgmma_persistent"]))
+    ext = build_extension(verbose=args.verbose, kernels=names)
+    rows, probes = run(args, ext, t_start)
     tag = device_tag("cuda")
-    bw = copy_bandwidth()
-    peak = max((r["gflops"] for r in rows if r["kernel"] == "cublas" and "gflops" in r), default=1.0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    print("wrote", write_csv(out / "gemm.csv", rows, tag))  # rewritten below with the copy bandwidth
+    bias_rows = []
+    if args.bias_gelu:  # the fused variant only if its mainloop (wgmma_persistent) passed the probe
+        usable = {k: v for k, v in ext.items() if k != "wgmma_persistent_bias_gelu" or
+                  probes.get("wgmma_persistent") == "ok"}
+        bias_rows = bias_gelu_bench(usable, args.point_budget_s)
+        print("wrote", write_csv(out / "gemm_bias_gelu.csv", bias_rows, tag))
+    bw = copy_bandwidth()
+    peak = max((r["gflops"] for r in rows if r["kernel"] == "cublas" and "gflops" in r), default=1.0)
     title = tag_line(tag)
     print("wrote", write_csv(out / "gemm.csv", rows, {**tag, "copy_bw_GBps": f"{bw / 1e9:.0f}"}))
     plot_roofline(rows, bw, peak, out / "gemm_roofline.png", f"GEMM ladder (bf16): {title}")
-    text = summary(rows, bw, peak, title)
+    text = summary(rows, bw, peak, title, bias_rows)
     (out / "gemm_summary.md").write_text(text)
     print(text)
 

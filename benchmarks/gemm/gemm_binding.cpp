@@ -23,11 +23,34 @@ void run(const torch::Tensor& A, const torch::Tensor& B, const torch::Tensor& C)
   TORCH_CHECK(err == nullptr, err);
 }
 
+#ifdef GEMM_WGMMA
+// C = GELU_tanh(A @ B + bias), bias: [N] bf16
+void run_bias_gelu(const torch::Tensor& A, const torch::Tensor& B, const torch::Tensor& bias, const torch::Tensor& C) {
+  TORCH_CHECK(bias.is_cuda() && bias.scalar_type() == torch::kBFloat16 && bias.is_contiguous() && bias.dim() == 1 &&
+                  bias.size(0) == B.size(1) && bias.device() == A.device(),
+              "bias must be a contiguous 1-D bf16 CUDA tensor of B.size(1) elements");
+  for (const torch::Tensor* t : {&A, &B, &C}) {
+    TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->dim() == 2,
+                "A, B, C must be contiguous 2-D bf16 CUDA tensors");
+  }
+  const auto M = A.size(0), K = A.size(1), N = B.size(1);
+  TORCH_CHECK(B.size(0) == K && C.size(0) == M && C.size(1) == N, "shapes must be A[M,K], B[K,N], C[M,N]");
+  const c10::cuda::CUDAGuard guard(A.device());
+  const char* err = gemm_wgmma_persistent_bias_gelu(A.data_ptr(), B.data_ptr(), bias.data_ptr(), C.data_ptr(),
+                                                    static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
+                                                    c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == nullptr, err);
+}
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef GEMM_WGMMA  // the second, sm_90a-only extension (gemm_wgmma.cu), see bench.py
   m.def("wgmma", &run<gemm_wgmma>, "wgmma.mma_async + TMA + mbarrier pipeline, 128x256 tile (sm_90a)");
+  m.def("wgmma_persistent", &run<gemm_wgmma_persistent>,
+        "persistent wgmma + TMA, 128x256 tile, shared-memory + TMA-store epilogue (sm_90a)");
+  m.def("wgmma_persistent_bias_gelu", &run_bias_gelu, "wgmma_persistent with bias + GELU(tanh) in the epilogue");
 #else
   m.def("naive", &run<gemm_naive>, "global-memory GEMM, one thread per output");
   m.def("smem", &run<gemm_smem>, "32x32 shared-memory tiling");
