@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# --attn auto and the attention / Liger-Kernel anchors on a GPU in one call (stage limits 15 + 60 + 50 + 45 + 75 s;
+# --attn auto and the attention / Liger-Kernel anchors on a GPU in one call (stage limits 90 + 50 + 45 + 75 s;
 # typically under 3 minutes):
 #   1. liger: make the liger-kernel wheel importable (unzipped to a temporary folder on PYTHONPATH, nothing installed;
 #      skipped where liger_kernel already imports); report whether flash-attn imports
@@ -50,7 +50,7 @@ esac
 } > "$OUT/attn_env.txt" 2>&1
 cat "$OUT/attn_env.txt"
 
-stage tests 60 attn_tests.txt "$PYTHON" -m pytest -q -p no:cacheprovider -rs -s tests/test_fused_attention.py \
+stage tests 90 attn_tests.txt "$PYTHON" -m pytest -q -p no:cacheprovider -rs -s tests/test_fused_attention.py \
   -k "gpu or compile"
 stage attn 50 attn_bench.txt "$PYTHON" -m benchmarks.attention_backends --out "$OUT"
 stage train 45 attn_train.txt "$PYTHON" train.py --model gpt2-tiny --data synthetic --max-steps 8 --batch-size 8 \
