@@ -20,7 +20,14 @@ once, each output written once) and is compared with this device's measured copy
 device-to-device copy, read + write); TFLOP/s is compared with its measured bf16 matmul rate
 (8192^3). peak_mem_MiB is torch.cuda.max_memory_allocated during one fwd+bwd, above the inputs.
 Every row runs in its own try/except: a failure is recorded in the row's `error` column.
-Results: kernels.csv and kernels.md in --out; the table is printed at the end.
+
+Anchors besides eager and torch.compile: Liger-Kernel (the liger-kernel package, where it imports), on the same
+functions: `liger` = its fused linear cross-entropy (`liger_fused_linear_cross_entropy`, on the real vocabulary rows
+of the padded weight, with token accuracy as ours counts correct predictions; `liger-fp32acc` with
+accum_dtype=fp32, the gradient accumulation ours does) and its LayerNorm after an eager residual add. Liger has no
+(bias+)GELU or matmul+GELU kernel (its GELU is the gated GEGLU); the bias_gelu `liger` row says so.
+Results: kernels.csv and kernels.md in --out (the targets, then where ours lose: every kernel, shape and pass where
+the faster of ours is slower than the fastest anchor, or needs more fwd+bwd memory); the table is printed at the end.
 """
 
 from __future__ import annotations
@@ -135,11 +142,47 @@ def _triton_cross_entropy() -> Callable:
     return lambda h, w, t: lm_cross_entropy(h, w, t, VOCAB)
 
 
+# Liger-Kernel (the liger-kernel package, its Triton kernels) as an anchor, computing the same functions: its fused
+# linear cross-entropy on the real vocabulary rows of the padded LM-head weight (padded logits excluded, as ours),
+# its LayerNorm after an eager residual add. It has no (bias+)GELU kernel, only gated GEGLU / SwiGLU MLPs.
+def _liger_cross_entropy(accum_dtype: torch.dtype | None = None) -> Callable[[], Callable]:
+    def load() -> Callable:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        def liger_ce(h, w, t):
+            if not torch.is_grad_enabled():  # Liger computes the gradients in forward whenever inputs require them
+                h, w = h.detach(), w.detach()
+            out = liger_fused_linear_cross_entropy(h, w[:VOCAB], t, accum_dtype=accum_dtype,
+                                                   return_token_accuracy=True)
+            return out.loss, out.token_accuracy
+
+        return liger_ce
+
+    return load
+
+
+def _liger_layernorm() -> Callable:
+    from liger_kernel.transformers.functional import liger_layer_norm
+
+    def liger_add_layernorm(x, r, w, b):
+        s = x + r
+        return liger_layer_norm(s, w, b, 1e-5), s
+
+    return liger_add_layernorm
+
+
+def _liger_bias_gelu() -> Callable:
+    raise NotImplementedError("Liger-Kernel has no (bias+)GELU kernel: only the gated GEGLU gelu_tanh(a)*b and SwiGLU")
+
+
+OURS = ("triton", "cuda")
+ANCHORS = ("eager", "torch.compile", "liger", "liger-fp32acc")
 KERNELS: dict[str, tuple[Callable, dict[str, Callable[[], Callable]]]] = {
-    "bias_gelu": (_eager_bias_gelu, {"triton": _triton_bias_gelu, "cuda": _cuda_bias_gelu}),
-    "layernorm": (_eager_layernorm, {"triton": _triton_layernorm}),
+    "bias_gelu": (_eager_bias_gelu, {"triton": _triton_bias_gelu, "cuda": _cuda_bias_gelu, "liger": _liger_bias_gelu}),
+    "layernorm": (_eager_layernorm, {"triton": _triton_layernorm, "liger": _liger_layernorm}),
     "matmul_gelu": (_eager_matmul_gelu, {"triton": _triton_matmul_gelu, "cuda": _cuda_matmul_gelu}),
-    "cross_entropy": (_eager_cross_entropy, {"triton": _triton_cross_entropy}),
+    "cross_entropy": (_eager_cross_entropy, {"triton": _triton_cross_entropy, "liger": _liger_cross_entropy(),
+                                             "liger-fp32acc": _liger_cross_entropy(torch.float32)}),
 }
 
 
@@ -336,6 +379,35 @@ def targets(rows: list[dict[str, object]]) -> list[str]:
     return lines
 
 
+def where_ours_lose(rows: list[dict[str, object]]) -> list[str]:
+    """Each kernel, shape and pass where the faster of ours (triton, cuda) is slower than the fastest anchor
+    (eager, torch.compile, Liger), or where our leanest fwd+bwd peak memory exceeds the anchors' leanest."""
+    groups: dict[tuple[object, object, object], list[dict[str, object]]] = {}
+    for r in rows:
+        if "ms" in r:
+            groups.setdefault((r["kernel"], r["shape"], r["pass"]), []).append(r)
+    lines = []
+    for (kernel, shape, pass_), group in groups.items():
+        ours = [r for r in group if r["impl"] in OURS]
+        anchors = [r for r in group if r["impl"] in ANCHORS]
+        if not ours or not anchors:
+            continue
+        mine = min(ours, key=lambda r: float(r["ms"]))
+        best = min(anchors, key=lambda r: float(r["ms"]))
+        if float(mine["ms"]) > float(best["ms"]):
+            lines.append(f"- {kernel} {shape} {pass_}: time: ours ({mine['impl']}) {mine['ms']} ms vs {best['impl']} "
+                         f"{best['ms']} ms ({float(mine['ms']) / float(best['ms']):.2f}x slower)")
+        ours_mem = [r for r in ours if "peak_mem_MiB" in r]
+        anchor_mem = [r for r in anchors if "peak_mem_MiB" in r]
+        if ours_mem and anchor_mem:
+            mine = min(ours_mem, key=lambda r: float(r["peak_mem_MiB"]))
+            best = min(anchor_mem, key=lambda r: float(r["peak_mem_MiB"]))
+            if float(mine["peak_mem_MiB"]) > float(best["peak_mem_MiB"]):
+                lines.append(f"- {kernel} {shape} {pass_}: memory: ours ({mine['impl']}) {mine['peak_mem_MiB']} MiB "
+                             f"vs {best['impl']} {best['peak_mem_MiB']} MiB")
+    return lines or ["- nowhere among the measured rows"]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="benchmarks/results")
@@ -378,7 +450,9 @@ def main(argv: list[str] | None = None) -> None:
               f"Measured here: device-to-device copy {peaks['copy_GB/s']:.0f} GB/s (read + write), "
               f"bf16 matmul 8192^3 {peaks['matmul_TFLOP/s']:.0f} TFLOP/s. pct_of_peak is relative to these.\n\n")
     table = markdown_table(rows, COLUMNS)
-    summary = "\n".join(["", "## Targets", *targets(rows)])
+    summary = "\n".join(["", "## Targets", *targets(rows), "",
+                          "## Where ours lose (to eager, torch.compile or Liger-Kernel; device time, fwd+bwd memory)",
+                          *where_ours_lose(rows)])
     (out_dir / "kernels.md").write_text(header + table + "\n" + summary + "\n")
     print("\n" + header + table + "\n" + summary)
 

@@ -49,7 +49,9 @@ def one_device_rows() -> list[Row]:
     for backend in ("triton", "cuda"):
         rows += [Row(backend, ("--fused-kernels", backend)),
                  Row(f"{backend}-compile", ("--fused-kernels", backend, "--compile"))]
-    rows += [Row("attn-flash", ("--attn", "flash")), Row("act-ckpt", ("--activation-checkpointing",)),
+    rows += [Row("attn-flash", ("--attn", "flash")), Row("attn-auto", ("--attn", "auto")),
+             *(Row(f"attn-{k}", ("--attn", f"sdpa-{k}")) for k in ("cudnn", "efficient")),  # flash: sdpa's pick
+             Row("act-ckpt", ("--activation-checkpointing",)),
              Row("grad-accum", ("--grad-accum", "4"))]
     for name, flags in [("ddp", DDP)] + [(f"zero{s}", _zero(s)) for s in (1, 2, 3)]:
         rows += [Row(name, flags, nproc=1), Row(f"{name}-compile", (*flags, "--compile"), nproc=1)]

@@ -13,7 +13,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 GPT2_VOCAB_SIZE = 50257
 VOCAB_PAD_MULTIPLE = 128  # 50257 -> 50304: tensor-core friendly LM-head GEMMs
@@ -55,6 +55,8 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
 
 Mode = Literal["single", "baseline", "hybrid"]
 Precision = Literal["bf16", "fp16", "fp32"]
+# --attn (fused_kernels.attention.ATTN_CHOICES; written out here so the config never imports torch kernels)
+AttnChoice = Literal["sdpa", "auto", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "flash"]
 
 
 @dataclass
@@ -133,7 +135,7 @@ class TrainConfig:
     ddp_bucket_mb: int = 100  # DDP gradient bucket size (all-reduce granularity)
     eval_interval: int = 0  # 0: evaluate only at the end
     fused_kernels: Literal["none", "triton", "cuda"] = "none"
-    attn: Literal["sdpa", "flash"] = "sdpa"
+    attn: AttnChoice = "sdpa"
     device: str | None = None  # None: cuda if available else cpu
     profile: bool = False  # torch.profiler over 3 steps after the throughput warm-up
 
@@ -250,7 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("kernels")
     g.add_argument("--fused-kernels", choices=["none", "triton", "cuda"], default="none")
     g.add_argument("--use-fused-kernel", action="store_true", help="alias of --fused-kernels cuda")
-    g.add_argument("--attn", choices=["sdpa", "flash"], default="sdpa")
+    g.add_argument("--attn", choices=list(get_args(AttnChoice)), default="sdpa",
+                   help="sdpa: PyTorch's SDPA picks its kernel; auto: on CUDA, the fastest SDPA kernel (flash, cuDNN, "
+                        "memory-efficient) at this run's shape that matches an fp64 reference, timed once at model "
+                        "build (CPU: sdpa); sdpa-flash|sdpa-cudnn|sdpa-efficient|sdpa-math: SDPA restricted to that "
+                        "kernel (an error where it cannot run); flash: the flash-attn package")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tp-size", type=_positive_int, default=1)

@@ -16,10 +16,11 @@ import contextlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from fused_kernels import get_ops
-from fused_kernels.attention import get_attention
+from fused_kernels.attention import AttentionChoice, AttentionShape, resolve_attention
 from gpt2.compiling import compile_forwards, compile_model
 from gpt2.layout import RunLayout
 from gpt2.model import GPT, Block
@@ -45,7 +46,7 @@ def build_model(layout: RunLayout, device: torch.device, dims: ParallelDims,
     (rank 0 writes the full tensor, DeepSpeed re-partitions it)."""
     cfg = layout.cfg
     ops = get_ops(cfg.train.fused_kernels, inductor_head=cfg.train.compile and cfg.train.compile_scope == "model")
-    attention = get_attention(cfg.train.attn)
+    attention = choose_attention(layout, device)
     torch.manual_seed(cfg.train.seed)
     if zero3 is None:
         context: contextlib.AbstractContextManager = torch.device(device)
@@ -53,7 +54,8 @@ def build_model(layout: RunLayout, device: torch.device, dims: ParallelDims,
         deepspeed, ds_config = zero3
         context = deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=ModelParallelUnit(dims))
     with context:
-        model = GPT(cfg.model, ops=ops, attention=attention)
+        model = GPT(cfg.model, ops=ops, attention=attention.fn)
+    model.attention_choice = attention  # for the run summary (gpt2.trainer.build_summary)
     if cfg.train.init_from:
         from gpt2.hf_weights import load_hf_state_dict
 
@@ -67,6 +69,27 @@ def build_model(layout: RunLayout, device: torch.device, dims: ParallelDims,
                     if sd is not None:
                         p.copy_(sd[name])
     return model
+
+
+def attention_shape(layout: RunLayout, device: torch.device) -> AttentionShape:
+    """What this rank's attention sees in training: [batch, n_head / tp, seq_len, head_dim] (under sequence
+    parallelism too: c_attn gathers the whole sequence) in the autocast dtype (fp32 without), with --dropout."""
+    cfg = layout.cfg
+    return AttentionShape(cfg.train.batch_size, cfg.model.n_head // layout.tp_size, cfg.train.seq_len,
+                          cfg.model.head_dim, layout.autocast_dtype or torch.float32, torch.device(device),
+                          cfg.model.dropout)
+
+
+def choose_attention(layout: RunLayout, device: torch.device) -> AttentionChoice:
+    """`--attn` resolved for this run's attention shape, logged. `auto` times its candidates on every rank, then
+    every rank takes rank 0's choice (one kernel for the whole run, whatever the timing noise)."""
+    choice = resolve_attention(layout.cfg.train.attn, attention_shape(layout, device))
+    if choice.name == "auto" and dist.is_available() and dist.is_initialized():
+        box = [choice.backend]
+        dist.broadcast_object_list(box, src=0)
+        choice = choice.with_backend(box[0])
+    log.info("attention: %s", choice.describe())
+    return choice
 
 
 def parallelize(model: GPT, layout: RunLayout, dims: ParallelDims, stats: CommStats | None = None) -> GPT:

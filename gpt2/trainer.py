@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from fused_kernels.attention import AttentionChoice
 from gpt2.checkpoint import Checkpointer
 from gpt2.config import RunConfig
 from gpt2.data import DataBundle
@@ -263,7 +264,8 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
 
     val = _evaluate(cfg, engine, data, recorder, t.max_steps)
     summary = build_summary(layout, ctx, meter, peak, start_step=start_step, train_time=train_time, last=last,
-                            val=val, skipped_steps=reading.skipped)
+                            val=val, skipped_steps=reading.skipped,
+                            attention=getattr(engine.module, "attention_choice", None))
     # predicted next to measured memory and communication
     summary.update(compare_with_run(plan, summary, comm.per_step("tp"), comm.per_step("dp")))
     recorder.log_summary(summary)
@@ -277,15 +279,18 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
 
 def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, peak: float | None, *,
                   start_step: int, train_time: float, last: dict[str, Any], val: dict[str, float],
-                  skipped_steps: int) -> dict[str, Any]:
-    """The run's summary record (collective: peak memory is the max over ranks)."""
+                  skipped_steps: int, attention: AttentionChoice | None = None) -> dict[str, Any]:
+    """The run's summary record (collective: peak memory is the max over ranks). `attention`: what `--attn`
+    resolved to at model build (`attn_backend`: the kernel that runs; `attn_choice`: with auto's timings)."""
     cfg, t = layout.cfg, layout.cfg.train
     return {
         "mode": t.mode, "model": t.model, "n_params": model_params_for_flops(cfg.model),
         "world_size": layout.world_size, "tp_size": layout.tp_size, "dp_size": layout.dp_size,
         "batch_size_per_gpu": t.batch_size, "grad_accum": layout.grad_accum, "seq_len": t.seq_len,
         "tokens_per_step": layout.tokens_per_step, "precision": layout.precision,
-        "fused_kernels": t.fused_kernels, "attn": t.attn, "compile": layout.compile_scope,
+        "fused_kernels": t.fused_kernels, "attn": t.attn,
+        "attn_backend": attention.backend if attention else None,
+        "attn_choice": attention.describe() if attention else None, "compile": layout.compile_scope,
         "activation_checkpointing": t.activation_checkpointing, "device": _device_name(ctx),
         "peak_tflops_per_gpu": peak, "flops_per_token": meter.flops_per_token,
         "steps": t.max_steps, "start_step": start_step,  # a resumed run trained steps start_step+1..steps

@@ -34,6 +34,7 @@ def _error_of(argv: list[str], capsys: pytest.CaptureFixture) -> str:
         (["--seq-len", "-4"], "must be a positive integer"),
         (["--max-steps", "0"], "must be a positive integer"),
         (["--lr", "0"], "must be > 0"),
+        (["--attn", "xformers"], "invalid choice: 'xformers'"),
     ],
 )
 def test_argparse_rejects(argv: list[str], needle: str, capsys: pytest.CaptureFixture) -> None:
@@ -80,6 +81,8 @@ def test_validate_accepts_the_supported_neighbours() -> None:
     parse_args(["--mode", "hybrid", "--compile"])  # ZeRO-3 with per-block gathers (the default --zero3-fetch)
     parse_args(["--mode", "hybrid", "--tp-size", "2", "--precision", "fp16"])  # DeepSpeed's scaler syncs over TP
     parse_args(["--mode", "baseline", "--tp-size", "2", "--precision", "bf16"])
+    assert parse_args([]).train.attn == "sdpa"  # the default
+    assert [parse_args(["--attn", a]).train.attn for a in ("auto", "sdpa-cudnn")] == ["auto", "sdpa-cudnn"]
 
 
 def test_global_batch_must_divide() -> None:
@@ -136,11 +139,13 @@ def test_missing_data_path_fails_before_model_build(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("flags", "needle"), [
     (["--fused-kernels", "cuda"], "--fused-kernels cuda needs a CUDA GPU"),
     (["--attn", "flash"], "--attn flash needs the flash-attn package"),
+    (["--attn", "sdpa-cudnn"], "--attn sdpa-cudnn needs a CUDA GPU"),
+    (["--attn", "sdpa-efficient", "--device", "cpu"], "--attn sdpa-efficient needs a CUDA GPU"),
 ])
 def test_unusable_backend_fails_before_data_and_run_folder(
     flags: list[str], needle: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    if "cuda" in flags:
+    if "CUDA GPU" in needle:
         monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails even where flash-attn is installed
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
