@@ -58,8 +58,10 @@ shared-memory all-reduce op that only its inference path uses; we mark it incomp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -133,6 +135,23 @@ class ZeroCommLog:
         return out
 
 
+@contextlib.contextmanager
+def arch_list_deepspeed_can_parse() -> Iterator[None]:
+    """TORCH_CUDA_ARCH_LIST without arch-specific suffixes (`9.0a` -> `9.0`) while inside.
+
+    DeepSpeed's JIT builder (0.19.8, op_builder/builder.py `compute_capability_args`) reads each entry as digits, so
+    an entry PyTorch accepts, such as `9.0a` (set on our H100 image), stops the build of its DeepCompile op with
+    `invalid literal for int() with base 10: '0a'`. That op uses no arch-specific instruction."""
+    old = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if old is not None:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = re.sub(r"(\d+\.\d+)[a-z]\b", r"\1", old)
+    try:
+        yield
+    finally:
+        if old is not None:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = old
+
+
 class DeepSpeedEngine:
     """ZeRO-1/2/3 training; `engine` is the DeepSpeed engine, `module` our GPT inside it."""
 
@@ -176,7 +195,8 @@ class DeepSpeedEngine:
         Inductor settings apply as to every other whole-model graph (gpt2.compiling)."""
         apply_inductor_settings()
         log.info("DeepCompile: engine.compile(backend='inductor'); its ZeRO-3 passes replace the gather hooks")
-        self.engine.compile(backend="inductor")
+        with arch_list_deepspeed_can_parse():  # engine.compile JIT-builds DeepSpeed's DeepCompile op
+            self.engine.compile(backend="inductor")
         if not self.engine.is_deepcompile_active():  # DeepSpeed falls back to plain torch.compile with a log line
             raise ConfigError("DeepSpeed did not activate DeepCompile after engine.compile() (see its log above); "
                               "refusing to run plain torch.compile under --compiler deepcompile")

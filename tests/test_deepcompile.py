@@ -12,6 +12,8 @@ flag's rules, the DeepSpeed config it writes, the early CPU error, and the parit
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -135,3 +137,17 @@ def test_zero3_deepcompile_trains_singles_function(tmp_path) -> None:
     single = _run(tmp_path, "single", *steps, mode="single")
     dloss, dnorm = _max_deltas(single, _run(tmp_path, "deepcompile", *steps, "--compile", "--compiler", "deepcompile"))
     assert dloss < 0.02 and dnorm < 0.05, (dloss, dnorm)
+
+
+def test_deepspeed_builds_its_op_with_an_arch_list_it_can_parse(monkeypatch):
+    """The H100 image sets TORCH_CUDA_ARCH_LIST with `9.0a`, which DeepSpeed's JIT builder cannot parse (the
+    first GPU run of DeepCompile failed so); inside the context the suffixes are gone, after it the list is back."""
+    from gpt2.engine_deepspeed import arch_list_deepspeed_can_parse
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a 10.0a+PTX")
+    with arch_list_deepspeed_can_parse():
+        assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0 10.0+PTX"
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0a 10.0a+PTX"
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    with arch_list_deepspeed_can_parse():
+        assert "TORCH_CUDA_ARCH_LIST" not in os.environ
