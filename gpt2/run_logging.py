@@ -5,6 +5,7 @@ Only rank 0 writes. A run folder is never reused: an existing name gets a numeri
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -114,7 +115,16 @@ def wandb_credentials_present() -> bool:
 
 
 def wandb_mode(requested: str | None) -> str:
-    """online iff credentials are present, else offline; an explicit choice wins, but online needs credentials."""
+    """online iff credentials are present, else offline; an explicit choice wins, but online needs credentials.
+    Without --wandb, wandb's own WANDB_MODE=disabled, or a machine without the wandb package, means disabled (the
+    metrics still go to metrics.jsonl); an explicit online/offline without the package is a start-up error."""
+    if importlib.util.find_spec("wandb") is None:
+        if requested in ("online", "offline"):
+            raise ConfigError(f"--wandb {requested} needs the wandb package: pip install wandb, or run with "
+                              "--wandb disabled (metrics.jsonl holds the same metrics)")
+        return "disabled"
+    if requested is None and os.environ.get("WANDB_MODE") == "disabled":
+        return "disabled"
     source, why_not = wandb_credentials()
     if requested == "online" and source is None:
         raise ConfigError(f"--wandb online needs credentials ({why_not}): run `wandb login` or set WANDB_API_KEY; "

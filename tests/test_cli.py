@@ -271,3 +271,24 @@ def test_wandb_credentials_say_exactly_what_was_found(tmp_path: Path, monkeypatc
     assert wandb_credentials()[0] is None or why is None  # a blank key is no key
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
     assert wandb_credentials() == ("WANDB_API_KEY", "")
+
+
+def test_wandb_follows_wandb_mode_and_a_machine_without_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU image without wandb ran train.py's default into `ModuleNotFoundError: wandb` after a minute of GPU
+    work; now the default logs to metrics.jsonl only there, and an explicit choice fails at start-up."""
+    import importlib.util
+
+    from gpt2.config import ConfigError
+    from gpt2.run_logging import wandb_mode
+
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert wandb_mode(None) == "disabled" and wandb_mode("offline") == "offline"
+    monkeypatch.delenv("WANDB_MODE")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real_find_spec(name, *a))
+    assert wandb_mode(None) == "disabled"
+    for requested in ("online", "offline"):
+        with pytest.raises(ConfigError, match=f"--wandb {requested} needs the wandb package: pip install wandb"):
+            wandb_mode(requested)
