@@ -24,16 +24,9 @@ STAGES=${STAGES:-liger tests attn train kernels}
 KERNEL_ARGS=${KERNEL_ARGS:---quick --kernels layernorm,cross_entropy --compile-budget-s 60}
 LIGER_WHL=${LIGER_WHL:-$(ls .whl/liger_kernel-*.whl 2>/dev/null | tail -1)}
 
-stage() {  # stage NAME LIMIT_S LOG CMD...; skipped unless NAME is in $STAGES
-  local name=$1 limit=$2 log=$3 start=$SECONDS
-  shift 3
-  case " $STAGES " in *" $name "*) ;; *) echo "=== $name skipped (STAGES=$STAGES)"; return 0 ;; esac
-  echo "=== $name (limit ${limit}s): $*"
-  timeout --kill-after=10 "$limit" "$@" > "$OUT/$log" 2>&1
-  local rc=$?
-  tail -n 40 "$OUT/$log"
-  echo "=== $name rc=$rc $((SECONDS - start))s"
-}
+STAGE_TAIL=40
+# shellcheck source=benchmarks/gpu_stage.sh
+source benchmarks/gpu_stage.sh  # stage NAME LIMIT_S LOG CMD...
 
 case " $STAGES " in *" liger "*)
   if ! "$PYTHON" -c 'import liger_kernel' 2>/dev/null && [ -n "$LIGER_WHL" ]; then

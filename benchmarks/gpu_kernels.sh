@@ -31,16 +31,8 @@ export MAX_JOBS=${MAX_JOBS:-16}  # parallel nvcc/c++ jobs for the extension buil
 } > "$OUT/kernels_env.txt" 2>&1
 cat "$OUT/kernels_env.txt"
 
-stage() {  # stage NAME LIMIT_S LOG CMD...; skipped unless NAME is in $STAGES
-  local name=$1 limit=$2 log=$3 start=$SECONDS
-  shift 3
-  case " $STAGES " in *" $name "*) ;; *) echo "=== $name skipped (STAGES=$STAGES)"; return 0 ;; esac
-  echo "=== $name (limit ${limit}s): $*"
-  timeout --kill-after=10 "$limit" "$@" > "$OUT/$log" 2>&1
-  local rc=$?
-  tail -n 60 "$OUT/$log"
-  echo "=== $name rc=$rc $((SECONDS - start))s"
-}
+# shellcheck source=benchmarks/gpu_stage.sh
+source benchmarks/gpu_stage.sh  # stage NAME LIMIT_S LOG CMD...
 
 stage build 80 kernels_build.txt "$PYTHON" -c \
   'import time; t = time.time(); from fused_kernels.cuda import load_extension; load_extension(); print(f"built in {time.time() - t:.0f}s")'

@@ -3,23 +3,30 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <array>
+
 #include "gemm_kernels.h"
 
 namespace {
 
 using Launcher = const char* (*)(const void*, const void*, void*, int, int, int, cudaStream_t);
 
-template <Launcher launch>
-void run(const torch::Tensor& A, const torch::Tensor& B, const torch::Tensor& C) {  // C: written in place
+// A[M,K] @ B[K,N] -> C[M,N], all contiguous 2-D bf16 CUDA tensors; returns {M, N, K}
+std::array<int, 3> check_operands(const torch::Tensor& A, const torch::Tensor& B, const torch::Tensor& C) {
   for (const torch::Tensor* t : {&A, &B, &C}) {
     TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->dim() == 2,
                 "A, B, C must be contiguous 2-D bf16 CUDA tensors");
   }
   const auto M = A.size(0), K = A.size(1), N = B.size(1);
   TORCH_CHECK(B.size(0) == K && C.size(0) == M && C.size(1) == N, "shapes must be A[M,K], B[K,N], C[M,N]");
+  return {static_cast<int>(M), static_cast<int>(N), static_cast<int>(K)};
+}
+
+template <Launcher launch>
+void run(const torch::Tensor& A, const torch::Tensor& B, const torch::Tensor& C) {  // C: written in place
+  const auto [M, N, K] = check_operands(A, B, C);
   const c10::cuda::CUDAGuard guard(A.device());
-  const char* err = launch(A.data_ptr(), B.data_ptr(), C.data_ptr(), static_cast<int>(M), static_cast<int>(N),
-                           static_cast<int>(K), c10::cuda::getCurrentCUDAStream());
+  const char* err = launch(A.data_ptr(), B.data_ptr(), C.data_ptr(), M, N, K, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, err);
 }
 
@@ -29,16 +36,10 @@ void run_bias_gelu(const torch::Tensor& A, const torch::Tensor& B, const torch::
   TORCH_CHECK(bias.is_cuda() && bias.scalar_type() == torch::kBFloat16 && bias.is_contiguous() && bias.dim() == 1 &&
                   bias.size(0) == B.size(1) && bias.device() == A.device(),
               "bias must be a contiguous 1-D bf16 CUDA tensor of B.size(1) elements");
-  for (const torch::Tensor* t : {&A, &B, &C}) {
-    TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->dim() == 2,
-                "A, B, C must be contiguous 2-D bf16 CUDA tensors");
-  }
-  const auto M = A.size(0), K = A.size(1), N = B.size(1);
-  TORCH_CHECK(B.size(0) == K && C.size(0) == M && C.size(1) == N, "shapes must be A[M,K], B[K,N], C[M,N]");
+  const auto [M, N, K] = check_operands(A, B, C);
   const c10::cuda::CUDAGuard guard(A.device());
-  const char* err = gemm_wgmma_persistent_bias_gelu(A.data_ptr(), B.data_ptr(), bias.data_ptr(), C.data_ptr(),
-                                                    static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
-                                                    c10::cuda::getCurrentCUDAStream());
+  const char* err = gemm_wgmma_persistent_bias_gelu(A.data_ptr(), B.data_ptr(), bias.data_ptr(), C.data_ptr(), M, N,
+                                                    K, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, err);
 }
 #endif
