@@ -47,7 +47,10 @@ with a warning; hybrid ones (pickles) are refused unless GPT2_TRUST_UNVERIFIED_C
 
 Fault injection (tests only): with `GPT2_TEST_KILL_AT=STAGE@STEP` in the environment, the saver SIGKILLs its own
 process when the save of step STEP reaches STAGE (one of `SAVE_STAGES`; `@STEP` may be left out: every save).
-tests/test_faults.py kills real runs at every stage and resumes them.
+With several ranks, each rank that reaches STAGE kills itself: every rank at rank-state-written and
+model-state-written, rank 0 alone at the others (they run in rank 0's prepare and commit); the launcher stops the
+rest. tests/test_faults.py kills real single-process runs at every stage and resumes them; tests/fault_chain.py
+does it for 2 ranks (DDP, ZeRO-3), one launch per stage.
 """
 
 from __future__ import annotations

@@ -1,0 +1,174 @@
+"""A chain of 2-rank torchrun launches of one run, each killed by one fault and continued by the next with
+`--resume auto` (tests/test_faults_ddp.py, tests/test_faults_zero3.py).
+
+Each launch is both the resume check of the previous fault and the next fault, so one launch per fault: a kill at
+one stage of a save (`GPT2_TEST_KILL_AT=STAGE@STEP`, the step the launch saves first) or a SIGKILL at a random
+instant after the launch logged its first step (inside a step, a save or a prune). A random kill is either
+
+- "job": every process of the launch (torchrun and both ranks) at once, as when a node dies or a scheduler kills
+  the job's cgroup, or
+- "rank": one rank (drawn at random), as the kernel's OOM killer picks one process; torchrun then stops the
+  other rank (SIGTERM, which the run takes as a preemption request it never gets to honour: its peer is gone).
+
+After every kill: each complete-looking `step-XXXXXX` folder passes its manifest check (nothing half-written can
+be picked), and the next launch resumes from the newest one (for a stage kill at step k: k - 1 before the rename,
+k from the rename on). Every step any launch logged equals the uninterrupted run's (loss and grad norm, 1e-6), and
+the last launch, unfaulted, finishes the run with `latest` and the last checkpoint only.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from benchmarks.common import free_port
+from gpt2 import checkpoint
+from gpt2.checkpoint import FAULT_ENV, SAVE_STAGES
+from tests.train_runs import ROOT, TINY_ARGS, run_train, step_values, train_env
+
+BEFORE_RENAME = SAVE_STAGES[:SAVE_STAGES.index("renamed")]
+PRUNE_STAGES = ("prune-renamed", "prune-partial")  # reached only when --keep-last deletes an older checkpoint
+FLAGS = {"ddp": ["--mode", "baseline"], "zero3": ["--mode", "hybrid", "--zero-stage", "3"]}
+STEPS = 40  # 12 stage kills advance the run 5 steps, 20 random ones about 0.6 steps each (24 in all, measured)
+RANDOM_WINDOW_S = 0.4  # a random kill comes 0-0.4 s after the launch's first step record: 1-2 steps and saves
+
+
+def chain_args(name: str) -> list[str]:
+    return TINY_ARGS + FLAGS[name] + ["--data", "synthetic", "--max-steps", str(STEPS), "--seed", "7",
+                                      "--batch-size", "2", "--eval-batches", "1", "--save-interval", "1",
+                                      "--keep-last", "1"]
+
+
+@dataclass
+class Launch:
+    fault: str  # a stage name, "job" or "rank" (random instants), "" for the last, unfaulted launch
+    run_dir: Path
+    returncode: int = 0
+    seconds: float = 0.0
+
+
+def _records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl of a launch; only a killed writer's last line may be cut."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            assert i == len(lines) - 1, (run_dir.name, line)
+    return out
+
+
+def _newest_complete(ck: Path) -> int:
+    """Check every complete-looking step folder against its manifest; the newest one's step (0: none)."""
+    found = checkpoint.list_checkpoints(ck)
+    for _, folder in found:
+        checkpoint._verified.discard(folder.resolve())  # folders come and go between launches: check afresh
+        checkpoint.verify_checkpoint(folder)
+    return found[-1][0] if found else 0
+
+
+def _start_of(run_dir: Path) -> int:
+    resumed = json.loads((run_dir / "config.json").read_text())["checkpoint"]["resumed_from"]
+    return checkpoint._step_of(Path(resumed)) if resumed else 0
+
+
+def _kill_at_random(proc: subprocess.Popen, run_dir: Path, kind: str, rng: random.Random) -> str:
+    """SIGKILL the job or one rank at a random instant after the launch's first step record; what was killed
+    ("" if the launch ended first)."""
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        path = run_dir / "metrics.jsonl"
+        if path.is_file() and '"type": "step"' in path.read_text():
+            break
+        time.sleep(0.02)
+    time.sleep(rng.uniform(0.0, RANDOM_WINDOW_S))
+    workers = psutil.Process(proc.pid).children() if proc.poll() is None else []
+    if len(workers) != 2:
+        return ""
+    if kind == "rank":
+        rank = rng.randrange(2)
+        workers = [w for w in workers if w.environ().get("RANK") == str(rank)]
+        kind = f"rank {rank}"
+    else:
+        workers.append(psutil.Process(proc.pid))
+    for p in workers:
+        p.send_signal(signal.SIGKILL)
+    return kind
+
+
+def run_chain(name: str, tmp: Path, n_random: int, seed: int) -> list[Launch]:
+    """The uninterrupted run, then the chain: every stage of SAVE_STAGES once and `n_random` random kills, in a
+    seeded random order, then a launch that finishes. Returns the launches (for timing and messages)."""
+    args = chain_args(name)
+    run_train(args + ["--run-name", "full", "--save-dir", str(tmp / "ck-full")], tmp, nproc=2)
+    reference = {key: step_values(tmp / "full", key) for key in ("loss", "grad_norm")}
+    assert len(reference["loss"]) == STEPS
+
+    rng = random.Random(seed)
+    faults = list(SAVE_STAGES) + [rng.choice(("job", "rank")) for _ in range(n_random)]
+    rng.shuffle(faults)
+    ck, out = tmp / "ck", tmp / "runs"
+    launches: list[Launch] = []
+    start = 0
+    for i, fault in enumerate(faults + [""]):
+        run_dir = out / f"L{i:02d}-{fault or 'finish'}"
+        env = train_env()
+        if fault in SAVE_STAGES:  # the first save this launch makes; a prune needs an older checkpoint
+            env[FAULT_ENV] = f"{fault}@{start + 2 if fault in PRUNE_STAGES and start == 0 else start + 1}"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+               str(ROOT / "train.py")] + args + ["--save-dir", str(ck), "--resume", "auto", "--out-dir", str(out),
+                                                 "--run-name", run_dir.name]
+        launch = Launch(fault, run_dir)
+        launches.append(launch)
+        t0 = time.monotonic()
+        with open(tmp / f"{run_dir.name}.log", "w") as log_file:
+            proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+            try:
+                if fault in ("job", "rank"):
+                    launch.fault = _kill_at_random(proc, run_dir, fault, rng)
+                launch.returncode = proc.wait(timeout=300)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+        launch.seconds = time.monotonic() - t0
+        log_text = (tmp / f"{run_dir.name}.log").read_text()  # torchrun's and both ranks' output
+        log_tail = log_text[-4000:]
+        assert launch.fault or not fault, f"{run_dir.name} ended (rc {launch.returncode}) before its kill\n{log_tail}"
+        if not fault:
+            assert launch.returncode == 0, f"{run_dir.name}: rc {launch.returncode}\n{log_tail}"
+        else:
+            assert launch.returncode != 0, f"{run_dir.name} was not killed\n{log_tail}"
+        assert (run_dir / "config.json").is_file(), f"{run_dir.name} never started training\n{log_tail}"
+        assert _start_of(run_dir) == start, f"{run_dir.name} resumed from {_start_of(run_dir)}, not {start}"
+        if launches[-2:-1] and launches[-2].fault == "renamed":  # `latest.pending` named the newer checkpoint
+            assert f"resuming from the newer {checkpoint.step_dir_name(start)}" in log_text, run_dir.name
+
+        records = [r for r in _records(run_dir) if r["type"] == "step" and "loss" in r]
+        assert records and records[0]["step"] == start + 1, (run_dir.name, records[:1])
+        for r in records:
+            for key, want in reference.items():
+                assert abs(r[key] - want[r["step"] - 1]) <= 1e-6, (run_dir.name, r["step"], key, r[key])
+
+        newest = _newest_complete(ck)
+        if fault in SAVE_STAGES:  # killed at the save of step start + 1 (start + 2: the first prune of a run)
+            killed_at = int(env[FAULT_ENV].split("@")[1])
+            assert records[-1]["step"] == killed_at, (run_dir.name, records[-1]["step"])
+            assert newest == (killed_at - 1 if fault in BEFORE_RENAME else killed_at), (run_dir.name, newest)
+        start = newest
+        assert fault == "" or start < STEPS, f"{run_dir.name}: the run reached --max-steps with faults left"
+
+    assert start == STEPS
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", f"step-{STEPS:06d}"]
+    logged = {r["step"] for launch in launches for r in _records(launch.run_dir) if r["type"] == "step"}
+    assert logged == set(range(1, STEPS + 1))
+    return launches
