@@ -25,8 +25,8 @@ KERNEL_ARGS=${KERNEL_ARGS:---quick --kernels layernorm,cross_entropy --compile-b
 LIGER_WHL=${LIGER_WHL:-$(ls .whl/liger_kernel-*.whl 2>/dev/null | tail -1)}
 
 STAGE_TAIL=40
-# shellcheck source=benchmarks/gpu_stage.sh
-source benchmarks/gpu_stage.sh  # stage NAME LIMIT_S LOG CMD...
+# shellcheck source=benchmarks/stages.sh
+source benchmarks/stages.sh  # stage NAME LIMIT_S LOG CMD...
 
 case " $STAGES " in *" liger "*)
   if ! "$PYTHON" -c 'import liger_kernel' 2>/dev/null && [ -n "$LIGER_WHL" ]; then

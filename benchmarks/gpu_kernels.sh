@@ -31,8 +31,8 @@ export MAX_JOBS=${MAX_JOBS:-16}  # parallel nvcc/c++ jobs for the extension buil
 } > "$OUT/kernels_env.txt" 2>&1
 cat "$OUT/kernels_env.txt"
 
-# shellcheck source=benchmarks/gpu_stage.sh
-source benchmarks/gpu_stage.sh  # stage NAME LIMIT_S LOG CMD...
+# shellcheck source=benchmarks/stages.sh
+source benchmarks/stages.sh  # stage NAME LIMIT_S LOG CMD...
 
 stage build 80 kernels_build.txt "$PYTHON" -c \
   'import time; t = time.time(); from fused_kernels.cuda import load_extension; load_extension(); print(f"built in {time.time() - t:.0f}s")'
