@@ -21,6 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch._dynamo
+import torch._inductor.config
 import torch.nn as nn
 
 from gpt2.model import GPT, LMHead
@@ -30,8 +32,6 @@ INDUCTOR_SETTINGS: dict[str, Any] = {"loop_ordering_after_fusion": False}
 
 def apply_inductor_settings() -> None:
     """Set `INDUCTOR_SETTINGS` (process-wide Inductor config, read when a graph is compiled)."""
-    import torch._inductor.config  # here, not at the top: Dynamo/Inductor cost ~1 s of start-up to every run
-
     for name, value in INDUCTOR_SETTINGS.items():
         setattr(torch._inductor.config, name, value)
 
@@ -66,8 +66,6 @@ def compile_forwards(model: GPT) -> None:
     # On CUDA, ZeRO-3's gathered block parameters fail a guard of the previous block's graph, so Dynamo compiles
     # the shared Block.forward once per block (reused every step after that); at its default limit of 8 the
     # other blocks of GPT-2 Large ran eagerly (4xH200 logs: "hit config.recompile_limit (8)").
-    import torch._dynamo
-
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(model.blocks) + 8)
     apply_inductor_settings()
     for module in compiled_parts(model):
