@@ -62,6 +62,7 @@ import contextlib
 import json
 import os
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,13 @@ class ZeroCommLog:
         return out
 
 
+# DeepCompile's scheduler walks the FX graph with a recursive DFS, one Python frame per node of the longest chain
+# (deepspeed/compile/list_schedule.py `get_node_requirements`): GPT-2 Large's forward graph has a 1,453-node chain,
+# past Python's default limit of 1,000, so the first GPU run stopped with RecursionError (gpt2: 493, ran). The frames
+# are Python-only (no C stack since Python 3.11), so a limit far above any GPT-2's graph is safe.
+DEEPCOMPILE_RECURSION_LIMIT = 100_000
+
+
 @contextlib.contextmanager
 def arch_list_deepspeed_can_parse() -> Iterator[None]:
     """TORCH_CUDA_ARCH_LIST without arch-specific suffixes (`9.0a` -> `9.0`) while inside.
@@ -194,6 +202,7 @@ class DeepSpeedEngine:
         selective-gather passes, scheduled from the profile of those steps (deepspeed/compile/init_z3.py). Our
         Inductor settings apply as to every other whole-model graph (gpt2.compiling)."""
         apply_inductor_settings()
+        sys.setrecursionlimit(max(sys.getrecursionlimit(), DEEPCOMPILE_RECURSION_LIMIT))
         log.info("DeepCompile: engine.compile(backend='inductor'); its ZeRO-3 passes replace the gather hooks")
         with arch_list_deepspeed_can_parse():  # engine.compile JIT-builds DeepSpeed's DeepCompile op
             self.engine.compile(backend="inductor")

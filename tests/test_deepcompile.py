@@ -151,3 +151,34 @@ def test_deepspeed_builds_its_op_with_an_arch_list_it_can_parse(monkeypatch):
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
     with arch_list_deepspeed_can_parse():
         assert "TORCH_CUDA_ARCH_LIST" not in os.environ
+
+
+def test_deepcompile_scheduler_gets_the_recursion_depth_of_a_long_graph() -> None:
+    """DeepSpeed's DeepCompile scheduler recurses once per node of a graph's longest chain; GPT-2 Large's forward has
+    1,453 (its first GPU run died of RecursionError). A 5,000-node chain fails at Python's default limit and passes
+    at the limit the engine sets."""
+    import sys
+    import types
+
+    import torch.fx as fx
+    from deepspeed.compile.list_schedule import get_node_requirements
+
+    from gpt2.engine_deepspeed import DEEPCOMPILE_RECURSION_LIMIT, DeepSpeedEngine
+
+    graph = fx.Graph()
+    node = graph.placeholder("x")
+    for _ in range(5_000):
+        node = graph.call_function(torch.neg, (node,))
+    graph.output(node)
+    out = next(iter(graph.find_nodes(op="output")))
+    old = sys.getrecursionlimit()
+    try:
+        sys.setrecursionlimit(1_000)
+        with pytest.raises(RecursionError):
+            get_node_requirements(out, [])
+        compiled = types.SimpleNamespace(compile=lambda backend: None, is_deepcompile_active=lambda: True)
+        DeepSpeedEngine._deepcompile(types.SimpleNamespace(engine=compiled))  # what the engine does before training
+        assert sys.getrecursionlimit() >= DEEPCOMPILE_RECURSION_LIMIT
+        assert len(get_node_requirements(out, [])) == 5_002
+    finally:
+        sys.setrecursionlimit(old)
