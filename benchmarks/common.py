@@ -113,14 +113,33 @@ def free_run_name(out: Path, name: str) -> str:
     return candidate
 
 
+def _last_error_index(lines: list[str]) -> int | None:
+    """Index of the last `SomethingError: message` line that is not the launcher's own (ChildFailedError)."""
+    for i in range(len(lines) - 1, -1, -1):
+        match = ERROR_LINE.search(lines[i])
+        if match and match.group(1) != "ChildFailedError":
+            return i
+    return None
+
+
 def last_error(log: str) -> str:
     """The last `SomethingError: message` line of a run's output (launcher wrapper errors skipped)."""
-    for line in reversed(log.splitlines()):
-        match = ERROR_LINE.search(line)
-        if match and match.group(1) != "ChildFailedError":
-            return f"{match.group(1)}: {match.group(2)}"[:300]
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    lines = log.splitlines()
+    i = _last_error_index(lines)
+    if i is not None:
+        match = ERROR_LINE.search(lines[i])
+        return f"{match.group(1)}: {match.group(2)}"[:300]
+    lines = [line.strip() for line in lines if line.strip()]
     return lines[-1][:300] if lines else "no output"
+
+
+def error_excerpt(log: str, n_lines: int) -> list[str]:
+    """The `n_lines` lines of a failed run's output that end at its error line (`last_error`'s), so the worker's
+    traceback shows rather than torchrun's summary after it; the last lines where no error line is found."""
+    lines = log.splitlines()
+    i = _last_error_index(lines)
+    end = len(lines) if i is None else i + 1
+    return lines[max(0, end - n_lines):end]
 
 
 def launch(cmd: list[str], log_path: Path, timeout: float,

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import parity_report
-from benchmarks.common import ROOT, device_tag, free_port, free_run_name, last_error, launch
+from benchmarks.common import ROOT, device_tag, error_excerpt, free_port, free_run_name, last_error, launch
 from benchmarks.parity_matrix import NOISE, REFERENCE, Job, extra_row, matrix, plan, select
 from benchmarks.parity_report import RowResult, Tolerance
 from benchmarks.parity_verdict import (
@@ -132,7 +132,7 @@ class Outcome:
         return load_curve(self.run_dir)
 
     def log_tail(self) -> list[str]:
-        return self.log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        return error_excerpt(self.log.read_text(errors="replace"), LOG_TAIL_LINES)
 
 
 def run_all(jobs: list[Job], out: Path, n_parallel: int, timeout: float) -> dict[Job, Outcome]:

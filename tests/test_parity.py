@@ -258,3 +258,20 @@ def test_sweep_records_parity_and_publishes_only_passing_runs(tmp_path, monkeypa
     assert train_sweep.main([*sweep, "--out", str(tmp_path / "ungated")]) == 0  # no --parity: nothing is checked
     assert {r["parity"] for r in read_csv(tmp_path / "ungated" / "sweep.csv")} == {"unchecked"}
     assert "zero3" in (tmp_path / "ungated" / "report.md").read_text()
+
+
+def test_a_failed_torchrun_row_shows_the_worker_s_traceback_not_the_launcher_s() -> None:
+    """The first H100 DeepCompile row reported only torchrun's ChildFailedError summary: the rank's RecursionError
+    traceback sat above the 20 lines kept. The excerpt now ends at the worker's error line."""
+    from benchmarks.common import error_excerpt, last_error
+
+    log = "\n".join(["$ torchrun ...", "step 1", "[rank0]: Traceback (most recent call last):",
+                     '[rank0]:   File "train.py", line 3, in main',
+                     "[rank0]: RecursionError: maximum recursion depth exceeded",
+                     "Traceback (most recent call last):", *[f'  File "run.py", line {i}' for i in range(30)],
+                     "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", "train.py FAILED"])
+    assert last_error(log) == "RecursionError: maximum recursion depth exceeded"
+    excerpt = error_excerpt(log, 3)
+    assert excerpt == ["[rank0]: Traceback (most recent call last):", '[rank0]:   File "train.py", line 3, in main',
+                       "[rank0]: RecursionError: maximum recursion depth exceeded"]
+    assert error_excerpt("a\nb\nc", 2) == ["b", "c"]  # no error line: the last lines
