@@ -77,14 +77,10 @@ def wgmma(hopper_ext):
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
 @pytest.mark.parametrize("M,N,K", [(128, 256, 64), (256, 512, 128), (256, 512, 320), (4096, 4096, 4096)])
 def test_wgmma_matches_torch(wgmma, M, N, K):
-    g = torch.Generator(device="cuda").manual_seed(M + N + K)
-    A = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
-    B = torch.randn(K, N, device="cuda", generator=g).to(torch.bfloat16)
-    C = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)  # unwritten outputs stay NaN
-    wgmma(A, B, C)
-    ref = A.float() @ B.float()
-    err = ((C.float() - ref).norm() / ref.norm()).item()
-    assert err <= 1e-2, f"relative Frobenius error {err:.3g}"  # NaN fails too
+    from benchmarks.gemm.bench import Shape, check
+
+    err = check(wgmma, Shape("t", M, N, K), seed=M + N + K)[0]  # C starts NaN: an unwritten output fails
+    assert err <= 1e-2, f"relative Frobenius error {err:.3g}"
 
 
 @pytest.mark.gpu
@@ -96,29 +92,23 @@ def test_wgmma_rejects_shapes_off_the_tile(wgmma):
         wgmma(A, B, torch.empty(128, 128, device="cuda", dtype=torch.bfloat16))
 
 
-def _rel_err(C: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((C.double() - ref).norm() / ref.norm()).item()
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
 @pytest.mark.parametrize("M,N,K", [(128, 256, 64), (256, 512, 320), (2048, 4096, 320), (4096, 4096, 4096),
                                    (8192, 50304, 1280),  # lm_head: N's last tile is half outside C
                                    (2000, 4104, 328), (100, 8, 8), (1950, 1288, 72)])  # off the tile in M, N, K
 def test_wgmma_persistent_matches_torch(hopper_ext, M, N, K):
-    g = torch.Generator(device="cuda").manual_seed(M + N + K)
-    A = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
-    B = torch.randn(K, N, device="cuda", generator=g).to(torch.bfloat16)
-    C = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-    hopper_ext["wgmma_persistent"](A, B, C)
-    assert _rel_err(C, A.double() @ B.double()) <= 1e-2  # NaN fails too
+    from benchmarks.gemm.bench import Shape, check
+
+    err = check(hopper_ext["wgmma_persistent"], Shape("t", M, N, K), seed=M + N + K)[0]  # C starts NaN
+    assert err <= 1e-2, f"relative Frobenius error {err:.3g}"
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
 @pytest.mark.parametrize("M,N,K", [(8192, 5120, 1280), (1950, 1288, 72)])
 def test_wgmma_persistent_bias_gelu_matches_torch(hopper_ext, M, N, K):
-    from benchmarks.gemm.bench import gelu_tanh
+    from benchmarks.gemm.bench import gelu_tanh, relative_error
 
     g = torch.Generator(device="cuda").manual_seed(M + N + K)
     A = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
@@ -126,7 +116,7 @@ def test_wgmma_persistent_bias_gelu_matches_torch(hopper_ext, M, N, K):
     bias = torch.randn(N, device="cuda", generator=g).to(torch.bfloat16)
     C = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
     hopper_ext["wgmma_persistent_bias_gelu"](A, B, bias, C)
-    assert _rel_err(C, gelu_tanh(A.double() @ B.double() + bias.double())) <= 1e-2
+    assert relative_error(C, gelu_tanh(A.double() @ B.double() + bias.double())) <= 1e-2
 
 
 @pytest.mark.gpu
