@@ -224,6 +224,12 @@ def choose_sdpa_backend(shape: AttentionShape, candidates: Iterable[str] = AUTO_
     return AttentionChoice("auto", best, make_sdpa_backend_attention(SDPA_BACKENDS[best]), timings, rejected)
 
 
+def check_device(name: str, device_type: str) -> None:
+    """KernelUnavailableError, naming the fix, where `--attn name` forces a kernel that needs CUDA on another device."""
+    if name in CUDA_ONLY and device_type != "cuda":
+        raise KernelUnavailableError(f"--attn {name} needs a CUDA GPU; use --attn auto or sdpa")
+
+
 def resolve_attention(name: str, shape: AttentionShape | None = None) -> AttentionChoice:
     """The attention of `--attn name` for a run whose attention sees `shape` (None: no probing; then `auto` is
     plain sdpa and a forced kernel is only checked against the device, if any).
@@ -246,8 +252,7 @@ def resolve_attention(name: str, shape: AttentionShape | None = None) -> Attenti
         return choose_sdpa_backend(shape)
     fn = make_sdpa_backend_attention(SDPA_BACKENDS[name])
     if shape is not None:
-        if name in CUDA_ONLY and shape.device.type != "cuda":
-            raise KernelUnavailableError(f"--attn {name} needs a CUDA device; use --attn sdpa or auto")
+        check_device(name, shape.device.type)
         try:
             small = AttentionShape(1, 1, shape.seq_len, shape.head_dim, shape.dtype, shape.device, shape.dropout_p)
             for dropout_p in {0.0, shape.dropout_p}:

@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fused_kernels import KernelUnavailableError, get_ops
-from fused_kernels.attention import CUDA_ONLY, get_attention
+from fused_kernels.attention import check_device, get_attention
 from gpt2.compiling import compile_whole
 from gpt2.config import ConfigError, RunConfig, TrainConfig
 from gpt2.distributed import DistContext
@@ -54,8 +54,7 @@ def check_backends(cfg: RunConfig) -> None:
         get_ops(cfg.train.fused_kernels)
         get_attention(cfg.train.attn)
         on_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
-        if cfg.train.attn in CUDA_ONLY and not on_cuda:
-            raise KernelUnavailableError(f"--attn {cfg.train.attn} needs a CUDA GPU; use --attn auto or sdpa")
+        check_device(cfg.train.attn, "cuda" if on_cuda else "cpu")
     except KernelUnavailableError as err:
         raise ConfigError(str(err)) from err
 

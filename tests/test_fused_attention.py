@@ -77,7 +77,7 @@ def _cpu_shape(dtype=torch.float32, dropout_p=0.0):
 
 
 def test_forced_cuda_kernel_on_cpu_is_an_error():
-    with pytest.raises(KernelUnavailableError, match="needs a CUDA device"):
+    with pytest.raises(KernelUnavailableError, match="needs a CUDA GPU"):
         resolve_attention("sdpa-cudnn", _cpu_shape())
 
 
