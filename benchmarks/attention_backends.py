@@ -23,16 +23,17 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import device_tag, markdown_table, median_ms, tag_line, write_csv
+from benchmarks.common import device_tag, markdown_table, median_ms, peak_alloc_mib, tag_line, write_csv
 from fused_kernels.attention import (
     SDPA_BACKENDS,
     AttentionFn,
     AttentionShape,
+    first_line,
+    fwd_bwd,
     make_flash_attention,
     make_sdpa_backend_attention,
     resolve_attention,
@@ -52,25 +53,6 @@ def backend_fn(name: str) -> AttentionFn:
     return make_sdpa_backend_attention(SDPA_BACKENDS[f"sdpa-{name}"])
 
 
-def _grads(fn: AttentionFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           dout: torch.Tensor) -> list[torch.Tensor]:
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = fn(q, k, v, 0.0)
-    out.backward(dout)
-    return [out.detach(), q.grad, k.grad, v.grad]
-
-
-def _peak_mib(fn: Callable[[], object], device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
-
-
 def measure(name: str, inputs: list[torch.Tensor], ref: list[torch.Tensor], iters: int) -> dict[str, object]:
     """One backend at one shape: times, peak memories and errors (raises where the backend refuses)."""
     fn = backend_fn(name)
@@ -78,7 +60,7 @@ def measure(name: str, inputs: list[torch.Tensor], ref: list[torch.Tensor], iter
     device = q.device
     B, H, T, hd = q.shape
     n = min(B, ERR_BATCH)
-    got = _grads(fn, *(t[:n] for t in inputs))  # also the first call: a refusing kernel raises here
+    got = fwd_bwd(fn, *(t[:n] for t in inputs), 0.0)  # also the first call: a refusing kernel raises here
     row: dict[str, object] = {
         "err_out": f"{(got[0].float() - ref[0]).abs().max().item():.2e}",
         "err_grad": f"{max((g.float() - r).abs().max().item() for g, r in zip(got[1:], ref[1:], strict=True)):.2e}",
@@ -90,19 +72,18 @@ def measure(name: str, inputs: list[torch.Tensor], ref: list[torch.Tensor], iter
         with torch.no_grad():
             fn(q, k, v, 0.0)
 
-    def fwd_bwd() -> None:
+    def fwd_and_bwd() -> None:
         for t in leaves:
             t.grad = None
         fn(*leaves, 0.0).backward(dout)
 
     flops = 2.0 * B * H * T * T * hd
-    for key, step, work in (("fwd", fwd, flops), ("fwdbwd", fwd_bwd, 3.5 * flops)):
+    for key, step, work in (("fwd", fwd, flops), ("fwdbwd", fwd_and_bwd, 3.5 * flops)):
         ms = median_ms(step, iters, warmup=3, device=device)
         row[f"{key}_ms"] = round(ms, 4)
         row[f"{key}_TFLOP/s"] = round(work / ms / 1e9, 1)
-        peak = _peak_mib(step, device)
-        if peak is not None:
-            row[f"{key}_peak_MiB"] = peak
+        if device.type == "cuda":
+            row[f"{key}_peak_MiB"] = peak_alloc_mib(step)
     return row
 
 
@@ -113,15 +94,14 @@ def run_shape(B: int, args: argparse.Namespace, device: torch.device) -> tuple[l
     gen = torch.Generator(device="cpu").manual_seed(0)
     inputs = [torch.randn(B, H, T, hd, generator=gen).to(device=device, dtype=dtype) for _ in range(4)]
     n = min(B, ERR_BATCH)
-    ref = _grads(make_sdpa_backend_attention(SDPA_BACKENDS["sdpa-math"]), *(t[:n].float() for t in inputs))
+    ref = fwd_bwd(make_sdpa_backend_attention(SDPA_BACKENDS["sdpa-math"]), *(t[:n].float() for t in inputs), 0.0)
     rows = []
     for name in args.backends.split(","):
         row: dict[str, object] = {"B": B, "H": H, "T": T, "hd": hd, "dtype": args.dtype, "backend": name}
         try:
             row.update(measure(name, inputs, ref, args.iters))
         except Exception as e:  # the kernel refuses these inputs, flash-attn is missing, out of memory, ...
-            text = str(e).strip()
-            row["error"] = f"{type(e).__name__}: {text.splitlines()[0][:160] if text else ''}"
+            row["error"] = first_line(e)
         rows.append(row)
         if device.type == "cuda":
             torch.cuda.empty_cache()

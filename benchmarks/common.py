@@ -76,6 +76,16 @@ def median_ms(fn: Callable[[], object], iters: int, warmup: int = 2, device: tor
     return statistics.median(time_ms(fn, iters, warmup, device))
 
 
+def peak_alloc_mib(fn: Callable[[], object]) -> float:
+    """MiB that one call of fn allocates on the current CUDA device at its peak, above what was allocated before."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+
+
 def write_csv(path: str | Path, rows: Iterable[dict[str, object]], tag: dict[str, str] | None = None) -> Path:
     """Write rows (dicts; the union of their keys is the header), each extended by the tag columns."""
     rows = [{**row, **(tag or {})} for row in rows]

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import device_tag, markdown_table, tag_line, write_csv
+from benchmarks.common import device_tag, markdown_table, peak_alloc_mib, tag_line, write_csv
 from fused_kernels import reference
 
 SHAPES = {
@@ -317,12 +317,7 @@ def _measure(case: Case, fn: Callable, pass_: str, expected: torch.Tensor, peaks
         ms = device_ms(fresh_step)
         for t in grad_leaves:
             t.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        out["peak_mem_MiB"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+        out["peak_mem_MiB"] = peak_alloc_mib(step)
         for t in grad_leaves:
             t.grad = None
         work_bytes, flops = case.bytes_fwdbwd, 3 * case.flops_fwd

@@ -136,7 +136,8 @@ class AttentionChoice:
         return text + (f" ({'; '.join(details)})" if details else "")
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """`Type: first line of the message` (200 characters at most), for a rejected kernel's reason."""
     text = str(err).strip()
     return f"{type(err).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
@@ -145,7 +146,7 @@ def _sdpa_backend_name(backend: SDPBackend) -> str:
     return next(name for name, b in SDPA_BACKENDS.items() if b == backend)
 
 
-def _fwd_bwd(fn: AttentionFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+def fwd_bwd(fn: AttentionFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
              dropout_p: float) -> list[torch.Tensor]:
     """[out, dq, dk, dv] of one forward + backward of fn (q, k, v are detached leaves here)."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
@@ -163,8 +164,8 @@ def probe_error(fn: AttentionFn, shape: AttentionShape, seed: int = 0) -> float:
     gen = torch.Generator(device="cpu").manual_seed(seed)
     dims = (1, shape.heads, min(shape.seq_len, PROBE_MAX_SEQ), shape.head_dim)
     q, k, v, dout = (torch.randn(dims, generator=gen, dtype=torch.float64).to(shape.device) for _ in range(4))
-    ref = _fwd_bwd(make_sdpa_backend_attention(SDPBackend.MATH), q, k, v, dout, 0.0)
-    got = _fwd_bwd(fn, *(t.to(shape.dtype) for t in (q, k, v, dout)), 0.0)
+    ref = fwd_bwd(make_sdpa_backend_attention(SDPBackend.MATH), q, k, v, dout, 0.0)
+    got = fwd_bwd(fn, *(t.to(shape.dtype) for t in (q, k, v, dout)), 0.0)
     return max(((g.double() - r).abs().max() / r.abs().max()).item() for g, r in zip(got, ref, strict=True))
 
 
@@ -174,21 +175,21 @@ def time_fwd_bwd_ms(fn: AttentionFn, shape: AttentionShape, warmup: int = AUTO_W
     also show that fn takes these inputs with the training dropout and without (eval): RuntimeError if not."""
     q, k, v, dout = (torch.randn(shape.dims, device=shape.device, dtype=shape.dtype) for _ in range(4))
     if shape.dropout_p:
-        _fwd_bwd(fn, q, k, v, dout, 0.0)  # evaluation runs the same kernel without dropout
+        fwd_bwd(fn, q, k, v, dout, 0.0)  # evaluation runs the same kernel without dropout
     for _ in range(warmup):
-        _fwd_bwd(fn, q, k, v, dout, shape.dropout_p)
+        fwd_bwd(fn, q, k, v, dout, shape.dropout_p)
     times = []
     for _ in range(iters):
         if shape.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            _fwd_bwd(fn, q, k, v, dout, shape.dropout_p)
+            fwd_bwd(fn, q, k, v, dout, shape.dropout_p)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
         else:
             t0 = time.perf_counter()
-            _fwd_bwd(fn, q, k, v, dout, shape.dropout_p)
+            fwd_bwd(fn, q, k, v, dout, shape.dropout_p)
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
@@ -215,7 +216,7 @@ def choose_sdpa_backend(shape: AttentionShape, candidates: Iterable[str] = AUTO_
                 continue
             timings[name] = timer(fn, shape)
         except RuntimeError as e:  # the kernel does not take this dtype / head size / dropout / device
-            rejected[name] = _first_line(e)
+            rejected[name] = first_line(e)
     if shape.device.type == "cuda":
         torch.cuda.empty_cache()
     if not timings:
@@ -256,12 +257,12 @@ def resolve_attention(name: str, shape: AttentionShape | None = None) -> Attenti
         try:
             small = AttentionShape(1, 1, shape.seq_len, shape.head_dim, shape.dtype, shape.device, shape.dropout_p)
             for dropout_p in {0.0, shape.dropout_p}:
-                _fwd_bwd(fn, *(torch.randn(small.dims, device=small.device, dtype=small.dtype) for _ in range(4)),
+                fwd_bwd(fn, *(torch.randn(small.dims, device=small.device, dtype=small.dtype) for _ in range(4)),
                          dropout_p)
         except RuntimeError as e:
             raise KernelUnavailableError(
                 f"--attn {name} cannot run {shape.dtype} attention of head size {shape.head_dim}, "
-                f"seq len {shape.seq_len}, dropout {shape.dropout_p} on {shape.device}: {_first_line(e)}; "
+                f"seq len {shape.seq_len}, dropout {shape.dropout_p} on {shape.device}: {first_line(e)}; "
                 "use --attn auto or sdpa") from e
     return AttentionChoice(name, name, fn)
 
