@@ -32,7 +32,7 @@ import psutil
 from benchmarks.common import free_port
 from gpt2 import checkpoint
 from gpt2.checkpoint import FAULT_ENV, SAVE_STAGES
-from tests.train_runs import ROOT, TINY_ARGS, run_train, step_values, train_env
+from tests.train_runs import ROOT, TINY_ARGS, read_killed_records, run_train, step_values, train_env
 
 BEFORE_RENAME = SAVE_STAGES[:SAVE_STAGES.index("renamed")]
 PRUNE_STAGES = ("prune-renamed", "prune-partial")  # reached only when --keep-last deletes an older checkpoint
@@ -53,19 +53,6 @@ class Launch:
     run_dir: Path
     returncode: int = 0
     seconds: float = 0.0
-
-
-def _records(run_dir: Path) -> list[dict]:
-    """metrics.jsonl of a launch; only a killed writer's last line may be cut."""
-    path = run_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.is_file() else []
-    out = []
-    for i, line in enumerate(lines):
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            assert i == len(lines) - 1, (run_dir.name, line)
-    return out
 
 
 def _newest_complete(ck: Path) -> int:
@@ -153,7 +140,7 @@ def run_chain(name: str, tmp: Path, n_random: int, seed: int) -> list[Launch]:
         if launches[-2:-1] and launches[-2].fault == "renamed":  # `latest.pending` named the newer checkpoint
             assert f"resuming from the newer {checkpoint.step_dir_name(start)}" in log_text, run_dir.name
 
-        records = [r for r in _records(run_dir) if r["type"] == "step" and "loss" in r]
+        records = [r for r in read_killed_records(run_dir) if r["type"] == "step" and "loss" in r]
         assert records and records[0]["step"] == start + 1, (run_dir.name, records[:1])
         for r in records:
             for key, want in reference.items():
@@ -169,6 +156,6 @@ def run_chain(name: str, tmp: Path, n_random: int, seed: int) -> list[Launch]:
 
     assert start == STEPS
     assert sorted(p.name for p in ck.iterdir()) == ["latest", f"step-{STEPS:06d}"]
-    logged = {r["step"] for launch in launches for r in _records(launch.run_dir) if r["type"] == "step"}
+    logged = {r["step"] for launch in launches for r in read_killed_records(launch.run_dir) if r["type"] == "step"}
     assert logged == set(range(1, STEPS + 1))
     return launches

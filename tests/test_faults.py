@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from gpt2.checkpoint import FAULT_ENV, SAVE_STAGES
-from tests.train_runs import ROOT, TINY_ARGS, run_train, step_values, summary, train_env
+from tests.train_runs import ROOT, TINY_ARGS, read_killed_records, run_train, step_values, summary, train_env
 
 ARGS = TINY_ARGS + ["--data", "synthetic", "--max-steps", "4", "--seed", "7", "--batch-size", "2",
                     "--eval-batches", "1", "--save-interval", "1", "--keep-last", "1"]
@@ -88,7 +88,6 @@ def test_twenty_kills_at_random_instants_then_resume_auto_each_time(tmp_path: Pa
     """One run SIGKILLed again and again at a random instant (0-0.4 s after its first new step record: inside a
     step, a save or a prune), each time continued with --resume auto, until 20 kills; then it finishes. Every
     step any of its processes logged equals the uninterrupted run's (bit-identical)."""
-    import json
     import random
     import signal
     import time
@@ -127,13 +126,7 @@ def test_twenty_kills_at_random_instants_then_resume_auto_each_time(tmp_path: Pa
     assert kills >= 20
     checked = 0
     for run in out.iterdir():
-        lines = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").is_file() else []
-        for i, line in enumerate(lines):
-            try:
-                r = json.loads(line)
-            except ValueError:
-                assert i == len(lines) - 1, (run.name, line)  # only a killed writer's last line may be cut
-                continue
+        for r in read_killed_records(run):  # only a killed writer's last line may be cut
             if r["type"] == "step" and "loss" in r:
                 assert r["loss"] == reference[r["step"] - 1], (run.name, r["step"])
                 checked += 1

@@ -80,6 +80,20 @@ def read_records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def read_killed_records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl of a run that may have been SIGKILLed (none if it never wrote one): only its last line may be
+    cut, and that line is left out."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            assert i == len(lines) - 1, (run_dir.name, line)
+    return out
+
+
 def step_losses(run_dir: Path) -> list[float]:
     return step_values(run_dir, "loss")
 
