@@ -6,7 +6,7 @@ and the cuda accelerator). Tried here (DS_ACCELERATOR=cpu, gloo, a 2-layer model
 compile.deepcompile=true): `engine.compile()` JIT-builds that op and fails with
 `RuntimeError: Error building extension 'dc'` ... `ATen/cuda/ATenCUDAGeneral.h: fatal error: cuda.h: No such file`.
 So the training function of DeepCompile (per-step loss and grad norm vs single) is checked on a GPU only: the last
-test here (`-m gpu`), benchmarks/repro/deepcompile_check.py, and the parity rows zero3-deepcompile[-wN]. On CPU: the
+test here (`-m gpu`) and the parity rows zero3-deepcompile[-wN]. On CPU: the
 flag's rules, the DeepSpeed config it writes, the early CPU error, and the parity / sweep rows.
 """
 
