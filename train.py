@@ -13,8 +13,6 @@ preempted by SIGUSR1/SIGTERM after saving a checkpoint (gpt2/preemption.py; reru
 
 from __future__ import annotations
 
-import faulthandler
-import gc
 import sys
 from typing import TYPE_CHECKING
 
@@ -121,11 +119,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # a crash in native code (segfault, std::terminate) prints every thread's Python stack on each rank
-    faulthandler.enable()
-    status = main()
-    # Free the engine's reference cycles (DeepSpeed's hooks hold its process groups) while the interpreter is whole:
-    # a gloo group left to interpreter finalization can abort the process after a finished run ("terminate called
-    # without an active exception", seen intermittently at exit of 2- and 4-rank CPU ZeRO-2 runs).
-    gc.collect()
-    sys.exit(status)
+    from gpt2.distributed import run_as_process
+
+    run_as_process(main)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from gpt2.config import MODEL_PRESETS, DataConfig, LogConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from gpt2.distributed import run_as_process, shutdown_distributed
 from gpt2.layout import run_precision
 from gpt2.metrics import (
     StepTimer,
@@ -261,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                             device_id=device if use_cuda else None)
     cfg = run_config(args)
     logger = None
+    finished = False
     try:
         is_main = dist.get_rank() == 0
         run_dir = make_run_dir(cfg) if is_main else None
@@ -271,12 +273,13 @@ def main(argv: list[str] | None = None) -> int:
                  args.mode, model_params_for_flops(cfg.model) / 1e6, dist.get_world_size())
         logger = MetricsLogger(cfg, run_dir) if is_main else None
         train(cfg, device, step_fn, attn, logger)
+        finished = True
     finally:
         if logger:
             logger.close()
-        dist.destroy_process_group()
+        shutdown_distributed(all_ranks_finished=finished)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_process(main)
