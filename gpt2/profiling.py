@@ -1,7 +1,9 @@
 """`--profile`: torch.profiler over 3 steps after the throughput warm-up, summarised by kernel category.
 
 Writes, into the run folder (rank 0): `profile_kernels.txt` (top kernels by device time),
-`profile_breakdown.json` (device time per category and per step), and `trace.json` (Chrome trace).
+`profile_breakdown.json` (device time per category and per step; how busy the device was; kernel launches,
+collective calls and module hooks per step: the counts that say whether a step is host-bound and why), and
+`trace.json` (Chrome trace).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
+from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from gpt2.run_logging import log
@@ -24,6 +27,9 @@ CATEGORIES: list[tuple[str, re.Pattern]] = [
     ("gemm", re.compile(r"gemm|matmul|cutlass|xmma|nvjet|sm\d+_.*mma|cublas|aten::(addmm|mm|bmm|linear)$", re.I)),
     ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
 ]
+# host-side collective calls: the c10d ops the process calls (the backend's own `nccl:`/`gloo:` work records on
+# its threads are not counted again; NCCL kernels are the device side's communication category)
+COLLECTIVE_CALL = re.compile(r"^c10d::")
 
 
 def categorise(kernel_name: str) -> str:
@@ -36,8 +42,10 @@ def categorise(kernel_name: str) -> str:
 class StepProfiler:
     """Call `step()` after every optimizer step; profiles steps skip+2 .. skip+1+ACTIVE_STEPS (1 warm-up)."""
 
-    def __init__(self, enabled: bool, run_dir: Path | None, skip_steps: int, device: torch.device):
+    def __init__(self, enabled: bool, run_dir: Path | None, skip_steps: int, device: torch.device,
+                 module: torch.nn.Module | None = None):
         self.run_dir = run_dir
+        self.module = module
         self._prof = None
         if enabled and run_dir is not None:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -58,27 +66,67 @@ class StepProfiler:
     def _write(self, prof: profile) -> None:
         assert self.run_dir is not None
         events = prof.key_averages()
-        # device-side kernels only: user annotations (ProfilerStep#, module ranges) also appear on the
-        # device timeline, spanning the kernels inside them
-        kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation
-                   and not e.key.startswith("ProfilerStep")]
-        on_device = bool(kernels)
+        on_device = any(is_kernel(e) for e in events)
         sort_key = "self_cuda_time_total" if on_device else "self_cpu_time_total"
         (self.run_dir / "profile_kernels.txt").write_text(events.table(sort_by=sort_key, row_limit=40))
-        # kernels are counted once: CPU ops also carry their kernels' device time, so they are skipped
-        counted = kernels if on_device else [e for e in events if not e.key.startswith("ProfilerStep")]
-        totals: dict[str, float] = {}
-        for e in counted:
-            us = e.self_device_time_total if on_device else e.self_cpu_time_total
-            totals[categorise(e.key)] = totals.get(categorise(e.key), 0.0) + us
-        per_step_ms = {k: v / 1000 / ACTIVE_STEPS for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
-        steps = [e for e in events if e.key.startswith("ProfilerStep")]
-        wall_ms = sum(e.cpu_time_total for e in steps) / 1000 / ACTIVE_STEPS if steps else None
-        breakdown = {"time_base": "device kernel time" if on_device else "CPU op time",
-                     "steps": ACTIVE_STEPS, "ms_per_step": per_step_ms, "step_wall_ms": wall_ms,
-                     "note": "kernel times on different streams overlap (communication with compute), so their "
-                             "sum can exceed the wall time; wall minus the sum bounds device idle time from below"}
+        hooks = count_module_hooks(self.module) if self.module is not None else None
+        breakdown = summarise(list(prof.events()), ACTIVE_STEPS, hooks)
         (self.run_dir / "profile_breakdown.json").write_text(json.dumps(breakdown, indent=2))
         prof.export_chrome_trace(str(self.run_dir / "trace.json"))
-        log.info("profile (%s, ms/step; wall %s ms): %s", breakdown["time_base"],
-                 f"{wall_ms:.1f}" if wall_ms else "n/a", ", ".join(f"{k} {v:.1f}" for k, v in per_step_ms.items()))
+        wall = breakdown["step_wall_ms"]
+        log.info("profile (%s, ms/step; wall %s ms; device busy %s%%; %s kernels, %s collective calls per step): %s",
+                 breakdown["time_base"], f"{wall:.1f}" if wall else "n/a", breakdown["device_busy_pct"],
+                 breakdown["kernels_per_step"], breakdown["collective_calls_per_step"],
+                 ", ".join(f"{k} {v:.1f}" for k, v in breakdown["ms_per_step"].items()))
+
+
+def is_kernel(e: FunctionEvent) -> bool:
+    """A device-side kernel: user annotations (ProfilerStep#, module ranges) also appear on the device timeline,
+    spanning the kernels inside them."""
+    return e.device_type == DeviceType.CUDA and not e.is_user_annotation and not e.key.startswith("ProfilerStep")
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals: device time with at least one kernel running (kernels on
+    different streams overlap, so their summed durations overstate it)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def count_module_hooks(module: torch.nn.Module) -> int:
+    """Forward/backward (pre-)hooks registered on the module tree: each fires once per module call, so this is the
+    number of Python hook calls per forward + backward (ZeRO-3 registers its fetch and release hooks here)."""
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_pre_hooks)
+               + len(m._backward_hooks) for m in module.modules())
+
+
+def summarise(events: list[FunctionEvent], steps: int, module_hooks: int | None) -> dict:
+    """The profile_breakdown.json record of `steps` profiled steps (the events of `prof.events()`)."""
+    kernels = [e for e in events if is_kernel(e)]
+    on_device = bool(kernels)
+    # kernels are counted once: CPU ops also carry their kernels' device time, so they are skipped
+    counted = kernels if on_device else [e for e in events if not e.key.startswith("ProfilerStep")]
+    totals: dict[str, float] = {}
+    for e in counted:
+        us = e.self_device_time_total if on_device else e.self_cpu_time_total
+        totals[categorise(e.key)] = totals.get(categorise(e.key), 0.0) + us
+    per_step_ms = {k: v / 1000 / steps for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+    step_events = [e for e in events if e.key.startswith("ProfilerStep") and e.device_type == DeviceType.CPU]
+    wall_ms = sum(e.time_range.elapsed_us() for e in step_events) / 1000 / steps if step_events else None
+    busy_ms = busy_us([(e.time_range.start, e.time_range.end) for e in kernels]) / 1000 / steps
+    collectives = [e for e in events if e.device_type == DeviceType.CPU and COLLECTIVE_CALL.search(e.key)
+                   and not (e.cpu_parent is not None and COLLECTIVE_CALL.search(e.cpu_parent.key))]
+    return {"time_base": "device kernel time" if on_device else "CPU op time",
+            "steps": steps, "ms_per_step": per_step_ms, "step_wall_ms": wall_ms,
+            "device_busy_ms_per_step": round(busy_ms, 2) if on_device else None,
+            "device_busy_pct": round(100 * busy_ms / wall_ms, 1) if on_device and wall_ms else None,
+            "kernels_per_step": round(len(kernels) / steps, 1),
+            "collective_calls_per_step": round(len(collectives) / steps, 1),
+            "module_hooks_per_forward_backward": module_hooks,
+            "note": "ms_per_step sums kernel durations per category; kernels on different streams overlap "
+                    "(communication with compute), so the sum can exceed the wall time. device_busy is the union of "
+                    "kernel intervals: wall minus busy is time the device waited for the host"}

@@ -1,0 +1,65 @@
+"""`--profile`'s step summary (gpt2.profiling): device busy share, launches, collective calls, hooks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from gpt2.profiling import StepProfiler, busy_us, count_module_hooks, summarise
+
+
+@pytest.fixture
+def gloo_world():
+    """A one-rank gloo group in this process (an in-memory store), destroyed after the test."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_busy_is_the_union_of_overlapping_intervals():
+    # two streams overlapping on [5, 10), a gap [12, 20), a kernel inside another
+    assert busy_us([(0, 10), (5, 12), (20, 30), (22, 25)]) == 22
+    assert busy_us([]) == 0
+
+
+def test_module_hooks_count_each_kind():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[0].register_forward_pre_hook(lambda *a: None)
+    model[0].register_forward_hook(lambda *a: None)
+    model[1].register_full_backward_pre_hook(lambda *a: None)
+    model[1].register_full_backward_hook(lambda *a: None)
+    assert count_module_hooks(model) == 4
+
+
+def test_summary_counts_collective_calls_once_per_call(gloo_world):
+    """A CPU profile of 2 steps with 3 all-reduces each: the c10d call and the record_param_comms range inside it
+    count as one collective call; the step wall is the ProfilerStep ranges'."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(2):
+            with record_function(f"ProfilerStep#{i}"):
+                for _ in range(3):
+                    dist.all_reduce(torch.ones(4))
+                torch.ones(8) @ torch.ones(8)
+    s = summarise(list(prof.events()), steps=2, module_hooks=7)
+    assert s["collective_calls_per_step"] == 3
+    assert s["kernels_per_step"] == 0 and s["device_busy_pct"] is None  # no device here
+    assert s["step_wall_ms"] > 0 and s["module_hooks_per_forward_backward"] == 7
+    assert s["time_base"] == "CPU op time"
+
+
+def test_step_profiler_writes_the_breakdown(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    model.register_forward_pre_hook(lambda *a: None)
+    profiler = StepProfiler(True, tmp_path, skip_steps=1, device=torch.device("cpu"), module=model)
+    for _ in range(6):
+        model(torch.ones(2, 4)).sum().backward()
+        profiler.step()
+    profiler.stop()
+    breakdown = json.loads((tmp_path / "profile_breakdown.json").read_text())
+    assert breakdown["steps"] == 3 and breakdown["module_hooks_per_forward_backward"] == 1
+    assert breakdown["step_wall_ms"] > 0
+    assert (tmp_path / "trace.json").exists() and (tmp_path / "profile_kernels.txt").exists()
