@@ -114,7 +114,7 @@ def run_shape(B: int, args: argparse.Namespace, device: torch.device) -> tuple[l
     del inputs, ref
     shape = AttentionShape(B, H, T, hd, dtype, device, 0.0)
     note = (f"- [{B}, {H}, {T}, {hd}] {args.dtype}: `--attn sdpa` runs {sdpa_backend_used(shape.dims, dtype, device)} "
-            "(PyTorch's priority order); ")
+            "(PyTorch's own dispatch choice); ")
     try:
         note += f"`--attn {resolve_attention('auto', shape).describe()}`"
     except Exception as e:  # report, do not lose the table
