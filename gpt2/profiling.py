@@ -1,9 +1,9 @@
 """`--profile`: torch.profiler over 3 steps after the throughput warm-up, summarised by kernel category.
 
-Writes, into the run folder (rank 0): `profile_kernels.txt` (top kernels by device time),
-`profile_breakdown.json` (device time per category and per step; how busy the device was; kernel launches,
-collective calls and module hooks per step: the counts that say whether a step is host-bound and why), and
-`trace.json` (Chrome trace).
+Writes, into the run folder (rank 0): `profile_kernels.txt` (top kernels by device time), `profile_host.txt`
+(top ops by their own host time: where a host-bound step goes), `profile_breakdown.json` (device time per
+category and per step; how busy the device was; host time in ops; kernel launches, collective calls and module
+hooks per step: the counts that say whether a step is host-bound and why), and `trace.json` (Chrome trace).
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ class StepProfiler:
         on_device = any(is_kernel(e) for e in events)
         sort_key = "self_cuda_time_total" if on_device else "self_cpu_time_total"
         (self.run_dir / "profile_kernels.txt").write_text(events.table(sort_by=sort_key, row_limit=40))
+        (self.run_dir / "profile_host.txt").write_text(events.table(sort_by="self_cpu_time_total", row_limit=40))
         hooks = count_module_hooks(self.module) if self.module is not None else None
         breakdown = summarise(list(prof.events()), ACTIVE_STEPS, hooks)
         (self.run_dir / "profile_breakdown.json").write_text(json.dumps(breakdown, indent=2))
@@ -120,13 +121,16 @@ def summarise(events: list[FunctionEvent], steps: int, module_hooks: int | None)
     busy_ms = busy_us([(e.time_range.start, e.time_range.end) for e in kernels]) / 1000 / steps
     collectives = [e for e in events if e.device_type == DeviceType.CPU and COLLECTIVE_CALL.search(e.key)
                    and not (e.cpu_parent is not None and COLLECTIVE_CALL.search(e.cpu_parent.key))]
+    host_ops = [e for e in events if e.device_type == DeviceType.CPU and not e.key.startswith("ProfilerStep")]
     return {"time_base": "device kernel time" if on_device else "CPU op time",
             "steps": steps, "ms_per_step": per_step_ms, "step_wall_ms": wall_ms,
             "device_busy_ms_per_step": round(busy_ms, 2) if on_device else None,
             "device_busy_pct": round(100 * busy_ms / wall_ms, 1) if on_device and wall_ms else None,
+            "host_op_ms_per_step": round(sum(e.self_cpu_time_total for e in host_ops) / 1000 / steps, 2),
             "kernels_per_step": round(len(kernels) / steps, 1),
             "collective_calls_per_step": round(len(collectives) / steps, 1),
             "module_hooks_per_forward_backward": module_hooks,
             "note": "ms_per_step sums kernel durations per category; kernels on different streams overlap "
                     "(communication with compute), so the sum can exceed the wall time. device_busy is the union of "
-                    "kernel intervals: wall minus busy is time the device waited for the host"}
+                    "kernel intervals: wall minus busy is time the device waited for the host. host_op_ms is the "
+                    "host time inside PyTorch ops (all threads; Python between ops not counted)"}

@@ -48,6 +48,7 @@ def test_summary_counts_collective_calls_once_per_call(gloo_world):
     assert s["collective_calls_per_step"] == 3
     assert s["kernels_per_step"] == 0 and s["device_busy_pct"] is None  # no device here
     assert s["step_wall_ms"] > 0 and s["module_hooks_per_forward_backward"] == 7
+    assert 0 < s["host_op_ms_per_step"] < s["step_wall_ms"]
     assert s["time_base"] == "CPU op time"
 
 
@@ -62,4 +63,5 @@ def test_step_profiler_writes_the_breakdown(tmp_path):
     breakdown = json.loads((tmp_path / "profile_breakdown.json").read_text())
     assert breakdown["steps"] == 3 and breakdown["module_hooks_per_forward_backward"] == 1
     assert breakdown["step_wall_ms"] > 0
-    assert (tmp_path / "trace.json").exists() and (tmp_path / "profile_kernels.txt").exists()
+    for name in ("trace.json", "profile_kernels.txt", "profile_host.txt"):
+        assert (tmp_path / name).exists(), name
