@@ -56,6 +56,12 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
 Mode = Literal["single", "baseline", "hybrid"]
 Precision = Literal["bf16", "fp16", "fp32"]
 # --attn (fused_kernels.attention.ATTN_CHOICES; written out here so the config never imports torch kernels)
+THROUGHPUT_WARMUP_STEPS = 3
+# DeepCompile compiles at the first step, profiles, then re-compiles with its prefetch and selective-gather passes
+# in the step after this many (deepspeed/compile/init_z3.py WARMUP, DeepSpeed 0.19.8): on GPT-2 Large on one H100
+# the two compiles took over 8 minutes, which tokens/s must not count.
+DEEPCOMPILE_RECOMPILE_STEP = 5
+
 AttnChoice = Literal["sdpa", "auto", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "flash"]
 
 
@@ -115,7 +121,7 @@ class TrainConfig:
     seq_len: int = 256
     max_steps: int = 50
     warmup_steps: int = 10  # LR warm-up
-    throughput_warmup_steps: int = 3  # steps excluded from tokens/s and MFU
+    throughput_warmup_steps: int = THROUGHPUT_WARMUP_STEPS  # steps excluded from tokens/s and MFU
     lr: float = 6e-4
     min_lr: float = 6e-5
     weight_decay: float = 0.1
@@ -220,7 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-len", type=_positive_int, default=256)
     g.add_argument("--max-steps", type=_positive_int, default=50)
     g.add_argument("--warmup-steps", type=_non_negative_int, default=10)
-    g.add_argument("--throughput-warmup-steps", type=_non_negative_int, default=3)
+    g.add_argument("--throughput-warmup-steps", type=_non_negative_int,
+                   help=f"steps excluded from tokens/s and MFU (default {THROUGHPUT_WARMUP_STEPS}; "
+                        f"{DEEPCOMPILE_RECOMPILE_STEP + 1} under --compiler deepcompile, whose second compile "
+                        f"comes after step {DEEPCOMPILE_RECOMPILE_STEP})")
     g.add_argument("--lr", type=_positive_float, default=6e-4)
     g.add_argument("--min-lr", type=float, default=6e-5)
     g.add_argument("--weight-decay", type=float, default=0.1)
@@ -313,6 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def throughput_warmup_default(deepcompile: bool) -> int:
+    """Steps excluded from tokens/s and MFU when --throughput-warmup-steps is not given: under DeepCompile, every
+    step up to its re-compile (DEEPCOMPILE_RECOMPILE_STEP), which are compile and profiling time."""
+    return DEEPCOMPILE_RECOMPILE_STEP + 1 if deepcompile else THROUGHPUT_WARMUP_STEPS
+
+
 def resolve_compile_scope(requested: str, mode: str, tp_size: int, compiler: str = "torch") -> str:
     """`auto`: one whole-model graph for single/DDP without TP (4xH200, GPT-2 Large: +21% tokens/s at batch 8
     over per-block graphs, benchmarks/results/train/), per-block graphs elsewhere (ZeRO hooks, TP collectives).
@@ -370,7 +385,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         mode=args.mode, model=args.model, init_from=args.init_from, batch_size=args.batch_size,
         grad_accum=args.grad_accum or 1, global_batch_size=args.global_batch_size,
         seq_len=args.seq_len, max_steps=args.max_steps,
-        warmup_steps=args.warmup_steps, throughput_warmup_steps=args.throughput_warmup_steps,
+        warmup_steps=args.warmup_steps,
+        throughput_warmup_steps=(args.throughput_warmup_steps if args.throughput_warmup_steps is not None else
+                                 throughput_warmup_default(args.compile and args.compiler == "deepcompile")),
         lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         max_bad_steps=args.max_bad_steps,
         precision=args.precision, seed=args.seed,

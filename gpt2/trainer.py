@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from fused_kernels.attention import AttentionChoice
 from gpt2.checkpoint import Checkpointer
-from gpt2.config import RunConfig
+from gpt2.config import DEEPCOMPILE_RECOMPILE_STEP, RunConfig
 from gpt2.data import DataBundle
 from gpt2.distributed import DistContext
 from gpt2.guard import GuardReading, NonFiniteGuard, install_fault_injection
@@ -160,6 +160,10 @@ def _warn_about_settings(layout: RunLayout, start_step: int) -> None:
                     "across TP ranks' heads (and sequence shards with SP): correlated, unlike single's; training "
                     "stays consistent across ranks but is not the same function as --mode single", cfg.model.dropout,
                     layout.tp_size)
+    if layout.deepcompile and t.throughput_warmup_steps <= DEEPCOMPILE_RECOMPILE_STEP < t.max_steps - start_step:
+        log.warning("--throughput-warmup-steps %d: tokens/s and MFU count DeepCompile's second compile (after step "
+                    "%d, minutes on a large model); use --throughput-warmup-steps %d or more for its trained speed",
+                    t.throughput_warmup_steps, DEEPCOMPILE_RECOMPILE_STEP, DEEPCOMPILE_RECOMPILE_STEP + 1)
     if t.warmup_steps > t.max_steps:
         log.warning("--warmup-steps %d exceeds --max-steps %d: the LR never reaches --lr %g", t.warmup_steps,
                     t.max_steps, t.lr)
