@@ -11,10 +11,11 @@ tensor parallelism) trains --steps steps from the same seed on the same global b
 its loss logged every step, then its validation loss. Data: WikiText-2 from ../shared/data by default, or
 --data-path any text (--cache-dir a pre-built token cache); the training set is cut to whole global batches so
 that every row's epochs line up. The reference (`single`) and the `noise` row run in the same call, up to --jobs
-rows at a time; the verdicts (benchmarks/parity_verdict.py) come at the end. Written to --out: parity.csv,
-parity.md (command, device, versions, the tolerance rule with the measured noise, one table per model) and
-parity_<model>.png; run folders in OUT/runs, each launch's output in OUT/logs. Exit status 1 if a row fails or
-errors, 2 on bad flags or data.
+rows at a time; the verdicts are benchmarks/parity_verdict.py's. Written to --out, and rewritten each time a run
+ends (rows still running read `pending`, the header says how many ended), so a call killed part-way keeps the
+finished rows' verdicts: parity.csv, parity.md (command, device, versions, the tolerance rule with the measured
+noise, one table per model) and parity_<model>.png; run folders in OUT/runs, each launch's output in OUT/logs.
+Exit status 1 if a row fails or errors, 2 on bad flags or data.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import importlib.metadata
 import os
 import shlex
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,8 +137,10 @@ class Outcome:
         return error_excerpt(self.log.read_text(errors="replace"), LOG_TAIL_LINES)
 
 
-def run_all(jobs: list[Job], out: Path, n_parallel: int, timeout: float) -> dict[Job, Outcome]:
-    """Launch every runnable job, up to n_parallel at once (torchrun rows each on a port free at their start)."""
+def run_all(jobs: list[Job], out: Path, n_parallel: int, timeout: float,
+            on_done: Callable[[dict[Job, Outcome]], None] = lambda outcomes: None) -> dict[Job, Outcome]:
+    """Launch every runnable job, up to n_parallel at once (torchrun rows each on a port free at their start);
+    `on_done(outcomes so far)` after each one ends."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on shared machines
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -160,6 +164,7 @@ def run_all(jobs: list[Job], out: Path, n_parallel: int, timeout: float) -> dict
             status = "ok" if outcome.rc == 0 else f"exit {outcome.rc}" if outcome.rc is not None else "timeout"
             print(f"[{len(outcomes)}/{len(jobs)}] {job.model} {job.row.name}: {status} in {outcome.wall_s:.0f} s",
                   flush=True)
+            on_done(outcomes)
     return outcomes
 
 
@@ -197,6 +202,9 @@ def judge(jobs: list[Job], outcomes: dict[Job, Outcome], args: argparse.Namespac
                       f"torchrun x{job.row.nproc}", job.row.flags, note=job.skip, key=job.key)
         results.append(r)
         if job.skip:
+            continue
+        if job not in outcomes:
+            r.verdict, r.note = "pending", "still running when this table was written"
             continue
         outcome = outcomes[job]
         r.command, r.run_dir, r.curve = outcome.command, str(outcome.run_dir), curves.get(job)
@@ -264,16 +272,6 @@ def main(argv: list[str] | None = None) -> int:
                   shlex.join(job.command(f"{job.row.name}-{job.model}", 0)))
         return 0
 
-    print(f"{len(runnable)} runs ({len(jobs) - len(runnable)} skipped), {args.jobs} at a time, on {device}", flush=True)
-    outcomes = run_all(runnable, out, args.jobs, args.run_timeout)
-    results: list[RowResult] = []
-    tolerances: dict[str, Tolerance] = {}
-    for model in args.models:
-        model_results, tol = judge([j for j in jobs if j.model == model], outcomes, args)
-        results += model_results
-        if tol is not None:
-            tolerances[model] = tol
-
     tag = {**device_tag(device), "deepspeed": package_version("deepspeed")}
     header = {
         "command": f"`python -m benchmarks.parity {shlex.join(sys.argv[1:] if argv is None else argv)}`",
@@ -287,12 +285,29 @@ def main(argv: list[str] | None = None) -> int:
         "data": f"`{shlex.join(data)}`, the first {max_samples} training sequences",
     }
     out.mkdir(parents=True, exist_ok=True)
-    parity_report.write(out, results, tolerances, header, tag)
+
+    def write_tables(outcomes: dict[Job, Outcome]) -> list[RowResult]:
+        """Judge what has ended and write parity.csv/md/png: after every run, so a call killed mid-way keeps the
+        verdicts of the rows that finished (the others `pending`, the header saying how many ended)."""
+        results: list[RowResult] = []
+        tolerances: dict[str, Tolerance] = {}
+        for model in args.models:
+            model_results, tol = judge([j for j in jobs if j.model == model], outcomes, args)
+            results += model_results
+            if tol is not None:
+                tolerances[model] = tol
+        ended = ({"status": f"partial: {len(outcomes)} of {len(runnable)} runs ended; rewritten as each run ends"}
+                 if len(outcomes) < len(runnable) else {})
+        parity_report.write(out, results, tolerances, {**header, **ended}, tag)
+        return results
+
+    print(f"{len(runnable)} runs ({len(jobs) - len(runnable)} skipped), {args.jobs} at a time, on {device}", flush=True)
+    results = write_tables(run_all(runnable, out, args.jobs, args.run_timeout, on_done=write_tables))
     for r in results:
         c = r.comparison
         delta = f"max |dloss| {c.max_abs_dloss:.2e}, dval {c.val_dloss:+.2e}, tol {c.tolerance:.2e}" if c else ""
         print(f"{r.model:12s} {r.config:22s} {r.verdict:9s} {delta} {r.note}")
-    print(f"wrote {out}/parity.csv, parity.md and " + ", ".join(f"parity_{m}.png" for m in tolerances))
+    print(f"wrote {out}/parity.csv, parity.md and parity_<model>.png")
     return 1 if any(r.verdict in ("fail", "error") for r in results) else 0
 
 

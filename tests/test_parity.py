@@ -103,6 +103,29 @@ def test_another_function_fails_and_a_broken_run_errors(tmp_path, cpu_env, text_
     assert "### gpt2-tiny broken" in md and "checkpoint /nonexistent does not exist" in md  # its last output lines
 
 
+def test_a_killed_call_keeps_the_verdicts_of_the_rows_that_ended(tmp_path, cpu_env, text_data, monkeypatch):
+    """The tables are rewritten as each run ends: killed while a row still runs (here: its launch raises, as the
+    call's time limit would stop the tool), parity.csv already holds the finished rows' verdicts and `pending`."""
+    real_launch = parity.launch
+
+    def launch_until_the_slow_row(cmd, log, timeout, env):
+        if "slow-gpt2-tiny" in cmd:
+            raise KeyboardInterrupt  # the device call's limit falls here
+        return real_launch(cmd, log, timeout, env)
+
+    monkeypatch.setattr(parity, "launch", launch_until_the_slow_row)
+    with pytest.raises(KeyboardInterrupt):
+        parity.main([*TINY, *text_data, "--jobs", "1", "--rows", "single", "--extra-row", "slow=--lr 6e-4",
+                     "--out", str(tmp_path)])
+    rows = {r["config"]: r["verdict"] for r in read_csv(tmp_path / "parity.csv")}
+    assert rows == {"single": "reference", "noise": "noise", "slow": "pending"}
+    assert "partial: 2 of 3 runs ended" in (tmp_path / "parity.md").read_text()
+    # `slow` shares single's configuration key (the lr is not part of it): a key with a row still running is not
+    # passing, so a sweep reading this partial table publishes nothing on it
+    key = config_key(parse_args(["--model", "gpt2-tiny"]).to_dict(), 1)
+    assert read_verdicts([tmp_path / "parity.csv"])[key] == "pending"
+
+
 def test_matrix_keeps_the_global_batch_in_every_layout():
     """With 4 GPUs the matrix adds DDP/ZeRO at world 4 and the TP rows; every row trains on 8 sequences per step and
     evaluates the same 2 x 8, whatever its dp x grad-accum split (what the CPU runs above cannot show)."""
