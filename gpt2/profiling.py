@@ -74,9 +74,9 @@ class StepProfiler:
         breakdown = summarise(list(prof.events()), ACTIVE_STEPS, hooks)
         (self.run_dir / "profile_breakdown.json").write_text(json.dumps(breakdown, indent=2))
         prof.export_chrome_trace(str(self.run_dir / "trace.json"))
-        wall = breakdown["step_wall_ms"]
-        log.info("profile (%s, ms/step; wall %s ms; device busy %s%%; %s kernels, %s collective calls per step): %s",
-                 breakdown["time_base"], f"{wall:.1f}" if wall else "n/a", breakdown["device_busy_pct"],
+        wall, busy = breakdown["step_wall_ms"], breakdown["device_busy_pct"]
+        log.info("profile (%s, ms/step; wall %s ms; device busy %s; %s kernels, %s collective calls per step): %s",
+                 breakdown["time_base"], f"{wall:.1f}" if wall else "n/a", f"{busy}%" if busy is not None else "n/a",
                  breakdown["kernels_per_step"], breakdown["collective_calls_per_step"],
                  ", ".join(f"{k} {v:.1f}" for k, v in breakdown["ms_per_step"].items()))
 
