@@ -164,7 +164,10 @@ def run_all(jobs: list[Job], out: Path, n_parallel: int, timeout: float,
             status = "ok" if outcome.rc == 0 else f"exit {outcome.rc}" if outcome.rc is not None else "timeout"
             print(f"[{len(outcomes)}/{len(jobs)}] {job.model} {job.row.name}: {status} in {outcome.wall_s:.0f} s",
                   flush=True)
-            on_done(outcomes)
+            try:
+                on_done(outcomes)
+            except Exception as err:  # a table that cannot be written now must not cost the runs still going
+                print(f"could not write the partial tables: {err}", flush=True)
     return outcomes
 
 
@@ -186,6 +189,8 @@ def judge(jobs: list[Job], outcomes: dict[Job, Outcome], args: argparse.Namespac
                 curves[job] = outcomes[job].curve()
         except CurveError as err:
             errors[job] = str(err)
+    # rows are judged once the reference and the noise row (the tolerance) have ended, never against a guess
+    waiting = any(j.row in (REFERENCE, NOISE) and not j.skip and j not in outcomes for j in jobs)
     ref = next((curves.get(j) for j in jobs if j.row == REFERENCE), None)
     noise_curve = next((curves.get(j) for j in jobs if j.row == NOISE), None)
     tol = None
@@ -203,8 +208,9 @@ def judge(jobs: list[Job], outcomes: dict[Job, Outcome], args: argparse.Namespac
         results.append(r)
         if job.skip:
             continue
-        if job not in outcomes:
-            r.verdict, r.note = "pending", "still running when this table was written"
+        if job not in outcomes or waiting:
+            r.verdict, r.note = "pending", ("still running when this table was written" if job not in outcomes
+                                            else "ended; judged once single and noise have ended")
             continue
         outcome = outcomes[job]
         r.command, r.run_dir, r.curve = outcome.command, str(outcome.run_dir), curves.get(job)
@@ -302,7 +308,11 @@ def main(argv: list[str] | None = None) -> int:
         return results
 
     print(f"{len(runnable)} runs ({len(jobs) - len(runnable)} skipped), {args.jobs} at a time, on {device}", flush=True)
-    results = write_tables(run_all(runnable, out, args.jobs, args.run_timeout, on_done=write_tables))
+    def write_partial(ended: dict[Job, Outcome]) -> None:
+        if len(ended) < len(runnable):  # the complete tables are written once, below
+            write_tables(ended)
+
+    results = write_tables(run_all(runnable, out, args.jobs, args.run_timeout, on_done=write_partial))
     for r in results:
         c = r.comparison
         delta = f"max |dloss| {c.max_abs_dloss:.2e}, dval {c.val_dloss:+.2e}, tol {c.tolerance:.2e}" if c else ""

@@ -33,7 +33,8 @@ from gpt2.run_logging import run_label
 # verdicts, best first: a configuration checked by several rows (e.g. `single` and `grad-accum` share a key) gets
 # the worst of them. `reference` and `noise` are the rows the others are measured against: they pass by definition.
 # `precision`: a row computing in another precision than the reference (fp32 against bf16) is not judged.
-# `pending`: a row still running when a partial parity.csv was written (benchmarks.parity rewrites it per run).
+# `pending`: a row not yet judged when a partial parity.csv was written (benchmarks.parity rewrites it per run):
+# still running, or waiting for the reference and noise rows.
 VERDICTS = ("reference", "noise", "pass", "precision", "skipped", "pending", "fail", "error")
 PASSING = frozenset({"reference", "noise", "pass"})
 TRAIN_MODES = get_args(Mode)  # train.py's --mode choices

@@ -280,13 +280,10 @@ def sdpa_backend_used(
     answer of its own dispatcher (`torch._fused_sdp_choice`, what F.scaled_dot_product_attention calls), e.g.
     "FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION" or "MATH".
 
-    Not a walk over `torch._C._get_sdp_priority_order()`: that list omits the dispatcher's own preferences (on
-    Hopper, torch 2.11 runs cuDNN ahead of the listed flash kernel), so such a walk named flash for runs whose
-    profiles show cuDNN's kernels. The inputs are allocated uninitialised at the full shape: constraints may
-    depend on batch and heads.
+    Not a walk over `torch._C._get_sdp_priority_order()`: PyTorch sets its own order lazily, at the first
+    dispatch (on Hopper, torch 2.11 moves cuDNN first), so a walk made before any attention call named flash for
+    training runs whose profiles show cuDNN's kernels. The inputs are allocated uninitialised at the full shape:
+    constraints may depend on batch and heads. Raises RuntimeError where no backend accepts the inputs.
     """
     q = torch.empty(shape, dtype=dtype, device=device, requires_grad=requires_grad)  # [B, H, T, hd]
-    choice = torch._fused_sdp_choice(q, q, q, None, dropout_p, True)
-    if SDPBackend(choice) == SDPBackend.ERROR:
-        raise RuntimeError(f"no SDPA backend accepts shape {shape}, {dtype} on {device}")
-    return SDPBackend(choice).name
+    return SDPBackend(torch._fused_sdp_choice(q, q, q, None, dropout_p, True)).name

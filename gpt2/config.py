@@ -56,12 +56,6 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
 Mode = Literal["single", "baseline", "hybrid"]
 Precision = Literal["bf16", "fp16", "fp32"]
 # --attn (fused_kernels.attention.ATTN_CHOICES; written out here so the config never imports torch kernels)
-THROUGHPUT_WARMUP_STEPS = 3
-# DeepCompile compiles at the first step, profiles, then re-compiles with its prefetch and selective-gather passes
-# in the step after this many (deepspeed/compile/init_z3.py WARMUP, DeepSpeed 0.19.8): on GPT-2 Large on one H100
-# the two compiles took over 8 minutes, which tokens/s must not count.
-DEEPCOMPILE_RECOMPILE_STEP = 5
-
 AttnChoice = Literal["sdpa", "auto", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "flash"]
 
 
@@ -108,6 +102,13 @@ class LogConfig:
     wandb_tags: list[str] = field(default_factory=list)
     log_interval: int = 10
     peak_tflops: float | None = None
+
+
+THROUGHPUT_WARMUP_STEPS = 3
+# DeepCompile compiles at the first step, profiles, then re-compiles with its prefetch and selective-gather passes
+# in the step after this many (deepspeed/compile/init_z3.py WARMUP, DeepSpeed 0.19.8): on GPT-2 Large on one H100
+# the two compiles took over 8 minutes, which tokens/s must not count.
+DEEPCOMPILE_RECOMPILE_STEP = 5
 
 
 @dataclass
@@ -387,7 +388,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         seq_len=args.seq_len, max_steps=args.max_steps,
         warmup_steps=args.warmup_steps,
         throughput_warmup_steps=(args.throughput_warmup_steps if args.throughput_warmup_steps is not None else
-                                 throughput_warmup_default(args.compile and args.compiler == "deepcompile")),
+                                 throughput_warmup_default(
+                                     compile_label(args.compile, "model", args.compiler or "torch") == "deepcompile")),
         lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         max_bad_steps=args.max_bad_steps,
         precision=args.precision, seed=args.seed,

@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from gpt2.run_logging import log
 
 ACTIVE_STEPS = 3
+DEVICE_TIME = "device kernel time"
 # first match wins; kernel names of cuBLAS/CUTLASS/cuDNN/flash/NCCL/Triton/PyTorch
 CATEGORIES: list[tuple[str, re.Pattern]] = [
     ("communication", re.compile(r"nccl|allreduce|all_gather|reduce_scatter", re.I)),
@@ -29,7 +30,9 @@ CATEGORIES: list[tuple[str, re.Pattern]] = [
 ]
 # host-side collective calls: the c10d ops the process calls (the backend's own `nccl:`/`gloo:` work records on
 # its threads are not counted again; NCCL kernels are the device side's communication category)
-COLLECTIVE_CALL = re.compile(r"^c10d::")
+COLLECTIVE_CALL_PREFIX = "c10d::"
+# host events that are not host work: waiting for the device (the step timer's and .item()'s synchronisations)
+DEVICE_WAIT = re.compile(r"Synchronize", re.I)
 
 
 def categorise(kernel_name: str) -> str:
@@ -66,12 +69,11 @@ class StepProfiler:
     def _write(self, prof: profile) -> None:
         assert self.run_dir is not None
         events = prof.key_averages()
-        on_device = any(is_kernel(e) for e in events)
-        sort_key = "self_cuda_time_total" if on_device else "self_cpu_time_total"
+        hooks = count_module_hooks(self.module) if self.module is not None else None
+        breakdown = summarise(list(prof.events()), hooks)
+        sort_key = "self_cuda_time_total" if breakdown["time_base"] == DEVICE_TIME else "self_cpu_time_total"
         (self.run_dir / "profile_kernels.txt").write_text(events.table(sort_by=sort_key, row_limit=40))
         (self.run_dir / "profile_host.txt").write_text(events.table(sort_by="self_cpu_time_total", row_limit=40))
-        hooks = count_module_hooks(self.module) if self.module is not None else None
-        breakdown = summarise(list(prof.events()), ACTIVE_STEPS, hooks)
         (self.run_dir / "profile_breakdown.json").write_text(json.dumps(breakdown, indent=2))
         prof.export_chrome_trace(str(self.run_dir / "trace.json"))
         wall, busy = breakdown["step_wall_ms"], breakdown["device_busy_pct"]
@@ -99,14 +101,18 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def count_module_hooks(module: torch.nn.Module) -> int:
-    """Forward/backward (pre-)hooks registered on the module tree: each fires once per module call, so this is the
-    number of Python hook calls per forward + backward (ZeRO-3 registers its fetch and release hooks here)."""
+    """Forward/backward (pre-)hooks registered on the modules of the tree themselves (not global hooks, nor the
+    autograd functions ZeRO-3 also puts on module outputs for its backward fetches): each fires once per module
+    call, so this counts Python hook calls per forward + backward."""
     return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_pre_hooks)
                + len(m._backward_hooks) for m in module.modules())
 
 
-def summarise(events: list[FunctionEvent], steps: int, module_hooks: int | None) -> dict:
-    """The profile_breakdown.json record of `steps` profiled steps (the events of `prof.events()`)."""
+def summarise(events: list[FunctionEvent], module_hooks: int | None) -> dict:
+    """The profile_breakdown.json record of the profiled steps (the events of `prof.events()`), per step: as many
+    steps as ProfilerStep ranges, fewer than ACTIVE_STEPS where the run ended inside the window."""
+    step_events = [e for e in events if e.key.startswith("ProfilerStep") and e.device_type == DeviceType.CPU]
+    steps = max(len(step_events), 1)
     kernels = [e for e in events if is_kernel(e)]
     on_device = bool(kernels)
     # kernels are counted once: CPU ops also carry their kernels' device time, so they are skipped
@@ -116,13 +122,12 @@ def summarise(events: list[FunctionEvent], steps: int, module_hooks: int | None)
         us = e.self_device_time_total if on_device else e.self_cpu_time_total
         totals[categorise(e.key)] = totals.get(categorise(e.key), 0.0) + us
     per_step_ms = {k: v / 1000 / steps for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
-    step_events = [e for e in events if e.key.startswith("ProfilerStep") and e.device_type == DeviceType.CPU]
     wall_ms = sum(e.time_range.elapsed_us() for e in step_events) / 1000 / steps if step_events else None
     busy_ms = busy_us([(e.time_range.start, e.time_range.end) for e in kernels]) / 1000 / steps
-    collectives = [e for e in events if e.device_type == DeviceType.CPU and COLLECTIVE_CALL.search(e.key)
-                   and not (e.cpu_parent is not None and COLLECTIVE_CALL.search(e.cpu_parent.key))]
-    host_ops = [e for e in events if e.device_type == DeviceType.CPU and not e.key.startswith("ProfilerStep")]
-    return {"time_base": "device kernel time" if on_device else "CPU op time",
+    collectives = [e for e in events if e.device_type == DeviceType.CPU and e.key.startswith(COLLECTIVE_CALL_PREFIX)]
+    host_ops = [e for e in events if e.device_type == DeviceType.CPU and not e.is_user_annotation
+                and not e.key.startswith("ProfilerStep") and not DEVICE_WAIT.search(e.key)]
+    return {"time_base": DEVICE_TIME if on_device else "CPU op time",
             "steps": steps, "ms_per_step": per_step_ms, "step_wall_ms": wall_ms,
             "device_busy_ms_per_step": round(busy_ms, 2) if on_device else None,
             "device_busy_pct": round(100 * busy_ms / wall_ms, 1) if on_device and wall_ms else None,
@@ -133,4 +138,5 @@ def summarise(events: list[FunctionEvent], steps: int, module_hooks: int | None)
             "note": "ms_per_step sums kernel durations per category; kernels on different streams overlap "
                     "(communication with compute), so the sum can exceed the wall time. device_busy is the union of "
                     "kernel intervals: wall minus busy is time the device waited for the host. host_op_ms is the "
-                    "host time inside PyTorch ops (all threads; Python between ops not counted)"}
+                    "host time inside PyTorch ops and runtime calls (all threads; waits for the device and Python "
+                    "between ops not counted)"}

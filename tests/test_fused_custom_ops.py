@@ -175,10 +175,10 @@ def test_a_compiled_lm_head_keeps_inductor_s_cross_entropy_and_the_up_projection
 
 
 def test_triton_launch_repro_measures_every_case():
-    """benchmarks/repro/triton_launch_in_backward.py (a GPU measurement) runs end to end: here under Triton's
-    interpreter, so only its cases and plumbing are checked, not its numbers."""
+    """benchmarks/repro/triton_launch_in_backward.py (a GPU measurement) runs end to end where the kernels run
+    (on CPU under Triton's interpreter): its cases and plumbing are checked, not its numbers."""
     from benchmarks.repro.triton_launch_in_backward import measure
 
-    results = measure(iters=2, device=torch.device("cpu"))
+    results = measure(iters=2, device=DEVICE)
     assert len(results) == 8 and all(us > 0 for us in results.values())
     assert {"fwd triton", "fwd+bwd custom-op, backward on the calling thread"} <= results.keys()

@@ -126,6 +126,22 @@ def test_a_killed_call_keeps_the_verdicts_of_the_rows_that_ended(tmp_path, cpu_e
     assert read_verdicts([tmp_path / "parity.csv"])[key] == "pending"
 
 
+def test_a_row_that_ends_before_the_reference_is_pending_not_judged(tmp_path):
+    """With several rows at once a row can end before single or noise: a partial table then says `pending` for it,
+    not an `error` (no reference yet) or a verdict against the floor alone (no noise yet)."""
+    import argparse
+
+    common = ["--model", "gpt2-tiny", "--seq-len", "32", "--data", "synthetic"]
+    rows = {row.name: row for row in matrix(1)}
+    jobs = [plan(rows[name], "gpt2-tiny", common, 8, 2, "cpu") for name in ("single", "noise", "compile-model")]
+    ended = parity.Outcome("cmd", 0, 1.0, tmp_path / "run", tmp_path / "log")
+    args = argparse.Namespace(tol_floor=None, tol_factor=3.0)
+    results, _ = parity.judge(jobs, {jobs[2]: ended}, args)
+    assert [(r.config, r.verdict) for r in results] == [("single", "pending"), ("noise", "pending"),
+                                                         ("compile-model", "pending")]
+    assert "judged once single and noise have ended" in results[2].note
+
+
 def test_matrix_keeps_the_global_batch_in_every_layout():
     """With 4 GPUs the matrix adds DDP/ZeRO at world 4 and the TP rows; every row trains on 8 sequences per step and
     evaluates the same 2 x 8, whatever its dp x grad-accum split (what the CPU runs above cannot show)."""
