@@ -65,13 +65,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int tile_n = (pid % (GROUP_M * tiles_n)) / group_m;
 
   const int wg = threadIdx.x / 128, KT = K / BK;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full[s], 1);               // the producer's arrive.expect_tx; the bytes complete the phase
-      mbar_init(&empty[s], CONSUMERS * 4);  // lane 0 of every consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the async proxy (TMA)
-  }
+  init_pipeline_barriers<STAGES, CONSUMERS>(full, empty);
   __syncthreads();  // the last block-wide barrier: the roles below never meet again
 
   if (wg == 0) {  // ---------------- producer

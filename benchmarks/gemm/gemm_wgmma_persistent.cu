@@ -117,13 +117,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN, tiles = tiles_m * tiles_n;
   const int KT = (K + BK - 1) / BK;  // a partial last k-tile is zero-filled by TMA in both A and B
   const int wg = threadIdx.x / 128;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full[s], 1);               // the producer's arrive.expect_tx; the bytes complete the phase
-      mbar_init(&empty[s], CONSUMERS * 4);  // lane 0 of every consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the async proxy (TMA)
-  }
+  init_pipeline_barriers<STAGES, CONSUMERS>(full, empty);
   __syncthreads();  // the last block-wide barrier: the roles below never meet again
 
   if (wg == 0) {  // ---------------- producer: runs ahead across tiles, bounded by the empty barriers

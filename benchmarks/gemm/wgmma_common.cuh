@@ -28,6 +28,19 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, unsigned by
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
+// The warp-specialised pipeline's barriers, set up by thread 0 before the block's last __syncthreads: full[s]
+// completes when the producer's one arrive.expect_tx and its TMA bytes land, empty[s] when lane 0 of each of the
+// 4 warps of every consumer warpgroup has released stage s.
+template <int STAGES, int CONSUMERS>
+__device__ __forceinline__ void init_pipeline_barriers(uint64_t* full, uint64_t* empty) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], CONSUMERS * 4);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the async proxy (TMA)
+  }
+}
 // Blocks until the barrier phase with this parity has completed.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
   unsigned done = 0;
