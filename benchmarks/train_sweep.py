@@ -15,7 +15,9 @@ above one that already ran out are not tried.
 
 Every run: `python -m torch.distributed.run --standalone --nproc_per_node=N train.py ...` (or `-m
 benchmarks.hf_reference`), `--max-steps` steps of which the first `--warmup` are excluded from tokens/s and
-MFU, its output in OUT/logs/NAME.log and its run folder in OUT/runs/NAME. A run that fails, runs out of
+MFU (with `--extra-args=--profile`, also the 4 profiled steps after them: each row then gets the device's busy
+share and the kernels launched per step; give --steps room for both), its output in OUT/logs/NAME.log and its run
+folder in OUT/runs/NAME. A run that fails, runs out of
 memory or passes `--run-timeout` is recorded with its last error line and the sweep goes on. After every run
 OUT/sweep.csv (every launch) and OUT/sweep.md (status table: configuration, kernels, batch/GPU, tokens/s, MFU,
 peak memory, step and run time, failures with their last error line) are rewritten, and so are
@@ -224,7 +226,13 @@ def table_row(r: RunResult) -> dict[str, Any]:
         "tokens_per_s": s.get("tokens_per_s"), "tokens_per_s_per_gpu": s.get("tokens_per_s_per_gpu"),
         "mfu": s.get("mfu"), "peak_allocated_gib": s.get("mem/peak_allocated_gib"),
         "peak_reserved_gib": s.get("mem/peak_reserved_gib"), "step_time_s": s.get("step_time_s"),
-        "run_time_s": r.wall_s, "final_loss": s.get("final_loss"), "status": r.status, "error": r.error,
+        "run_time_s": r.wall_s, "final_loss": s.get("final_loss"),
+        # --extra-args=--profile: the device's busy share of the profiled steps, and what the host did per step
+        "device_busy_pct": s.get("profile/device_busy_pct"),
+        "host_op_ms_per_step": s.get("profile/host_op_ms_per_step"),
+        "kernels_per_step": s.get("profile/kernels_per_step"),
+        "collective_calls_per_step": s.get("profile/collective_calls_per_step"),
+        "status": r.status, "error": r.error,
         "run": r.name, "mode": r.mode, "device": s.get("device"),
     }
 
@@ -257,6 +265,7 @@ def format_row(row: dict[str, Any]) -> str:
 
 
 def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    profiled = any(r.get("device_busy_pct") is not None for r in rows)
     shown = [{
         "configuration": r["configuration"], "kernels": r["fused_kernels"],
         "batch/GPU": f"{r['batch_per_gpu']}" + (" (max)" if r["batch_choice"] == "max" else ""),
@@ -264,7 +273,10 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "MFU": _pct(r["mfu"]),
         "peak mem alloc / reserved (GiB)": f"{_fmt(r['peak_allocated_gib'], '.1f')} / "
                                            f"{_fmt(r['peak_reserved_gib'], '.1f')}",
-        "step (s)": _fmt(r["step_time_s"], ".3f"), "run time (s)": _fmt(r["run_time_s"], ".0f"),
+        "step (s)": _fmt(r["step_time_s"], ".3f"),
+        **({"device busy": _fmt(r["device_busy_pct"], ".1f") + ("%" if r["device_busy_pct"] is not None else ""),
+            "kernels/step": _fmt(r["kernels_per_step"], ",.0f")} if profiled else {}),
+        "run time (s)": _fmt(r["run_time_s"], ".0f"),
         "status": r["status"] + (f": {r['error']}" if r["status"] != "ok" else ""),
         "parity": r["parity"],
     } for r in rows]
@@ -278,7 +290,10 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     header = (f"# Training sweep: {args.model}, seq {args.seq_len}, {args.precision}, {args.data} data, "
               f"{args.gpus} processes, {args.steps} steps ({args.warmup} warm-up)\n\n"
               f"device: {', '.join(devices) or 'n/a'}; peak memory is the max over ranks; "
-              f"tokens/s and MFU average the post-warm-up steps.\n\n{gate}\n\n")
+              f"tokens/s and MFU average the post-warm-up steps"
+              f"{' (and, under --profile, the steps after the profiled ones)' if profiled else ''}.\n\n"
+              + ("device busy: the union of kernel intervals over the profiled steps' wall time (1 - busy: the share "
+                 "the device waited for the host).\n\n" if profiled else "") + f"{gate}\n\n")
     return header + markdown_table(shown, list(shown[0])) + "\n"
 
 

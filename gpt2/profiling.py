@@ -1,5 +1,8 @@
 """`--profile`: torch.profiler over 3 steps after the throughput warm-up, summarised by kernel category.
 
+The profiled steps (and the profiler's own warm-up step) run slower than unprofiled ones, so tokens/s and MFU count
+only the steps after them (`PROFILED_STEPS`): one run gives both its throughput and its profile.
+
 Writes, into the run folder (rank 0): `profile_kernels.txt` (top kernels by device time), `profile_host.txt`
 (top ops by their own host time: where a host-bound step goes), `profile_breakdown.json` (device time per
 category and per step; how busy the device was; host time in ops; kernel launches, collective calls and module
@@ -20,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from gpt2.run_logging import log
 
 ACTIVE_STEPS = 3
+PROFILED_STEPS = 1 + ACTIVE_STEPS  # the schedule's warm-up step and its active steps
 DEVICE_TIME = "device kernel time"
 # first match wins; kernel names of cuBLAS/CUTLASS/cuDNN/flash/NCCL/Triton/PyTorch
 CATEGORIES: list[tuple[str, re.Pattern]] = [
@@ -49,6 +53,7 @@ class StepProfiler:
                  module: torch.nn.Module | None = None):
         self.run_dir = run_dir
         self.module = module
+        self.breakdown: dict | None = None
         self._prof = None
         if enabled and run_dir is not None:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -70,7 +75,7 @@ class StepProfiler:
         assert self.run_dir is not None
         events = prof.key_averages()
         hooks = count_module_hooks(self.module) if self.module is not None else None
-        breakdown = summarise(list(prof.events()), hooks)
+        self.breakdown = breakdown = summarise(list(prof.events()), hooks)
         sort_key = "self_cuda_time_total" if breakdown["time_base"] == DEVICE_TIME else "self_cpu_time_total"
         (self.run_dir / "profile_kernels.txt").write_text(events.table(sort_by=sort_key, row_limit=40))
         (self.run_dir / "profile_host.txt").write_text(events.table(sort_by="self_cpu_time_total", row_limit=40))
@@ -81,6 +86,17 @@ class StepProfiler:
                  breakdown["time_base"], f"{wall:.1f}" if wall else "n/a", f"{busy}%" if busy is not None else "n/a",
                  breakdown["kernels_per_step"], breakdown["collective_calls_per_step"],
                  ", ".join(f"{k} {v:.1f}" for k, v in breakdown["ms_per_step"].items()))
+
+
+    def summary_fields(self) -> dict[str, float | None]:
+        """The breakdown's per-step figures for the run's summary.json (none before the profile is written)."""
+        if self.breakdown is None:
+            return {}
+        return {f"profile/{k}": self.breakdown[k] for k in SUMMARY_FIELDS}
+
+
+SUMMARY_FIELDS = ("step_wall_ms", "device_busy_pct", "host_op_ms_per_step", "kernels_per_step",
+                  "collective_calls_per_step", "module_hooks_per_forward_backward")
 
 
 def is_kernel(e: FunctionEvent) -> bool:

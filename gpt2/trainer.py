@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from fused_kernels.attention import AttentionChoice
 from gpt2.checkpoint import Checkpointer
-from gpt2.config import DEEPCOMPILE_RECOMPILE_STEP, RunConfig
+from gpt2.config import DEEPCOMPILE_RECOMPILE_STEP, RunConfig, TrainConfig
 from gpt2.data import DataBundle
 from gpt2.distributed import DistContext
 from gpt2.guard import GuardReading, NonFiniteGuard, install_fault_injection
@@ -32,7 +32,7 @@ from gpt2.metrics import (
 )
 from gpt2.planner import compare_with_run, format_plan, plan_for_run
 from gpt2.preemption import Preempted, PreemptionWatcher
-from gpt2.profiling import StepProfiler
+from gpt2.profiling import PROFILED_STEPS, StepProfiler
 from gpt2.run_logging import MetricsLogger, log
 
 
@@ -150,11 +150,17 @@ def step_record(layout: RunLayout, ctx: DistContext, engine: Engine, meter: Thro
             "tokens_seen": step * layout.tokens_per_step}
 
 
+def untimed_steps(t: TrainConfig) -> int:
+    """Steps of a run (from its start) that tokens/s and MFU leave out: the warm-up, then any profiled steps."""
+    return t.throughput_warmup_steps + (PROFILED_STEPS if t.profile else 0)
+
+
 def _warn_about_settings(layout: RunLayout, start_step: int) -> None:
     cfg, t = layout.cfg, layout.cfg.train
-    if t.max_steps - start_step <= t.throughput_warmup_steps:
-        log.warning("all %d steps are throughput warm-up: no tokens/s or MFU; raise --max-steps above "
-                    "--throughput-warmup-steps %d", t.max_steps - start_step, t.throughput_warmup_steps)
+    if t.max_steps - start_step <= untimed_steps(t):
+        log.warning("all %d steps are throughput warm-up%s: no tokens/s or MFU; raise --max-steps above %d",
+                    t.max_steps - start_step, f" or profiled ({PROFILED_STEPS} after --throughput-warmup-steps)"
+                    if t.profile else "", start_step + untimed_steps(t))
     if cfg.model.dropout > 0 and layout.tp_size > 1:  # no Megatron-style per-TP-rank RNG tracker here
         log.warning("--dropout %g with --tp-size %d: every rank draws from one RNG stream, so dropout masks repeat "
                     "across TP ranks' heads (and sequence shards with SP): correlated, unlike single's; training "
@@ -193,7 +199,8 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
                  logger: MetricsLogger | None, start_step: int = 0,
                  checkpointer: Checkpointer | None = None,
                  preemption: PreemptionWatcher | None = None) -> dict[str, Any]:
-    """Train from `start_step` to max_steps; returns the summary record (identical on every rank).
+    """Train from `start_step` to max_steps; returns the summary record (identical on every rank but for
+    `--profile`'s figures, which only rank 0 has).
 
     After every optimizer step the non-finite guard counts it on the device (`gpt2.guard`); the loop reads the
     guard where it reads numbers anyway (log steps, saves, every --max-bad-steps steps, a preemption) and raises
@@ -207,7 +214,7 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
     meter = ThroughputMeter(
         tokens_per_step=layout.tokens_per_step, flops_per_token=flops_per_token(cfg.model, t.seq_len),
         hw_flops_per_token=hardware_flops_per_token(cfg.model, t.seq_len, t.activation_checkpointing),
-        n_devices=ctx.world_size, peak_tflops=peak, warmup_steps=start_step + t.throughput_warmup_steps)
+        n_devices=ctx.world_size, peak_tflops=peak, warmup_steps=start_step + untimed_steps(t))
     timer = StepTimer(ctx.device)
     log.info("tokens/step %d (dp %d x batch %d x accum %d x seq %d); FLOPs/token %.3e; peak %s TFLOP/s",
              layout.tokens_per_step, layout.dp_size, t.batch_size, layout.grad_accum, t.seq_len,
@@ -270,7 +277,8 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
     val = _evaluate(cfg, engine, data, recorder, t.max_steps)
     summary = build_summary(layout, ctx, meter, peak, start_step=start_step, train_time=train_time, last=last,
                             val=val, skipped_steps=reading.skipped,
-                            attention=getattr(engine.module, "attention_choice", None))
+                            attention=getattr(engine.module, "attention_choice", None),
+                            profile=profiler.summary_fields())
     # predicted next to measured memory and communication
     summary.update(compare_with_run(plan, summary, comm.per_step("tp"), comm.per_step("dp")))
     recorder.log_summary(summary)
@@ -284,9 +292,11 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
 
 def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, peak: float | None, *,
                   start_step: int, train_time: float, last: dict[str, Any], val: dict[str, float],
-                  skipped_steps: int, attention: AttentionChoice | None = None) -> dict[str, Any]:
+                  skipped_steps: int, attention: AttentionChoice | None = None,
+                  profile: dict[str, float | None] | None = None) -> dict[str, Any]:
     """The run's summary record (collective: peak memory is the max over ranks). `attention`: what `--attn`
-    resolved to at model build (`attn_backend`: the kernel that runs; `attn_choice`: with auto's timings)."""
+    resolved to at model build (`attn_backend`: the kernel that runs; `attn_choice`: with auto's timings).
+    `profile`: `--profile`'s per-step figures (`profile/device_busy_pct`, ...; rank 0's, the rank that profiles)."""
     cfg, t = layout.cfg, layout.cfg.train
     return {
         "mode": t.mode, "model": t.model, "n_params": model_params_for_flops(cfg.model),
@@ -302,7 +312,7 @@ def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, p
         "skipped_steps": skipped_steps,  # of those, updates skipped for a non-finite loss or gradient norm
         "train_time_s": train_time, **meter.summary(), **_peak_memory(ctx),
         "final_loss": last.get("loss"), "final_accuracy": last.get("accuracy"), **val,
-        "torch_version": torch.__version__, "profiled": t.profile,
+        "torch_version": torch.__version__, "profiled": t.profile, **(profile or {}),
     }
 
 

@@ -168,3 +168,28 @@ def test_nanogpt_reference_model_is_gpt2_with_our_parameter_count():
     x = torch.randint(0, cfg.vocab_size, (2, 17))
     loss = compact(x[:, :-1], x[:, 1:])
     assert abs(loss.item() - math.log(cfg.padded_vocab_size)) < 0.1
+
+
+def test_sweep_rows_carry_the_profile(tmp_path, monkeypatch):
+    """With --extra-args=--profile, each row gets the run's device busy share and launches per step."""
+    def fake_launch(cmd: list[str], log_path: Path, timeout: float) -> tuple[int, float]:
+        assert "--profile" in cmd
+        name = cmd[cmd.index("--run-name") + 1]
+        run_dir = Path(cmd[cmd.index("--out-dir") + 1]) / name
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text(json.dumps(
+            {"mode": "hybrid", "world_size": 1, "batch_size_per_gpu": 8, "tokens_per_s": 25875.0, "mfu": 0.136,
+             "mem/peak_allocated_gib": 33.5, "step_time_s": 0.317, "device": "fake",
+             "profile/device_busy_pct": 41.5, "profile/kernels_per_step": 4643.0,
+             "profile/host_op_ms_per_step": 120.0, "profile/collective_calls_per_step": 21.3}))
+        log_path.write_text("ok\n")
+        return 0, 2.0
+
+    monkeypatch.setattr(train_sweep, "launch", fake_launch)
+    assert train_sweep.main(["--gpus", "1", "--modes", "hybrid", "--fused", "none", "--batches", "8",
+                             "--extra-args=--profile", "--out", str(tmp_path)]) == 0
+    row, = read_csv(tmp_path / "sweep.csv")
+    assert (row["device_busy_pct"], row["kernels_per_step"], row["collective_calls_per_step"]) == (
+        "41.5", "4643.0", "21.3")
+    table = (tmp_path / "sweep.md").read_text()
+    assert "| device busy | kernels/step |" in table and "| 41.5% | 4,643 |" in table

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from gpt2.profiling import StepProfiler, busy_us, count_module_hooks, summarise
+from gpt2.profiling import SUMMARY_FIELDS, StepProfiler, busy_us, count_module_hooks, summarise
 
 
 @pytest.fixture
@@ -57,12 +57,14 @@ def test_step_profiler_writes_the_breakdown(tmp_path):
     model = torch.nn.Linear(4, 4)
     model.register_forward_pre_hook(lambda *a: None)
     profiler = StepProfiler(True, tmp_path, skip_steps=1, device=torch.device("cpu"), module=model)
+    assert profiler.summary_fields() == {}  # nothing profiled yet
     for _ in range(6):
         model(torch.ones(2, 4)).sum().backward()
         profiler.step()
     profiler.stop()
     breakdown = json.loads((tmp_path / "profile_breakdown.json").read_text())
     assert breakdown["steps"] == 3 and breakdown["module_hooks_per_forward_backward"] == 1
+    assert profiler.summary_fields() == {f"profile/{k}": breakdown[k] for k in SUMMARY_FIELDS}
     assert breakdown["step_wall_ms"] > 0
     for name in ("trace.json", "profile_kernels.txt", "profile_host.txt"):
         assert (tmp_path / name).exists(), name

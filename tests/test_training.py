@@ -83,3 +83,15 @@ def test_wikitext2_training_reduces_loss(tmp_path: Path) -> None:
     losses = step_losses(tmp_path / "wt2")
     assert losses[0] > 10.0 and losses[-1] < losses[0] - 2.0
     assert summary(tmp_path / "wt2")["val_perplexity"] < 5000
+
+
+def test_profiled_steps_are_left_out_of_tokens_per_s(tmp_path: Path) -> None:
+    """--profile: steps 2-5 (the profiler's warm-up and 3 active steps, after 1 warm-up step) are slower than the
+    others, so tokens/s averages steps 6-8 only; the summary carries the profile's per-step figures."""
+    run_train(TINY_ARGS + ["--data", "synthetic", "--max-steps", "8", "--batch-size", "2", "--run-name", "prof",
+                           "--throughput-warmup-steps", "1", "--profile"], tmp_path)
+    s = summary(tmp_path / "prof")
+    assert s["measured_steps"] == 3
+    assert s["profile/step_wall_ms"] > 0 and s["profile/kernels_per_step"] == 0  # CPU: no kernels
+    assert s["profile/device_busy_pct"] is None
+    assert json.loads((tmp_path / "prof" / "profile_breakdown.json").read_text())["steps"] == 3
