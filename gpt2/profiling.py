@@ -11,6 +11,7 @@ hooks per step: the counts that say whether a step is host-bound and why), and `
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 from pathlib import Path
@@ -65,11 +66,18 @@ class StepProfiler:
     def step(self) -> None:
         if self._prof is not None:
             self._prof.step()
+            if self.breakdown is not None:  # the window has ended and is written: let the steps after it run free
+                self.stop()
 
     def stop(self) -> None:
+        """End profiling and drop the profile. Its events are hundreds of thousands of Python objects: kept alive,
+        they lengthen every full garbage collection of the steps that tokens/s measures (a CPU probe: 350 ms
+        against 160 ms released; on an H100, ZeRO-2 at batch 8 took 0.18 s a step before a retained profile and
+        0.26 s after it). Called between steps, untimed."""
         if self._prof is not None:
             self._prof.stop()
             self._prof = None
+            gc.collect()
 
     def _write(self, prof: profile) -> None:
         assert self.run_dir is not None

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from gpt2.profiling import SUMMARY_FIELDS, StepProfiler, busy_us, count_module_hooks, summarise
+from gpt2.profiling import PROFILED_STEPS, SUMMARY_FIELDS, StepProfiler, busy_us, count_module_hooks, summarise
 
 
 @pytest.fixture
@@ -58,10 +59,13 @@ def test_step_profiler_writes_the_breakdown(tmp_path):
     model.register_forward_pre_hook(lambda *a: None)
     profiler = StepProfiler(True, tmp_path, skip_steps=1, device=torch.device("cpu"), module=model)
     assert profiler.summary_fields() == {}  # nothing profiled yet
-    for _ in range(6):
+    recording = weakref.ref(profiler._prof)
+    for _ in range(1 + PROFILED_STEPS):
         model(torch.ones(2, 4)).sum().backward()
         profiler.step()
-    profiler.stop()
+    assert recording() is None  # released when its window ended, before the steps that tokens/s measures
+    profiler.step()
+    profiler.stop()  # both no-ops now
     breakdown = json.loads((tmp_path / "profile_breakdown.json").read_text())
     assert breakdown["steps"] == 3 and breakdown["module_hooks_per_forward_backward"] == 1
     assert profiler.summary_fields() == {f"profile/{k}": breakdown[k] for k in SUMMARY_FIELDS}
