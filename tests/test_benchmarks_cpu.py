@@ -7,6 +7,8 @@ import json
 import math
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from benchmarks import tp_scaling, train_sweep
-from benchmarks.common import free_port
+from benchmarks.common import ROOT, free_port
 
 TINY = ["--model", "gpt2-tiny", "--seq-len", "32", "--steps", "3", "--warmup", "1", "--log-interval", "1",
         "--device", "cpu", "--precision", "fp32", "--peak-tflops", "1", "--fused", "none"]
@@ -193,3 +195,17 @@ def test_sweep_rows_carry_the_profile(tmp_path, monkeypatch):
         "41.5", "4643.0", "21.3")
     table = (tmp_path / "sweep.md").read_text()
     assert "| device busy | kernels/step |" in table and "| 41.5% | 4,643 |" in table
+
+
+def test_deepspeed_host_cost_repro_separates_zero3_from_torch(tmp_path, cpu_env):
+    """benchmarks/repro/deepspeed_host_cost_per_tensor.py on CPU: ZeRO-3's step grows with the number of parameter
+    tensors many times faster than plain torch's (on this machine ~0.9 ms against ~0.05 ms per tensor)."""
+    subprocess.run([sys.executable, "-m", "benchmarks.repro.deepspeed_host_cost_per_tensor", "--engines", "torch",
+                    "zero3", "--layers", "4", "32", "--steps", "3", "--out", str(tmp_path)],
+                   check=True, cwd=ROOT, capture_output=True, timeout=300)
+    rows = {r["engine"]: r for r in read_csv(tmp_path / "host_cost.csv")}
+    assert set(rows) == {"torch", "zero3"} and rows["zero3"]["device"] == "CPU"
+    assert {"ms_at_8_tensors", "ms_at_64_tensors"} <= set(rows["torch"])
+    torch_us, zero3_us = (float(rows[e]["us_per_tensor_per_step"]) for e in ("torch", "zero3"))
+    assert zero3_us > 3 * max(torch_us, 1.0)
+    assert "| zero3 |" in (tmp_path / "host_cost.md").read_text()
