@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                      "us_per_tensor_per_step": round(1000 * slope, 1), "intercept_ms": round(intercept, 2),
                      "ms_per_step_at_gpt2_large_tensors": round(slope * GPT2_LARGE_TENSORS, 1)})
     header = (f"# Host time per parameter tensor per step, world size 1 ({name}, torch {torch.__version__}, "
-              f"DeepSpeed {deepspeed.__version__})\n\n`{' '.join(['python', *sys.argv])}`\n\n")
+              f"DeepSpeed {deepspeed.__version__})\n\n`python -m benchmarks.repro.deepspeed_host_cost_per_tensor "
+              f"{' '.join(sys.argv[1:] if argv is None else argv)}`\n\n")
     table = markdown_table(rows, list(rows[0]))
     print("\n" + header + table)
     if args.out:
