@@ -15,12 +15,12 @@ above one that already ran out are not tried.
 
 Every run: `python -m torch.distributed.run --standalone --nproc_per_node=N train.py ...` (or `-m
 benchmarks.hf_reference`), `--max-steps` steps of which the first `--warmup` are excluded from tokens/s and
-MFU (with `--extra-args=--profile`, also the 4 profiled steps after them: each row then gets the device's busy
-share and the kernels launched per step; give --steps room for both), its output in OUT/logs/NAME.log and its run
-folder in OUT/runs/NAME. A run that fails, runs out of
-memory or passes `--run-timeout` is recorded with its last error line and the sweep goes on. After every run
-OUT/sweep.csv (every launch) and OUT/sweep.md (status table: configuration, kernels, batch/GPU, tokens/s, MFU,
-peak memory, step and run time, failures with their last error line) are rewritten, and so are
+MFU (with `--extra-args=--profile`, also the profiled steps after them, `gpt2.profiling.PROFILED_STEPS`: each row
+then gets the device's busy share and the kernels launched per step), its output in OUT/logs/NAME.log and its run
+folder in OUT/runs/NAME. A run that fails, runs out of memory or passes `--run-timeout` is recorded with its last
+error line and the sweep goes on. After every run OUT/sweep.csv (every launch) and OUT/sweep.md (status table:
+configuration, kernels, batch/GPU, tokens/s, MFU, peak memory, step and run time, failures with their last error
+line) are rewritten, and so are
 `benchmarks.report`'s report.md and plots (tokens_vs_memory.png, mfu.png, loss.png, memory_timeline.png) over
 the runs that finished, so an interrupted sweep still leaves its tables. `--include RUN_DIR...` adds runs
 made elsewhere (e.g. the reference runs of benchmarks/gpu_sweep.sh).
@@ -46,6 +46,7 @@ from typing import Any
 from benchmarks import report
 from benchmarks.common import ROOT, free_run_name, last_error, launch, markdown_table, write_csv
 from benchmarks.parity_verdict import read_verdicts, verdict_of
+from gpt2.profiling import PROFILED_STEPS
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for b in args.batches:
         if b != "max" and not (b.isdigit() and int(b) > 0):
             p.error(f"--batches takes positive integers or 'max', not {b!r}")
+    if "--profile" in shlex.split(args.extra_args) and args.steps <= args.warmup + PROFILED_STEPS:
+        p.error(f"--extra-args=--profile leaves the {PROFILED_STEPS} steps after --warmup {args.warmup} out of "
+                f"tokens/s too: raise --steps above {args.warmup + PROFILED_STEPS}")
     if "single" in args.modes and args.gpus != 1:
         p.error(f"--modes single runs on one GPU; drop it or pass --gpus 1 (not {args.gpus})")
     args.wandb_group = args.wandb_group or time.strftime("sweep-%Y%m%d-%H%M%S")
@@ -291,7 +295,7 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
               f"{args.gpus} processes, {args.steps} steps ({args.warmup} warm-up)\n\n"
               f"device: {', '.join(devices) or 'n/a'}; peak memory is the max over ranks; "
               f"tokens/s and MFU average the post-warm-up steps"
-              f"{' (and, under --profile, the steps after the profiled ones)' if profiled else ''}.\n\n"
+              f"{' (under --profile, only those after the profiled ones)' if profiled else ''}.\n\n"
               + ("device busy: the union of kernel intervals over the profiled steps' wall time (1 - busy: the share "
                  "the device waited for the host).\n\n" if profiled else "") + f"{gate}\n\n")
     return header + markdown_table(shown, list(shown[0])) + "\n"

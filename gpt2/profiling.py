@@ -15,6 +15,7 @@ import gc
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.autograd import DeviceType
@@ -25,6 +26,9 @@ from gpt2.run_logging import log
 
 ACTIVE_STEPS = 3
 PROFILED_STEPS = 1 + ACTIVE_STEPS  # the schedule's warm-up step and its active steps
+# the breakdown's per-step figures that go into the run's summary.json, as profile/<name>
+SUMMARY_FIELDS = ("step_wall_ms", "device_busy_pct", "host_op_ms_per_step", "kernels_per_step",
+                  "collective_calls_per_step", "module_hooks_per_forward_backward")
 DEVICE_TIME = "device kernel time"
 # first match wins; kernel names of cuBLAS/CUTLASS/cuDNN/flash/NCCL/Triton/PyTorch
 CATEGORIES: list[tuple[str, re.Pattern]] = [
@@ -48,7 +52,8 @@ def categorise(kernel_name: str) -> str:
 
 
 class StepProfiler:
-    """Call `step()` after every optimizer step; profiles steps skip+2 .. skip+1+ACTIVE_STEPS (1 warm-up)."""
+    """Call `step()` after every optimizer step; profiles steps skip+2 .. skip+1+ACTIVE_STEPS (1 warm-up), counted
+    from the first step after it is made (a resumed run's first step is 1 here)."""
 
     def __init__(self, enabled: bool, run_dir: Path | None, skip_steps: int, device: torch.device,
                  module: torch.nn.Module | None = None):
@@ -71,9 +76,8 @@ class StepProfiler:
 
     def stop(self) -> None:
         """End profiling and drop the profile. Its events are hundreds of thousands of Python objects: kept alive,
-        they lengthen every full garbage collection of the steps that tokens/s measures (a CPU probe: 350 ms
-        against 160 ms released; on an H100, ZeRO-2 at batch 8 took 0.18 s a step before a retained profile and
-        0.26 s after it). Called between steps, untimed."""
+        they would be scanned by every full garbage collection in the steps that tokens/s measures (host-bound
+        runs measured slower after a retained profile: benchmarks/results/zero3/README.md, calls 9-11)."""
         if self._prof is not None:
             self._prof.stop()
             self._prof = None
@@ -95,16 +99,11 @@ class StepProfiler:
                  breakdown["kernels_per_step"], breakdown["collective_calls_per_step"],
                  ", ".join(f"{k} {v:.1f}" for k, v in breakdown["ms_per_step"].items()))
 
-
-    def summary_fields(self) -> dict[str, float | None]:
+    def summary_fields(self) -> dict[str, Any]:
         """The breakdown's per-step figures for the run's summary.json (none before the profile is written)."""
         if self.breakdown is None:
             return {}
         return {f"profile/{k}": self.breakdown[k] for k in SUMMARY_FIELDS}
-
-
-SUMMARY_FIELDS = ("step_wall_ms", "device_busy_pct", "host_op_ms_per_step", "kernels_per_step",
-                  "collective_calls_per_step", "module_hooks_per_forward_backward")
 
 
 def is_kernel(e: FunctionEvent) -> bool:

@@ -224,8 +224,9 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
 
     # the main rank logs and shows progress (train.py gives it the MetricsLogger); the other ranks record nothing
     recorder = ProgressRecorder(logger, t.max_steps, start_step) if logger is not None else NullRecorder()
-    profiler = StepProfiler(t.profile, recorder.run_dir, start_step + t.throughput_warmup_steps, ctx.device,
-                            engine.module)
+    # the profiler counts the steps this process runs, as untimed_steps does: a resumed run profiles its own
+    # steps W+2..W+4 after its start, the ones tokens/s leaves out
+    profiler = StepProfiler(t.profile, recorder.run_dir, t.throughput_warmup_steps, ctx.device, engine.module)
     _warn_about_settings(layout, start_step)
     guard = engine.guard
     install_fault_injection(engine.module, layout.grad_accum, start_step, ctx.rank)

@@ -60,12 +60,16 @@ def test_step_profiler_writes_the_breakdown(tmp_path):
     profiler = StepProfiler(True, tmp_path, skip_steps=1, device=torch.device("cpu"), module=model)
     assert profiler.summary_fields() == {}  # nothing profiled yet
     recording = weakref.ref(profiler._prof)
-    for _ in range(1 + PROFILED_STEPS):
+    for step in range(1, 2 + PROFILED_STEPS):
         model(torch.ones(2, 4)).sum().backward()
         profiler.step()
-    assert recording() is None  # released when its window ended, before the steps that tokens/s measures
+        # the window (steps 2-5 after 1 skipped) is written and released at its last step, not before
+        assert (profiler.breakdown is None) == (step <= PROFILED_STEPS), step
+    assert recording() is None  # released before the steps that tokens/s measures
+    written = (tmp_path / "profile_breakdown.json").stat().st_mtime_ns
     profiler.step()
-    profiler.stop()  # both no-ops now
+    profiler.stop()
+    assert (tmp_path / "profile_breakdown.json").stat().st_mtime_ns == written  # nothing profiled or written again
     breakdown = json.loads((tmp_path / "profile_breakdown.json").read_text())
     assert breakdown["steps"] == 3 and breakdown["module_hooks_per_forward_backward"] == 1
     assert profiler.summary_fields() == {f"profile/{k}": breakdown[k] for k in SUMMARY_FIELDS}

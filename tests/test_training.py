@@ -85,13 +85,28 @@ def test_wikitext2_training_reduces_loss(tmp_path: Path) -> None:
     assert summary(tmp_path / "wt2")["val_perplexity"] < 5000
 
 
-def test_profiled_steps_are_left_out_of_tokens_per_s(tmp_path: Path) -> None:
-    """--profile: steps 2-5 (the profiler's warm-up and 3 active steps, after 1 warm-up step) are slower than the
-    others, so tokens/s averages steps 6-8 only; the summary carries the profile's per-step figures."""
-    run_train(TINY_ARGS + ["--data", "synthetic", "--max-steps", "8", "--batch-size", "2", "--run-name", "prof",
-                           "--throughput-warmup-steps", "1", "--profile"], tmp_path)
+def _profiled_steps(run_dir: Path) -> list[int]:
+    """The ProfilerStep numbers in the run's Chrome trace (torch numbers the steps it records from 0)."""
+    events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    return sorted({int(e["name"].split("#")[1]) for e in events if e.get("name", "").startswith("ProfilerStep#")})
+
+
+@pytest.mark.parametrize("resume_from", [0, 5])
+def test_profiled_steps_are_left_out_of_tokens_per_s(tmp_path: Path, resume_from: int) -> None:
+    """--profile: the 3 recorded steps (after 1 warm-up step and the profiler's own warm-up step) are slower than the
+    others, so tokens/s averages only the steps after them; the summary carries the profile's per-step figures. A
+    resumed run profiles its own steps 3-5 too, the ones its tokens/s leaves out."""
+    common = TINY_ARGS + ["--data", "synthetic", "--batch-size", "2", "--seed", "4"]
+    resume = []
+    if resume_from:
+        run_train(common + ["--max-steps", str(resume_from), "--run-name", "first", "--save-dir",
+                            str(tmp_path / "ck"), "--save-interval", str(resume_from)], tmp_path)
+        resume = ["--resume", str(tmp_path / "ck" / f"step-{resume_from:06d}")]
+    run_train(common + resume + ["--max-steps", str(resume_from + 8), "--run-name", "prof",
+                                 "--throughput-warmup-steps", "1", "--profile"], tmp_path)
     s = summary(tmp_path / "prof")
-    assert s["measured_steps"] == 3
+    assert s["measured_steps"] == 3  # steps 6-8 of this run
+    assert _profiled_steps(tmp_path / "prof") == [2, 3, 4]  # torch's numbering: the run's steps 3-5
     assert s["profile/step_wall_ms"] > 0 and s["profile/kernels_per_step"] == 0  # CPU: no kernels
     assert s["profile/device_busy_pct"] is None
     assert json.loads((tmp_path / "prof" / "profile_breakdown.json").read_text())["steps"] == 3
