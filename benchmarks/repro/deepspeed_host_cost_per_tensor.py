@@ -23,7 +23,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,7 +34,9 @@ if not torch.cuda.is_available():
 import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.common import ROOT, free_port, markdown_table, write_csv  # noqa: E402
+from benchmarks.common import ROOT, free_port, markdown_table, median_ms, write_csv  # noqa: E402
+from gpt2.config import ParallelConfig  # noqa: E402
+from gpt2.planner import persistence_threshold_default  # noqa: E402
 
 ENGINES = ("torch", "ddp", "zero1", "zero2", "zero3")
 GPT2_LARGE_TENSORS = 436  # 36 blocks x 12 (4 Linear weights + 4 biases, 2 LayerNorms x 2) + wte, wpe, ln_f x 2
@@ -57,8 +58,9 @@ def ds_config(stage: int) -> dict:
     """ds_configs/zero{stage}.json as the 4-GPU runs use it, fp32 (its fp16 section tunes a recipe not used here)."""
     cfg = json.loads((ROOT / "ds_configs" / f"zero{stage}.json").read_text())
     cfg.pop("fp16", None)
-    if stage == 3:  # the harness's default (per-block gathers): no parameter stays whole, however small
-        cfg["zero_optimization"].setdefault("stage3_param_persistence_threshold", 0)
+    if stage == 3:  # the harness's default (per-block gathers: 0): no parameter stays whole, however small
+        cfg["zero_optimization"].setdefault("stage3_param_persistence_threshold",
+                                            persistence_threshold_default(ParallelConfig().zero3_fetch))
     cfg.update(train_micro_batch_size_per_gpu=MICRO_BATCH, gradient_accumulation_steps=1, gradient_clipping=1.0)
     return cfg
 
@@ -86,28 +88,6 @@ def make_step(engine: str, layers: int, device: torch.device) -> Callable[[], No
     return torch_step
 
 
-def median_step_ms(step: Callable[[], None], steps: int, device: torch.device) -> float:
-    times = []
-    for i in range(3 + steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= 3:
-            times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
-
-
-def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares slope and intercept."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    return slope, my - slope * mx
-
-
 def init_single_process() -> torch.device:
     """World size 1, as torchrun would set it up for one process."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -125,13 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     points: dict[str, list[tuple[int, float]]] = {}
     for engine in args.engines:
         for layers in args.layers:
-            ms = median_step_ms(make_step(engine, layers, device), args.steps, device)
+            ms = median_ms(make_step(engine, layers, device), args.steps, warmup=3, device=device)
             points.setdefault(engine, []).append((2 * layers, ms))
             print(f"{engine:6} {2 * layers:5} tensors: {ms:8.2f} ms/step", flush=True)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     rows = []
     for engine, pts in points.items():
-        slope, intercept = fit_line([t for t, _ in pts], [ms for _, ms in pts])
+        slope, intercept = statistics.linear_regression([t for t, _ in pts], [ms for _, ms in pts])
         rows.append({"engine": engine, **{f"ms_at_{t}_tensors": round(ms, 3) for t, ms in pts},
                      "us_per_tensor_per_step": round(1000 * slope, 1), "intercept_ms": round(intercept, 2),
                      "ms_per_step_at_gpt2_large_tensors": round(slope * GPT2_LARGE_TENSORS, 1)})
