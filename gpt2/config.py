@@ -82,6 +82,7 @@ class ParallelConfig:
     zero_precision: Literal["autocast", "deepspeed"] = "autocast"
     ds_config: str | None = None
     comm_log: bool = False  # DeepSpeed's comms logger (hybrid): measured ZeRO bytes per step in the summary
+    deepspeed_nvtx: bool = False  # DeepSpeed's NVTX ranges around its ZeRO functions (for nsys; host time per call)
 
 
 @dataclass
@@ -288,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hybrid mode: enable DeepSpeed's comms logger and put the measured ZeRO bytes per step next "
                         "to the planner's prediction in the summary; it synchronises after every collective, "
                         "which removes communication/compute overlap: not for throughput runs")
+    g.add_argument("--deepspeed-nvtx", action="store_true",
+                   help="hybrid mode: keep DeepSpeed's NVTX ranges around its ZeRO functions (for an Nsight Systems "
+                        "timeline); off by default: thousands of ranges a ZeRO-3 step, each a host call")
     # the `deepspeed` launcher appends --local_rank=N; the LOCAL_RANK environment variable is what we read
     g.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
 
@@ -412,7 +416,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         eval_batches=args.eval_batches,
     )
     zero_flags = [flag for flag, value in (("--zero-stage", args.zero_stage), ("--zero3-fetch", args.zero3_fetch),
-                                           ("--zero-precision", args.zero_precision)) if value is not None]
+                                           ("--zero-precision", args.zero_precision),
+                                           ("--deepspeed-nvtx", args.deepspeed_nvtx or None)) if value is not None]
     if zero_flags and args.mode != "hybrid":
         raise ConfigError(f"{' / '.join(zero_flags)}: DeepSpeed ZeRO settings, used only by --mode hybrid; "
                           f"drop {'it' if len(zero_flags) == 1 else 'them'} or use --mode hybrid")
@@ -423,6 +428,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         zero_precision=args.zero_precision or ParallelConfig.zero_precision,
         ds_config=args.ds_config,
         comm_log=args.comm_log,
+        deepspeed_nvtx=args.deepspeed_nvtx,
     )
     log = LogConfig(
         out_dir=args.out_dir, run_name=args.run_name, wandb=args.wandb,

@@ -107,6 +107,17 @@ def _import_deepspeed(device: torch.device):
     return deepspeed
 
 
+def set_deepspeed_nvtx(enabled: bool) -> None:
+    """Turn DeepSpeed's NVTX ranges on or off (process-wide; read at each call of a ZeRO function it wraps).
+
+    DeepSpeed wraps ~64 ZeRO functions in `instrument_w_nvtx`: a range push and pop per call, ~3,300 pairs a ZeRO-3
+    step of GPT-2 Large, each a host call that only an Nsight Systems timeline reads.
+    """
+    import deepspeed.utils.nvtx
+
+    deepspeed.utils.nvtx.enable_nvtx = enabled
+
+
 class ZeroCommLog:
     """Bytes per collective kind from DeepSpeed's comms logger (`--comm-log`), in CommStats' convention: the
     full (unsharded) tensor of each collective. The logger records an all-gather by its input (this rank's
@@ -172,6 +183,7 @@ class DeepSpeedEngine:
         t = cfg.train
         stage = layout.zero_stage
         deepspeed = _import_deepspeed(ctx.device)
+        set_deepspeed_nvtx(cfg.parallel.deepspeed_nvtx)
         self.ds_config = build_ds_config(layout)
         if cfg.parallel.comm_log:  # every collective synchronises: measurement runs only
             self.ds_config["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True, "debug": False}

@@ -57,6 +57,7 @@ def test_argparse_rejects(argv: list[str], needle: str, capsys: pytest.CaptureFi
         (["--zero-stage", "2"], "--zero-stage: DeepSpeed ZeRO settings, used only by --mode hybrid; drop it"),
         (["--mode", "baseline", "--zero-stage", "3", "--zero3-fetch", "module"], "drop them or use --mode hybrid"),
         (["--zero-precision", "deepspeed"], "--zero-precision: DeepSpeed ZeRO settings, used only by --mode hybrid"),
+        (["--deepspeed-nvtx"], "--deepspeed-nvtx: DeepSpeed ZeRO settings, used only by --mode hybrid"),
         (["--plan", "--busbw-gbs", "1", "2", "3"], "--busbw-gbs takes one or two values"),
         (["--data", "synthetic", "--data-path", "x"], "drop one of the two"),
         (["--ds-config", "ds_configs/zero3.json"], "--ds-config only applies to --mode hybrid"),
@@ -77,6 +78,8 @@ def test_validate_rejects(argv: list[str], needle: str) -> None:
 def test_validate_accepts_the_supported_neighbours() -> None:
     assert parse_args(["--mode", "hybrid", "--zero-stage", "2", "--compile"]).parallel.zero_stage == 2
     assert parse_args(["--mode", "hybrid"]).parallel.zero_stage == 3  # the default
+    assert [parse_args(["--mode", "hybrid", *f]).parallel.deepspeed_nvtx for f in ([], ["--deepspeed-nvtx"])] == [
+        False, True]
     parse_args(["--device", "cuda:1", "--seed", "0", "--min-lr", "0"])
     parse_args(["--mode", "hybrid", "--compile"])  # ZeRO-3 with per-block gathers (the default --zero3-fetch)
     parse_args(["--mode", "hybrid", "--tp-size", "2", "--precision", "fp16"])  # DeepSpeed's scaler syncs over TP

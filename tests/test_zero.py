@@ -257,3 +257,23 @@ def test_deepspeed_pickles_are_never_loaded_unverified(runs: Path, tmp_path: Pat
         verify_checkpoint(legacy)
     monkeypatch.setenv(TRUST_ENV, "1")
     verify_checkpoint(legacy)  # explicitly trusted: loads with a warning
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_deepspeed_nvtx_ranges_follow_the_flag(enabled: bool, monkeypatch) -> None:
+    """`--deepspeed-nvtx` (off by default) decides whether DeepSpeed's ZeRO functions push NVTX ranges."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.utils.nvtx import instrument_w_nvtx
+
+    from gpt2.engine_deepspeed import set_deepspeed_nvtx
+
+    pushed: list[str] = []
+    monkeypatch.setattr(get_accelerator(), "range_push", lambda msg, **_: pushed.append(msg))
+    monkeypatch.setattr(get_accelerator(), "range_pop", lambda **_: None)
+    set_deepspeed_nvtx(enabled)
+    try:
+        assert instrument_w_nvtx(lambda: 7)() == 7
+    finally:
+        set_deepspeed_nvtx(False)
+    assert len(pushed) == int(enabled)
