@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from gpt2.metrics import host_cpu
+
 ROOT = Path(__file__).resolve().parents[1]
 ERROR_LINE = re.compile(r"\b(\w+(?:Error|Exception)): (.+)$")
 
@@ -39,6 +41,7 @@ def device_tag(device: torch.device | str | None = None) -> dict[str, str]:
     return {
         "device": name,
         "device_count": str(count),
+        "host_cpu": host_cpu(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
         "torch": torch.__version__,
         "cuda": torch.version.cuda or "none",

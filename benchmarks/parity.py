@@ -282,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     header = {
         "command": f"`python -m benchmarks.parity {shlex.join(sys.argv[1:] if argv is None else argv)}`",
         "device": f"{tag['device']} x{tag['device_count']}" if device == "cuda" else tag["device"],
+        "host": tag["host_cpu"],
         "versions": f"torch {tag['torch']}, CUDA {tag['cuda']}, triton {tag['triton']}, deepspeed {tag['deepspeed']}",
         "date": tag["date"],
         "settings": f"seq {args.seq_len}, global batch {args.batch_size} sequences per step (micro-batch x "

@@ -237,7 +237,7 @@ def table_row(r: RunResult) -> dict[str, Any]:
         "kernels_per_step": s.get("profile/kernels_per_step"),
         "collective_calls_per_step": s.get("profile/collective_calls_per_step"),
         "status": r.status, "error": r.error,
-        "run": r.name, "mode": r.mode, "device": s.get("device"),
+        "run": r.name, "mode": r.mode, "device": s.get("device"), "host_cpu": s.get("host_cpu"),
     }
 
 
@@ -285,6 +285,7 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "parity": r["parity"],
     } for r in rows]
     devices = sorted({r["device"] for r in rows if r["device"]})
+    hosts = sorted({r["host_cpu"] for r in rows if r.get("host_cpu")})
     if args.parity:
         gate = (f"parity: the verdict of each run's configuration in {', '.join(map(str, args.parity))} "
                 "(benchmarks.parity); a run without `pass` trains an unchecked or a different function: its "
@@ -293,7 +294,8 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         gate = "parity: unchecked (no --parity): these throughput numbers carry no parity verdict; do not publish them."
     header = (f"# Training sweep: {args.model}, seq {args.seq_len}, {args.precision}, {args.data} data, "
               f"{args.gpus} processes, {args.steps} steps ({args.warmup} warm-up)\n\n"
-              f"device: {', '.join(devices) or 'n/a'}; peak memory is the max over ranks; "
+              f"device: {', '.join(devices) or 'n/a'}; host: {'; '.join(hosts) or 'n/a'}; "
+              f"peak memory is the max over ranks; "
               f"tokens/s and MFU average the post-warm-up steps"
               f"{' (under --profile, only those after the profiled ones)' if profiled else ''}.\n\n"
               + ("device busy: the union of kernel intervals over the profiled steps' wall time (1 - busy: the share "

@@ -27,6 +27,7 @@ from gpt2.metrics import (
     device_peak_tflops,
     flops_per_token,
     hardware_flops_per_token,
+    host_cpu,
     memory_stats,
     model_params_for_flops,
 )
@@ -308,6 +309,7 @@ def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, p
         "attn_backend": attention.backend if attention else None,
         "attn_choice": attention.describe() if attention else None, "compile": layout.compile_scope,
         "activation_checkpointing": t.activation_checkpointing, "device": _device_name(ctx),
+        "host_cpu": host_cpu(),
         "peak_tflops_per_gpu": peak, "flops_per_token": meter.flops_per_token,
         "steps": t.max_steps, "start_step": start_step,  # a resumed run trained steps start_step+1..steps
         "skipped_steps": skipped_steps,  # of those, updates skipped for a non-finite loss or gradient norm

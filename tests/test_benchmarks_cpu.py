@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from benchmarks import tp_scaling, train_sweep
 from benchmarks.common import ROOT, free_port
+from gpt2.metrics import host_cpu
 
 TINY = ["--model", "gpt2-tiny", "--seq-len", "32", "--steps", "3", "--warmup", "1", "--log-interval", "1",
         "--device", "cpu", "--precision", "fp32", "--peak-tflops", "1", "--fused", "none"]
@@ -61,8 +62,11 @@ def test_sweep_cpu_runs_modes_and_hf_reference(tmp_path, cpu_env):
     shared = {"mode", "model", "n_params", "world_size", "tp_size", "dp_size", "batch_size_per_gpu", "seq_len",
               "tokens_per_step", "precision", "fused_kernels", "device", "peak_tflops_per_gpu", "flops_per_token",
               "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_time_s", "mem/peak_allocated_gib",
-              "mem/peak_reserved_gib", "final_loss", "torch_version"}
+              "mem/peak_reserved_gib", "final_loss", "torch_version", "host_cpu"}
     assert shared <= set(ours) and shared <= set(theirs)
+    # host-bound rows run at the host's speed: the CPU is in every summary, every row and the table's header
+    assert ours["host_cpu"] == theirs["host_cpu"] == host_cpu() and all(r["host_cpu"] == host_cpu() for r in rows)
+    assert f"host: {host_cpu()};" in table
     assert theirs["flops_per_token"] == ours["flops_per_token"] and theirs["n_params"] == ours["n_params"]
     assert theirs["mode"] == "hf-zero3" and theirs["tokens_per_step"] == 2 * 2 * 32
     records = [json.loads(line) for line in (tmp_path / "runs" / "hf-zero3-b2" / "metrics.jsonl").open()]

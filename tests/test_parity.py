@@ -24,6 +24,7 @@ from benchmarks.parity_verdict import (
 )
 from gpt2.config import parse_args
 from gpt2.distributed import LAUNCHER_VARS
+from gpt2.metrics import host_cpu
 from tests.test_data import tiny_tokenizer, wiki_lines, write  # noqa: F401 (tiny_tokenizer: a fixture)
 from tests.train_runs import ROOT, SHARED_DATA, train_env
 
@@ -83,6 +84,7 @@ def test_equivalent_configurations_pass(tmp_path, cpu_env, text_data):
         assert load_curve(Path(r["run_dir"])).steps == (1, 2, 3, 4, 5, 6)
     md = (tmp_path / "parity.md").read_text()
     assert "tolerance = max(floor, factor x noise)" in md and "- device: cpu" in md and "deepspeed 0." in md
+    assert f"- host: {host_cpu()}" in md
     assert re.search(r"\| grad-accum \| python \| `--grad-accum 4` \| [\d.e+-]+ \|", md)
     assert (tmp_path / "parity_gpt2-tiny.png").stat().st_size > 10_000
 
