@@ -73,7 +73,7 @@ import torch
 import torch.distributed as dist
 
 from gpt2.checkpoint import CHECKPOINT_TAG
-from gpt2.compiling import apply_inductor_settings
+from gpt2.compiling import apply_inductor_settings, deepcompile_eval_settings
 from gpt2.config import ConfigError
 from gpt2.distributed import DistContext
 from gpt2.ds_config import build_ds_config
@@ -252,7 +252,8 @@ class DeepSpeedEngine:
     def evaluate(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """Mean loss and top-1 accuracy over `batches`, averaged over the data-parallel group."""
         self.engine.eval()
-        result = evaluate_batches(self.engine, batches, self.ctx)
+        with deepcompile_eval_settings(self.layout.deepcompile):
+            result = evaluate_batches(self.engine, batches, self.ctx)
         self.engine.train()
         return result
 

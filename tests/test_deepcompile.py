@@ -139,6 +139,35 @@ def test_zero3_deepcompile_trains_singles_function(tmp_path) -> None:
     assert dloss < 0.02 and dnorm < 0.05, (dloss, dnorm)
 
 
+@pytest.mark.parametrize("deepcompile", [True, False])
+def test_deepcompile_evaluates_without_inductors_alignment_assert(deepcompile: bool) -> None:
+    """DeepCompile's no-grad graph (GPT-2 Large, H100) died at its first evaluation in Inductor's alignment assert on
+    cuDNN attention's undefined logsumexp (pytorch#196226): evaluation compiles with that assert off, under
+    DeepCompile only; training, and every other engine, keep it."""
+    from types import SimpleNamespace
+
+    from gpt2.engine_deepspeed import DeepSpeedEngine
+
+    asserts_seen: list[bool] = []
+
+    class FakeDeepSpeed:
+        def eval(self) -> None: ...
+
+        def train(self) -> None: ...
+
+        def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            asserts_seen.append(torch._inductor.config.alignment_asserts)
+            return torch.tensor(2.0), (x == y).sum()
+
+    engine = SimpleNamespace(engine=FakeDeepSpeed(), layout=SimpleNamespace(deepcompile=deepcompile),
+                             ctx=SimpleNamespace(device=torch.device("cpu"), distributed=False))
+    before = torch._inductor.config.alignment_asserts
+    ones = torch.ones(2, 4, dtype=torch.long)
+    assert DeepSpeedEngine.evaluate(engine, iter([(ones, ones)])) == (2.0, 1.0)  # type: ignore[arg-type]
+    assert asserts_seen == [before and not deepcompile]
+    assert torch._inductor.config.alignment_asserts == before
+
+
 def test_deepspeed_builds_its_op_with_an_arch_list_it_can_parse(monkeypatch):
     """The H100 image sets TORCH_CUDA_ARCH_LIST with `9.0a`, which DeepSpeed's JIT builder cannot parse (the
     first GPU run of DeepCompile failed so); inside the context the suffixes are gone, after it the list is back."""
