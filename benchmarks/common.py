@@ -3,6 +3,7 @@ launching train.py runs as subprocesses (a free port, a time limit, the error li
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import os
@@ -155,6 +156,24 @@ def error_excerpt(log: str, n_lines: int) -> list[str]:
     return lines[max(0, end - n_lines):end]
 
 
+# process groups of launches still running: each runs in its own session, so a signal to the tool never reaches it
+_RUNNING_GROUPS: set[int] = set()
+
+
+def stop_launches_on_signal() -> None:
+    """From the tool's main thread: on SIGTERM or SIGINT (`timeout`, Slurm's time limit, Ctrl-C) end every running
+    launch's process group, then exit 128 + the signal. Without it a launch outlives its tool and keeps the GPU:
+    a DeepCompile parity run, orphaned by `timeout`, trained on beside the next tool's timed runs."""
+    def stop(signum: int, _frame: object) -> None:
+        for group in list(_RUNNING_GROUPS):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGTERM)  # torchrun passes it on to its workers
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+
+
 def launch(cmd: list[str], log_path: Path, timeout: float,
            env: dict[str, str] | None = None) -> tuple[int | None, float]:
     """Run cmd from the repository root in its own process group, output to log_path; (exit code or None on
@@ -166,6 +185,7 @@ def launch(cmd: list[str], log_path: Path, timeout: float,
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
                                 env={**(os.environ if env is None else env), "WANDB_SILENT": "true",
                                      "PYTHONUNBUFFERED": "1"})
+        _RUNNING_GROUPS.add(proc.pid)
         try:
             rc: int | None = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -176,4 +196,6 @@ def launch(cmd: list[str], log_path: Path, timeout: float,
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             rc = None
+        finally:
+            _RUNNING_GROUPS.discard(proc.pid)
     return rc, time.perf_counter() - start

@@ -33,7 +33,16 @@ from pathlib import Path
 import torch
 
 from benchmarks import parity_report
-from benchmarks.common import ROOT, device_tag, error_excerpt, free_port, free_run_name, last_error, launch
+from benchmarks.common import (
+    ROOT,
+    device_tag,
+    error_excerpt,
+    free_port,
+    free_run_name,
+    last_error,
+    launch,
+    stop_launches_on_signal,
+)
 from benchmarks.parity_matrix import NOISE, REFERENCE, Job, extra_row, matrix, plan, select
 from benchmarks.parity_report import RowResult, Tolerance
 from benchmarks.parity_verdict import (
@@ -240,6 +249,7 @@ def judge(jobs: list[Job], outcomes: dict[Job, Outcome], args: argparse.Namespac
 
 def main(argv: list[str] | None = None) -> int:
     p, args = parse_args(argv)
+    stop_launches_on_signal()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     world = torch.cuda.device_count() if device == "cuda" else 1
     try:

@@ -44,7 +44,15 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report
-from benchmarks.common import ROOT, free_run_name, last_error, launch, markdown_table, write_csv
+from benchmarks.common import (
+    ROOT,
+    free_run_name,
+    last_error,
+    launch,
+    markdown_table,
+    stop_launches_on_signal,
+    write_csv,
+)
 from benchmarks.parity_verdict import read_verdicts, verdict_of
 from gpt2.profiling import PROFILED_STEPS
 
@@ -334,6 +342,7 @@ def write_outputs(sweep: Sweep) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    stop_launches_on_signal()
     sweep = Sweep(args)
     if args.dry_run:
         for mode, fused, batch_spec in sweep.points():

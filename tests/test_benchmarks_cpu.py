@@ -7,8 +7,10 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -216,3 +218,37 @@ def test_deepspeed_host_cost_repro_separates_zero3_from_torch(tmp_path, cpu_env)
     torch_us, zero3_us = (float(rows[e]["us_per_tensor_per_step"]) for e in ("torch", "zero3"))
     assert zero3_us > 3 * max(torch_us, 1.0)
     assert "| zero3 |" in (tmp_path / "host_cost.md").read_text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signalled_tool_ends_its_launches(tmp_path: Path, sig: signal.Signals) -> None:
+    """`timeout`, Slurm or Ctrl-C signal the tool; its launches run in their own sessions, so they must be ended by
+    the tool (an orphaned DeepCompile run once trained on beside the next tool's timed runs)."""
+    pid_file = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    tool = (f"import sys; from pathlib import Path; from benchmarks.common import launch, stop_launches_on_signal\n"
+            f"stop_launches_on_signal()\n"
+            f"launch([sys.executable, '-c', {child!r}], Path({str(tmp_path / 'child.log')!r}), timeout=120)")
+    proc = subprocess.Popen([sys.executable, "-c", tool], cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child_pid = int(pid_file.read_text())
+    proc.send_signal(sig)
+    rc = proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while _alive(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = _alive(child_pid)
+    if alive:
+        os.kill(child_pid, signal.SIGKILL)
+    assert not alive, "the launched run outlived its tool"
+    assert rc == 128 + sig
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its new parent to reap it counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
