@@ -44,9 +44,9 @@ are removed and the parameters' all-gathers/releases and the gradients' reduce-s
 graphs, prefetched and selectively kept gathered after 5 profiled steps. Nothing else changes: the same zero.Init
 build, ZeRO-3 keys, optimizer, clipping and overflow check: by DeepSpeed's code (deepspeed/compile/init_z3.py) its op
 reduces each gradient into ZeRO-3's own partition buffer, and `engine.step()` computes the norm, clips and skips from
-there as without it. On one H100, GPT-2 Large trained its first 5 steps within 0.0017 of single; the second compile
-(after 5 steps) had not finished when the run's 9-minute limit fell, so no verdict past step 5
-(tests/test_deepcompile.py -m gpu, parity row zero3-deepcompile).
+there as without it. On one H100, GPT-2 Large at batch 8 trained 14 steps within 0.0005 of single, both compiles
+included (benchmarks/results/parity/h100-2026-11-26; tests/test_deepcompile.py -m gpu, parity row zero3-deepcompile).
+Its evaluation graphs compile under `gpt2.compiling.deepcompile_eval_settings`.
 
 Non-finite guard (`gpt2.guard`): the loss passes through `guard.gate` before `engine.backward`, so a non-finite loss
 makes the gradients NaN, and DeepSpeed's own check skips every step whose global gradient norm is not finite
