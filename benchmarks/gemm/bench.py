@@ -10,14 +10,15 @@ extensions those kernels need are built). On a Hopper GPU (compute capability 9.
 (gemm_wgmma.cu: wgmma.mma_async + TMA) and `wgmma_persistent` (gemm_wgmma_persistent.cu: the same mainloop,
 persistent CTAs, epilogue through shared memory and TMA stores), built as a second extension for sm_90a only.
 --bias-gelu adds the MLP up-projection with bias + GELU(tanh) fused into wgmma_persistent's epilogue against
-cuBLAS + a separate bias-GELU (gemm_bias_gelu.csv). Every (kernel, shape) is first checked against an fp64 reference on
-fresh random inputs, with the output poisoned with NaN: relative Frobenius error <= 1e-2 (bf16
-output rounding alone gives ~2e-3) or it is reported FAIL and not timed. Each hand-written kernel is
-first run alone in a subprocess on a small shape, so one that crashes the CUDA context is reported
-and dropped instead of taking the others down. Timing: median over CUDA-event pairs, each around a burst of
-back-to-back calls (so host-side launch overhead overlaps the GPU work, as in a training step).
-Writes gemm.csv, gemm_roofline.png and gemm_summary.md; ceilings are measured here: copy bandwidth
-(device-to-device copy) and the best cuBLAS rate.
+cuBLAS + a separate bias-GELU (gemm_bias_gelu.csv), and its training step, forward + backward, fused (pre-activation
+written by the forward epilogue, GELU backward + bias gradient in the dgrad's) against eager (gemm_mlp_fwd_bwd.csv).
+Every (kernel, shape) is first checked against an fp64 reference on fresh random inputs, with the output
+poisoned with NaN: relative Frobenius error <= 1e-2 (bf16 output rounding alone gives ~2e-3) or it is reported
+FAIL and not timed. Each hand-written kernel is first run alone in a subprocess on a small shape, so one that
+crashes the CUDA context is reported and dropped instead of taking the others down. Timing: median over CUDA-event
+pairs, each around a burst of back-to-back calls (so host-side launch overhead overlaps the GPU work, as in a
+training step). Writes gemm.csv, gemm_roofline.png and gemm_summary.md; ceilings are measured here: copy
+bandwidth (device-to-device copy) and the best cuBLAS rate.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ HERE = Path(__file__).resolve().parent
 CUDA_KERNELS = ["naive", "smem", "regblock", "wmma", "mma_128x128", "mma_128x256"]
 HOPPER_KERNELS = ["wgmma", "wgmma_persistent"]  # sm_90a only: gemm_wgmma*.cu, their own extension
 PERSISTENT_KERNELS = {"wgmma_persistent"}  # probed on a shape with more tiles than SMs
+# wgmma_persistent with fused epilogues (same extension): MLP up-projection forward, forward + AUX, backward
+FUSED_EPILOGUES = ["wgmma_persistent_bias_gelu", "wgmma_persistent_bias_gelu_aux", "wgmma_persistent_dgelu"]
 SLOW_KERNELS = {"naive", "smem"}  # timed only up to SLOW_MAX_FLOPS: 8192^3 naive takes seconds per call
 SLOW_MAX_FLOPS = 2 * 4096**3
 TOLERANCE = 1e-2
@@ -106,7 +109,8 @@ def build_extension(verbose: bool = False, kernels: list[str] | None = None) -> 
     load() applies one flag set to every source, and gemm_kernels.cu must keep its sm_80 build while the
     wgmma kernels must be sm_90a only (an 'arch' flag in extra_cuda_cflags replaces torch's own -gencode
     flags). Both bind through gemm_binding.cpp; -DGEMM_WGMMA selects the wgmma binding, which also exports
-    wgmma_persistent_bias_gelu (A, B, bias, C)."""
+    FUSED_EPILOGUES: wgmma_persistent_bias_gelu (A, B, bias, C), wgmma_persistent_bias_gelu_aux (A, B, bias, C,
+    AUX) and wgmma_persistent_dgelu (A, B, AUX, C, DBIAS)."""
     from torch.utils.cpp_extension import load
 
     wanted = set(cuda_kernels() if kernels is None else kernels) & set(cuda_kernels())
@@ -121,7 +125,7 @@ def build_extension(verbose: bool = False, kernels: list[str] | None = None) -> 
         hopper = load(name="gemm_wgmma", sources=sources,
                       extra_cuda_cflags=[*cuda_flags, "-gencode=arch=compute_90a,code=sm_90a"],
                       extra_cflags=["-O3", "-DGEMM_WGMMA"], verbose=verbose)
-        fns.update({k: getattr(hopper, k) for k in [*HOPPER_KERNELS, "wgmma_persistent_bias_gelu"]})
+        fns.update({k: getattr(hopper, k) for k in [*HOPPER_KERNELS, *FUSED_EPILOGUES]})
     return fns
 
 
@@ -326,11 +330,112 @@ def bias_gelu_bench(ext: dict[str, Gemm], budget_s: float, seed: int = 1000, sha
         except Exception as err:  # noqa: BLE001  (a launch error, or Triton failing to compile: record, go on)
             row["status"] = f"SKIP ({(str(err).splitlines() or [type(err).__name__])[0][:100]})"
         print(row, flush=True)
-    best_sep = min((r["time_ms"] for r in rows if r["variant"] in separate and "time_ms" in r), default=None)
+    return add_speedups(rows, separate)
+
+
+def add_speedups(rows: list[dict[str, object]], separate: list[str], key: str = "time_ms") -> list[dict[str, object]]:
+    """speedup_vs_best_separate = fastest timed `separate` variant / the row's time, on every timed row (only
+    PASS rows are timed, so a FAIL never gets one)."""
+    best_sep = min((r[key] for r in rows if r["variant"] in separate and key in r), default=None)
     for r in rows:
-        if best_sep and "time_ms" in r:
-            r["speedup_vs_best_separate"] = round(best_sep / r["time_ms"], 3)
+        if best_sep and key in r:
+            r["speedup_vs_best_separate"] = round(best_sep / r[key], 3)
     return rows
+
+
+def gelu_tanh_grad(x: torch.Tensor) -> torch.Tensor:
+    """d/dx gelu_tanh: the formula the dgelu epilogue evaluates (in fp32 there, with tanh.approx)."""
+    k = math.sqrt(2 / math.pi)
+    t = torch.tanh(k * (x + 0.044715 * x**3))
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * k * (1 + 3 * 0.044715 * x * x)
+
+
+def within(errors: dict[str, float], tolerance: float = TOLERANCE) -> bool:
+    """Every relative error at most tolerance (NaN fails)."""
+    return all(e <= tolerance for e in errors.values())
+
+
+MLP_PART = {"fwd": ("h", "pre"), "bwd": ("dpre", "db")}  # each part's outputs, checked before the part is timed
+
+
+def mlp_up_fwd_bwd_bench(ext: dict[str, Gemm], budget_s: float, seed: int = 1001, tokens: int = MLP_UP.M,
+                         d: int = MLP_UP.K, device: str = "cuda") -> list[dict[str, object]]:
+    """GPT-2 Large's MLP up-projection in training, forward + backward, at tokens x d -> 4d. Forward:
+    pre = x Wt + b, h = GELU_tanh(pre) (pre kept for the backward); backward of GELU and b from dh = dy W_down (the
+    down-projection's dgrad; W_down as nn.Linear stores it, [d, 4d] = [K, N]): dpre = dh * GELU'(pre),
+    db = sum_rows dpre. Separate (eager training): addmm + gelu; matmul + aten.gelu_backward + a column sum (fp32 or
+    bf16). Fused: wgmma_persistent_bias_gelu_aux (h and pre from one epilogue), wgmma_persistent_dgelu (dpre and db
+    from the dgrad's epilogue; db zeroed inside the timed call). Every output is checked against fp64 (threshold
+    TOLERANCE; the backward's reference is evaluated at the variant's own bf16 pre) before a part is timed; a FAIL
+    row gets no time and no speedup. Inputs are scaled so pre ~ N(0, 2): GELU' is not just a 0/1 step."""
+    import torch.nn.functional as F
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    n = 4 * d
+    x = torch.randn(tokens, d, device=device, generator=g).to(torch.bfloat16)
+    Wt = (torch.randn(d, n, device=device, generator=g) / math.sqrt(d)).to(torch.bfloat16)  # W_up^T: [K, N]
+    b = torch.randn(n, device=device, generator=g).to(torch.bfloat16)
+    dy = torch.randn(tokens, d, device=device, generator=g).to(torch.bfloat16)
+    W_down = (torch.randn(d, n, device=device, generator=g) / math.sqrt(d)).to(torch.bfloat16)
+    pre_ref = x.double() @ Wt.double() + b.double()
+    h_ref = gelu_tanh(pre_ref)
+    dh_ref = dy.double() @ W_down.double()
+
+    def sep_fwd() -> dict[str, torch.Tensor]:
+        pre = torch.addmm(b, x, Wt)
+        return {"h": F.gelu(pre, approximate="tanh"), "pre": pre}
+
+    def sep_bwd(pre: torch.Tensor, fp32_sum: bool) -> dict[str, torch.Tensor]:
+        dpre = torch.ops.aten.gelu_backward(dy @ W_down, pre, approximate="tanh")
+        return {"dpre": dpre, "db": dpre.float().sum(0) if fp32_sum else dpre.sum(0)}
+
+    h, pre, dpre = (torch.empty(tokens, n, device=device, dtype=torch.bfloat16) for _ in range(3))
+    db = torch.empty(n, device=device, dtype=torch.float32)
+
+    def fused_fwd() -> dict[str, torch.Tensor]:
+        ext["wgmma_persistent_bias_gelu_aux"](x, Wt, b, h, pre)
+        return {"h": h, "pre": pre}
+
+    def fused_bwd(aux: torch.Tensor) -> dict[str, torch.Tensor]:
+        db.zero_()  # the epilogue accumulates into it
+        ext["wgmma_persistent_dgelu"](dy, W_down, aux, dpre, db)
+        return {"dpre": dpre, "db": db}
+
+    # variant -> (forward, backward given the forward's outputs)
+    variants: dict[str, tuple[Callable[[], dict[str, torch.Tensor]], Callable[..., dict[str, torch.Tensor]]]] = {
+        "separate: addmm + gelu; matmul + gelu_backward + fp32 sum": (sep_fwd, lambda o: sep_bwd(o["pre"], True)),
+        "separate: addmm + gelu; matmul + gelu_backward + bf16 sum": (sep_fwd, lambda o: sep_bwd(o["pre"], False)),
+    }
+    separate = list(variants)
+    if "wgmma_persistent_bias_gelu_aux" in ext and "wgmma_persistent_dgelu" in ext:
+        variants["fused: wgmma_persistent_bias_gelu_aux; wgmma_persistent_dgelu"] = (fused_fwd,
+                                                                                    lambda o: fused_bwd(o["pre"]))
+    flops = 2 * 2 * tokens * n * d  # the two GEMMs
+    rows: list[dict[str, object]] = []
+    for name, (fwd, bwd) in variants.items():
+        row: dict[str, object] = {"variant": name, "tokens": tokens, "d": d, "d_ff": n}
+        rows.append(row)
+        try:
+            for buf in (h, pre, dpre, db):
+                buf.fill_(float("nan"))  # an output the kernel leaves unwritten fails
+            out = fwd()
+            bwd_out = bwd(out)
+            dpre_ref = dh_ref * gelu_tanh_grad(out["pre"].double())  # at the bf16 pre this backward consumed
+            refs = {"h": h_ref, "pre": pre_ref, "dpre": dpre_ref, "db": dpre_ref.sum(0)}
+            errs = {k: relative_error(v, refs[k]) for k, v in {**out, **bwd_out}.items()}
+            row.update({f"rel_err_{k}": f"{e:.2e}" for k, e in errs.items()})
+            if not within(errs):
+                row["status"] = "FAIL (" + ", ".join(k for k, e in errs.items() if not e <= TOLERANCE) + ")"
+                continue
+            saved = {k: v.clone() for k, v in out.items()}  # the backward's input stays fixed while fwd is timed
+            row["fwd_ms"] = round(timed_call_ms(fwd, budget_s), 4)
+            row["bwd_ms"] = round(timed_call_ms(lambda bwd=bwd, saved=saved: bwd(saved), budget_s), 4)
+            total = row["fwd_ms"] + row["bwd_ms"]
+            row.update(status="PASS", total_ms=round(total, 4), gflops=round(flops / total / 1e6, 1))
+        except Exception as err:  # noqa: BLE001  (a launch error: record, go on)
+            row["status"] = f"SKIP ({(str(err).splitlines() or [type(err).__name__])[0][:100]})"
+        print(row, flush=True)
+    return add_speedups(rows, separate, key="total_ms")
 
 
 def plot_roofline(rows: list[dict[str, object]], bw: float, peak_gflops: float, path: Path, title: str) -> None:
@@ -391,16 +496,33 @@ def bias_gelu_section(rows: list[dict[str, object]]) -> str:
 {markdown_table(table, list(table[0]))}
 
 Target (issue 16, deliverable 2): the fused epilogue >= 1.15x the best "cuBLAS + separate bias-GELU" variant.
-Backward is not fused yet. It needs the pre-activation pre = xW + b (the forward epilogue would write it as a
-second [M, N] bf16 output, or it is recomputed), and then belongs in the epilogue of the GEMM that produces
-dH (the down-projection's dgrad): dpre = dH * GELU'(pre) elementwise, and db = column sums of dpre reduced in
-the same epilogue (cuBLASLt's DGELU_BGRAD); the up-projection's dX = dpre W and dW = dpre^T x are then plain
-GEMMs (K-major operand variants of this kernel: the bench's B is [K, N] row-major, nn.Linear's W is [N, K]).
+The backward's fusion (pre-activation written by the forward epilogue, dpre and db in the dgrad's epilogue) is
+timed in the forward + backward section; the up-projection's dX = dpre W and dW = dpre^T x stay plain GEMMs.
+"""
+
+
+def mlp_fwd_bwd_section(rows: list[dict[str, object]]) -> str:
+    if not rows:
+        return ""
+    table = [{"variant": r["variant"], "status": r.get("status"),
+              "rel err h / pre / dpre / db": " / ".join(str(r.get(f"rel_err_{k}", "-")) for k in ("h", "pre", "dpre",
+                                                                                                   "db")),
+              "fwd ms": r.get("fwd_ms", ""), "bwd ms": r.get("bwd_ms", ""), "total ms": r.get("total_ms", ""),
+              "speedup vs best separate": r.get("speedup_vs_best_separate", "")} for r in rows]
+    r0 = rows[0]
+    return f"""
+## MLP up-projection with bias + GELU(tanh), forward + backward ({r0["tokens"]} tokens, {r0["d"]} -> {r0["d_ff"]})
+
+{markdown_table(table, list(table[0]))}
+
+Forward: h = GELU(x W_up^T + b) and the pre-activation pre; backward from the down-projection's dgrad dh = dy W_down:
+dpre = dh * GELU'(pre), db = column sums of dpre. Fused: the forward epilogue writes h and pre (bias_gelu_aux), the
+dgrad's epilogue computes dpre and accumulates db (dgelu). Target (issue 16): fused total >= 1.15x the best separate.
 """
 
 
 def summary(rows: list[dict[str, object]], bw: float, peak_gflops: float, title: str,
-            bias_rows: list[dict[str, object]] | None = None) -> str:
+            bias_rows: list[dict[str, object]] | None = None, mlp_rows: list[dict[str, object]] | None = None) -> str:
     head = [r for r in rows if r["shape"] == "square" and r["M"] == 4096]
     table = [{"kernel": r["kernel"], "status": r.get("status"), "rel err": r.get("rel_err", ""),
               "TFLOP/s": round(r["gflops"] / 1e3, 1) if "gflops" in r else "",
@@ -431,7 +553,7 @@ bf16 inputs, threshold {TOLERANCE}; output poisoned with NaN before each check.
 ## Other shapes (GPT-2 Large training GEMMs: 8192 tokens, d 1280; % of cuBLAS)
 
 {shapes_table(rows)}
-{bias_gelu_section(bias_rows or [])}
+{bias_gelu_section(bias_rows or [])}{mlp_fwd_bwd_section(mlp_rows or [])}
 What limits the `mma_*` kernels: they use the Ampere-style `mma.sync` path (HMMA in SASS):
 each warp feeds the tensor cores from registers that `ldmatrix` filled, so shared-memory reads,
 register pressure (~225 registers per thread for a 64x64 warp tile, one 8-warp block per SM) and
@@ -458,7 +580,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shapes", default="4096,squares,gpt2",
                    help=f"comma list of shape groups among {', '.join(SHAPE_GROUPS)} (default: all but tail)")
     p.add_argument("--bias-gelu", action="store_true",
-                   help="also time the MLP up-projection with bias + GELU fused (wgmma_persistent_bias_gelu)")
+                   help="also time the MLP up-projection with bias + GELU fused (wgmma_persistent_bias_gelu), "
+                   "forward alone and forward + backward (bias_gelu_aux, dgelu)")
     p.add_argument("--probe-timeout-s", type=float, default=300, help="per kernel probe subprocess")
     p.add_argument("--probe", choices=CUDA_KERNELS + HOPPER_KERNELS, help=argparse.SUPPRESS)
     p.add_argument("--verbose", action="store_true")
@@ -484,18 +607,19 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print("wrote", write_csv(out / "gemm.csv", rows, tag))  # rewritten below with the copy bandwidth
-    bias_rows = []
-    if args.bias_gelu:  # the fused variant only if its mainloop (wgmma_persistent) passed the probe
-        usable = {k: v for k, v in ext.items() if k != "wgmma_persistent_bias_gelu" or
-                  probes.get("wgmma_persistent") == "ok"}
+    bias_rows, mlp_rows = [], []
+    if args.bias_gelu:  # the fused variants only if their mainloop (wgmma_persistent) passed the probe
+        usable = {k: v for k, v in ext.items() if k not in FUSED_EPILOGUES or probes.get("wgmma_persistent") == "ok"}
         bias_rows = bias_gelu_bench(usable, args.point_budget_s)
         print("wrote", write_csv(out / "gemm_bias_gelu.csv", bias_rows, tag))
+        mlp_rows = mlp_up_fwd_bwd_bench(usable, args.point_budget_s)
+        print("wrote", write_csv(out / "gemm_mlp_fwd_bwd.csv", mlp_rows, tag))
     bw = copy_bandwidth()
     peak = max((r["gflops"] for r in rows if r["kernel"] == "cublas" and "gflops" in r), default=1.0)
     title = tag_line(tag)
     print("wrote", write_csv(out / "gemm.csv", rows, {**tag, "copy_bw_GBps": f"{bw / 1e9:.0f}"}))
     plot_roofline(rows, bw, peak, out / "gemm_roofline.png", f"GEMM ladder (bf16): {title}")
-    text = summary(rows, bw, peak, title, bias_rows)
+    text = summary(rows, bw, peak, title, bias_rows, mlp_rows)
     (out / "gemm_summary.md").write_text(text)
     print(text)
 

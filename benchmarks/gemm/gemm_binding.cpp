@@ -42,6 +42,43 @@ void run_bias_gelu(const torch::Tensor& A, const torch::Tensor& B, const torch::
                                                     K, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, err);
 }
+
+// AUX: [M,N] bf16 like C (the pre-activation)
+void check_aux(const torch::Tensor& AUX, const torch::Tensor& A, const torch::Tensor& C) {
+  TORCH_CHECK(AUX.is_cuda() && AUX.scalar_type() == torch::kBFloat16 && AUX.is_contiguous() && AUX.dim() == 2 &&
+                  AUX.sizes() == C.sizes() && AUX.device() == A.device(),
+              "AUX must be a contiguous 2-D bf16 CUDA tensor shaped like C");
+}
+
+// C = GELU_tanh(A @ B + bias) and AUX = A @ B + bias, bias: [N] bf16, AUX: [M,N] bf16
+void run_bias_gelu_aux(const torch::Tensor& A, const torch::Tensor& B, const torch::Tensor& bias,
+                       const torch::Tensor& C, const torch::Tensor& AUX) {
+  TORCH_CHECK(bias.is_cuda() && bias.scalar_type() == torch::kBFloat16 && bias.is_contiguous() && bias.dim() == 1 &&
+                  bias.size(0) == B.size(1) && bias.device() == A.device(),
+              "bias must be a contiguous 1-D bf16 CUDA tensor of B.size(1) elements");
+  check_aux(AUX, A, C);
+  const auto [M, N, K] = check_operands(A, B, C);
+  const c10::cuda::CUDAGuard guard(A.device());
+  const char* err = gemm_wgmma_persistent_bias_gelu_aux(A.data_ptr(), B.data_ptr(), bias.data_ptr(), C.data_ptr(),
+                                                        AUX.data_ptr(), M, N, K, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == nullptr, err);
+}
+
+// C = (A @ B) * GELU_tanh'(AUX), DBIAS += column sums of C (fp32; the caller zeroes it), AUX: [M,N] bf16,
+// DBIAS: [N] fp32
+void run_dgelu(const torch::Tensor& A, const torch::Tensor& B, const torch::Tensor& AUX, const torch::Tensor& C,
+               const torch::Tensor& DBIAS) {
+  TORCH_CHECK(DBIAS.is_cuda() && DBIAS.scalar_type() == torch::kFloat32 && DBIAS.is_contiguous() &&
+                  DBIAS.dim() == 1 && DBIAS.size(0) == B.size(1) && DBIAS.device() == A.device(),
+              "DBIAS must be a contiguous 1-D fp32 CUDA tensor of B.size(1) elements");
+  check_aux(AUX, A, C);
+  const auto [M, N, K] = check_operands(A, B, C);
+  const c10::cuda::CUDAGuard guard(A.device());
+  const char* err =
+      gemm_wgmma_persistent_dgelu(A.data_ptr(), B.data_ptr(), AUX.data_ptr(), C.data_ptr(),
+                                  DBIAS.data_ptr<float>(), M, N, K, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == nullptr, err);
+}
 #endif
 
 }  // namespace
@@ -52,6 +89,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wgmma_persistent", &run<gemm_wgmma_persistent>,
         "persistent wgmma + TMA, 128x256 tile, shared-memory + TMA-store epilogue (sm_90a)");
   m.def("wgmma_persistent_bias_gelu", &run_bias_gelu, "wgmma_persistent with bias + GELU(tanh) in the epilogue");
+  m.def("wgmma_persistent_bias_gelu_aux", &run_bias_gelu_aux,
+        "wgmma_persistent_bias_gelu that also writes AUX = A @ B + bias (the pre-activation)");
+  m.def("wgmma_persistent_dgelu", &run_dgelu,
+        "wgmma_persistent with GELU(tanh)'s backward (C = A @ B * GELU'(AUX)) and the bias gradient in the epilogue");
 #else
   m.def("naive", &run<gemm_naive>, "global-memory GEMM, one thread per output");
   m.def("smem", &run<gemm_smem>, "32x32 shared-memory tiling");
