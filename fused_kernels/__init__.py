@@ -28,6 +28,9 @@ class KernelOps:
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, bool], torch.Tensor]
     add_layernorm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     lm_cross_entropy: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # the whole MLP, mlp(x, w_fc, b_fc, w_proj, b_proj) -> y (nn.Linear's weights), for a backend that fuses across
+    # its two Linears; None: the model runs the two Linears through `linear`
+    mlp: Callable[..., torch.Tensor] | None = None
 
 
 REFERENCE_OPS = KernelOps(
@@ -44,19 +47,24 @@ def register_backend(name: str, factory: Callable[[], KernelOps]) -> None:
     _BACKENDS[name] = factory
 
 
-def get_ops(backend: str, *, inductor_head: bool = False) -> KernelOps:
+def get_ops(backend: str, *, inductor_head: bool = False, whole_mlp: bool = True) -> KernelOps:
     """The ops of `backend` ("none", "triton", "cuda"); raises KernelUnavailableError if unusable.
 
     inductor_head: torch.compile traces the LM head too (`--compile-scope model`). Inductor fuses the head's
     matmul + cross-entropy itself, faster than the chunked kernel (GPT-2 Large, batch 8, H200: 6.5 against 7.5 ms
     forward+backward, benchmarks/results/kernels/kernels.md), so the reference op is used there.
+
+    whole_mlp: the model's MLP Linears stay plain modules (no tensor parallelism, no ZeRO-3 partitioning), so a
+    backend's whole-MLP op may read their weights; otherwise `mlp` is None.
     """
     if backend not in _BACKENDS:
         raise KernelUnavailableError(
             f"fused-kernel backend {backend!r} is not available in this version; "
             f"choose one of {sorted(_BACKENDS)}")
     ops = _BACKENDS[backend]()
-    return replace(ops, lm_cross_entropy=reference.lm_cross_entropy) if inductor_head else ops
+    if inductor_head:
+        ops = replace(ops, lm_cross_entropy=reference.lm_cross_entropy)
+    return ops if whole_mlp else replace(ops, mlp=None)
 
 
 def _lazy_backend(module: str, factory: str) -> Callable[[], KernelOps]:

@@ -45,7 +45,8 @@ def build_model(layout: RunLayout, device: torch.device, dims: ParallelDims,
     the seed draws the same values as the plain build (fp32), and --init-from is copied in one parameter at a time
     (rank 0 writes the full tensor, DeepSpeed re-partitions it)."""
     cfg = layout.cfg
-    ops = get_ops(cfg.train.fused_kernels, inductor_head=cfg.train.compile and cfg.train.compile_scope == "model")
+    ops = get_ops(cfg.train.fused_kernels, inductor_head=cfg.train.compile and cfg.train.compile_scope == "model",
+                  whole_mlp=layout.tp_size == 1 and zero3 is None)  # TP and ZeRO-3 need the MLP's Linears as modules
     attention = choose_attention(layout, device)
     torch.manual_seed(cfg.train.seed)
     if zero3 is None:

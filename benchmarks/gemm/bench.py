@@ -120,11 +120,10 @@ def build_extension(verbose: bool = False, kernels: list[str] | None = None) -> 
         ladder = load(name="gemm_ladder", sources=[str(HERE / "gemm_kernels.cu"), str(HERE / "gemm_binding.cpp")],
                       extra_cuda_cflags=cuda_flags, extra_cflags=["-O3"], verbose=verbose)
         fns.update({k: getattr(ladder, k) for k in CUDA_KERNELS})
-    if wanted & set(HOPPER_KERNELS):
-        sources = [str(HERE / f) for f in ("gemm_wgmma.cu", "gemm_wgmma_persistent.cu", "gemm_binding.cpp")]
-        hopper = load(name="gemm_wgmma", sources=sources,
-                      extra_cuda_cflags=[*cuda_flags, "-gencode=arch=compute_90a,code=sm_90a"],
-                      extra_cflags=["-O3", "-DGEMM_WGMMA"], verbose=verbose)
+    if wanted & set(HOPPER_KERNELS):  # the build training's fused MLP loads too (one recipe)
+        from fused_kernels.cuda.mlp import load_wgmma_extension
+
+        hopper = load_wgmma_extension(verbose)
         fns.update({k: getattr(hopper, k) for k in [*HOPPER_KERNELS, *FUSED_EPILOGUES]})
     return fns
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from fused_kernels import KernelOps, KernelUnavailableError, reference
+from fused_kernels.cuda import mlp
 from fused_kernels.custom_ops import bias_gelu_ops
 
 SOURCE_DIR = Path(__file__).resolve().parent
@@ -74,8 +75,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gel
     return bias_gelu(F.linear(x, weight), bias)  # F.linear follows autocast; bias follows its output dtype
 
 
+def linear_pair(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor, w_proj: torch.Tensor,
+                b_proj: torch.Tensor) -> torch.Tensor:
+    """The MLP as two `linear`s: up-projection with the fused bias+GELU, then the down-projection."""
+    return linear(linear(x, w_fc, b_fc, True), w_proj, b_proj, False)
+
+
 def cuda_ops() -> KernelOps:
-    """The cuda backend's ops; builds the extension now so a failure is reported at start-up."""
+    """The cuda backend's ops; builds the extensions now so a failure is reported at start-up. On Hopper the MLP is
+    one op on the wgmma kernel (`fused_kernels.cuda.mlp`); elsewhere its up-projection uses the bias+GELU kernel."""
     load_extension()
-    return KernelOps(
-        name="cuda", linear=linear, add_layernorm=reference.add_layernorm, lm_cross_entropy=reference.lm_cross_entropy)
+    whole_mlp = None
+    if mlp.hopper():
+        mlp.load_wgmma_extension()
+        whole_mlp = functools.partial(mlp.mlp, linear_pair=linear_pair)
+    return KernelOps(name="cuda", linear=linear, add_layernorm=reference.add_layernorm,
+                     lm_cross_entropy=reference.lm_cross_entropy, mlp=whole_mlp)

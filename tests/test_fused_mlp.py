@@ -1,0 +1,105 @@
+"""The whole-MLP op of the cuda backend (`fused_kernels.cuda.mlp`) without a GPU: its two kernels (tested against
+fp64 on an H100 by tests/test_gemm_mlp_epilogue.py -m gpu) are swapped for PyTorch versions of the same maths, so
+what is checked here is everything around them: the op's registration (schema, fake, autograd), its backward
+formula against autograd of the two Linears, and when the model uses it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fused_kernels import REFERENCE_OPS, KernelOps, get_ops
+from fused_kernels.cuda import mlp as fused_mlp
+
+
+def _up(x: torch.Tensor, w_fc_t: torch.Tensor, b_fc: torch.Tensor, h: torch.Tensor, pre: torch.Tensor) -> None:
+    p = x.float() @ w_fc_t.float() + b_fc.float()
+    pre.copy_(p)
+    h.copy_(F.gelu(p, approximate="tanh"))
+
+
+def _dgelu(dy: torch.Tensor, w_proj: torch.Tensor, pre: torch.Tensor, dpre: torch.Tensor, db: torch.Tensor) -> None:
+    x = pre.float()
+    t = torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3))
+    grad = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * math.sqrt(2 / math.pi) * (1 + 3 * 0.044715 * x * x)
+    d = (dy.float() @ w_proj.float()) * grad
+    dpre.copy_(d)
+    db.add_(d.sum(0))
+
+
+@pytest.fixture
+def cpu_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(fused_mlp.KERNELS, "up", _up)
+    monkeypatch.setitem(fused_mlp.KERNELS, "dgelu", _dgelu)
+
+
+def _inputs(tokens: int = 24, d: int = 16, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shapes = [(tokens, d), (d, 4 * d), (4 * d,), (d, 4 * d), (d,)]  # x, w_fc_t, b_fc, w_proj, b_proj
+    return [(torch.randn(*s, generator=g) / math.sqrt(s[0] if len(s) == 2 else 1)).to(dtype).requires_grad_()
+            for s in shapes]
+
+
+def test_the_ops_registration_passes_opcheck(cpu_kernels: None) -> None:
+    """Schema, fake (meta) implementation and autograd registration, by torch.library's own checker."""
+    x, w_fc_t, b_fc, w_proj, b_proj = _inputs(dtype=torch.float32)
+    torch.library.opcheck(fused_mlp.mlp_op, (x, w_fc_t, b_fc, w_proj, b_proj))
+    pre = (x @ w_fc_t + b_fc).detach()
+    torch.library.opcheck(fused_mlp.dgelu_op, (torch.randn(24, 16), w_proj.detach(), pre))
+
+
+def test_the_op_trains_the_two_linears_function(cpu_kernels: None) -> None:
+    """Output and every gradient (x, both weights, both biases) against autograd of Linear -> GELU -> Linear on the
+    same bf16 values in fp32: b_fc's gradient comes from the dgrad's epilogue, the rest from the formula."""
+    inputs = _inputs()
+    y, _, _ = fused_mlp.mlp_op(*inputs)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    ref_inputs = [t.detach().float().requires_grad_() for t in inputs]
+    x, w_fc_t, b_fc, w_proj, b_proj = ref_inputs
+    ref = F.linear(F.gelu(x @ w_fc_t + b_fc, approximate="tanh"), w_proj, b_proj)
+    ref.backward(dy.float())
+    assert (y.float() - ref).abs().max() <= 0.02 * ref.abs().max()
+    for name, got, want in zip(("x", "w_fc_t", "b_fc", "w_proj", "b_proj"), inputs, ref_inputs, strict=True):
+        assert got.grad is not None and got.grad.dtype == got.dtype, name
+        err = (got.grad.float() - want.grad).abs().max() / want.grad.abs().max()
+        assert err <= 0.03, (name, err.item())
+
+
+def test_the_wrapper_runs_the_two_linears_outside_bf16_autocast() -> None:
+    """On CPU (no CUDA autocast) `mlp` calls the unfused pair with nn.Linear's weights, untouched."""
+    seen = []
+    args = [torch.randn(2, 3, 8), torch.randn(32, 8), torch.randn(32), torch.randn(8, 32), torch.randn(8)]
+    out = fused_mlp.mlp(*args, linear_pair=lambda *a: seen.append(a) or a[0])
+    assert out is args[0] and len(seen) == 1 and all(a is b for a, b in zip(seen[0], args, strict=True))
+
+
+def test_the_model_uses_a_backends_whole_mlp_only_where_its_linears_are_plain_modules(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """get_ops(whole_mlp=False) (tensor parallelism, ZeRO-3) drops the op; the model's MLP calls it when present."""
+    from gpt2.config import ModelConfig
+    from gpt2.model import MLP
+
+    calls = []
+
+    def whole(x, w_fc, b_fc, w_proj, b_proj):
+        calls.append((w_fc.shape, w_proj.shape))
+        return F.linear(F.gelu(F.linear(x, w_fc, b_fc), approximate="tanh"), w_proj, b_proj)
+
+    import fused_kernels
+
+    monkeypatch.setitem(fused_kernels._BACKENDS, "whole-mlp-test", lambda: KernelOps(
+        name="whole-mlp-test", linear=REFERENCE_OPS.linear, add_layernorm=REFERENCE_OPS.add_layernorm,
+        lm_cross_entropy=REFERENCE_OPS.lm_cross_entropy, mlp=whole))
+    assert get_ops("whole-mlp-test").mlp is whole and get_ops("whole-mlp-test", whole_mlp=False).mlp is None
+    cfg = ModelConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=16, n_positions=4, dropout=0.0)
+    torch.manual_seed(0)
+    fused = MLP(cfg, get_ops("whole-mlp-test")).eval()
+    torch.manual_seed(0)
+    plain = MLP(cfg, get_ops("whole-mlp-test", whole_mlp=False)).eval()
+    x = torch.randn(2, 4, 8)
+    torch.testing.assert_close(fused(x), plain(x))
+    assert calls == [((32, 8), (8, 32))]
