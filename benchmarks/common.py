@@ -14,6 +14,7 @@ import signal
 import socket
 import statistics
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -158,16 +159,37 @@ def error_excerpt(log: str, n_lines: int) -> list[str]:
 
 # process groups of launches still running: each runs in its own session, so a signal to the tool never reaches it
 _RUNNING_GROUPS: set[int] = set()
+_STOPPING = threading.Event()  # the tool was signalled: launch() starts nothing more
+STOP_GRACE_S = 30.0  # after SIGTERM (train.py stops at its next step boundary), then SIGKILL
+
+
+def _group_alive(group: int) -> bool:
+    """Some process of `group` is running (zombies, waiting for their parent to reap them, do not count)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            if state != "Z" and int(pgrp) == group:
+                return True
+    return False
 
 
 def stop_launches_on_signal() -> None:
-    """From the tool's main thread: on SIGTERM or SIGINT (`timeout`, Slurm's time limit, Ctrl-C) end every running
-    launch's process group, then exit 128 + the signal. Without it a launch outlives its tool and keeps the GPU:
-    a DeepCompile parity run, orphaned by `timeout`, trained on beside the next tool's timed runs."""
+    """From the tool's main thread: on SIGTERM or SIGINT (`timeout`, Slurm's time limit, Ctrl-C) start no more
+    launches (a parity tool's queued rows), end every running launch's process group (SIGTERM, then SIGKILL after
+    STOP_GRACE_S), then exit 128 + the signal. Without it a launch outlives its tool and keeps the GPU: a DeepCompile
+    parity run, orphaned by `timeout`, trained on beside the next tool's timed runs."""
     def stop(signum: int, _frame: object) -> None:
-        for group in list(_RUNNING_GROUPS):
+        _STOPPING.set()
+        groups = list(_RUNNING_GROUPS)
+        for group in groups:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGTERM)  # torchrun passes it on to its workers
+        deadline = time.monotonic() + STOP_GRACE_S
+        while any(_group_alive(g) for g in groups) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
         raise SystemExit(128 + signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -177,8 +199,11 @@ def stop_launches_on_signal() -> None:
 def launch(cmd: list[str], log_path: Path, timeout: float,
            env: dict[str, str] | None = None) -> tuple[int | None, float]:
     """Run cmd from the repository root in its own process group, output to log_path; (exit code or None on
-    timeout, seconds). `env` replaces os.environ for the child."""
+    timeout, seconds). `env` replaces os.environ for the child. Once the tool is signalled it starts nothing (None, 0).
+    """
     start = time.perf_counter()
+    if _STOPPING.is_set():
+        return None, 0.0
     with log_path.open("w") as log:
         log.write("$ " + shlex.join(cmd) + "\n")
         log.flush()
@@ -186,6 +211,8 @@ def launch(cmd: list[str], log_path: Path, timeout: float,
                                 env={**(os.environ if env is None else env), "WANDB_SILENT": "true",
                                      "PYTHONUNBUFFERED": "1"})
         _RUNNING_GROUPS.add(proc.pid)
+        if _STOPPING.is_set():  # the signal came between Popen and the line above: the handler missed this group
+            os.killpg(proc.pid, signal.SIGKILL)
         try:
             rc: int | None = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

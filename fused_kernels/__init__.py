@@ -40,43 +40,43 @@ REFERENCE_OPS = KernelOps(
     lm_cross_entropy=reference.lm_cross_entropy,
 )
 
-_BACKENDS: dict[str, Callable[[], KernelOps]] = {"none": lambda: REFERENCE_OPS}
+# backend name -> factory(whole_mlp): the backend's ops, with its whole-MLP op only if whole_mlp (and built only then)
+_BACKENDS: dict[str, Callable[[bool], KernelOps]] = {"none": lambda whole_mlp: REFERENCE_OPS}
 
 
-def register_backend(name: str, factory: Callable[[], KernelOps]) -> None:
+def register_backend(name: str, factory: Callable[[bool], KernelOps]) -> None:
     _BACKENDS[name] = factory
 
 
-def get_ops(backend: str, *, inductor_head: bool = False, whole_mlp: bool = True) -> KernelOps:
+def get_ops(backend: str, *, inductor_head: bool = False, whole_mlp: bool = False) -> KernelOps:
     """The ops of `backend` ("none", "triton", "cuda"); raises KernelUnavailableError if unusable.
 
     inductor_head: torch.compile traces the LM head too (`--compile-scope model`). Inductor fuses the head's
     matmul + cross-entropy itself, faster than the chunked kernel (GPT-2 Large, batch 8, H200: 6.5 against 7.5 ms
     forward+backward, benchmarks/results/kernels/kernels.md), so the reference op is used there.
 
-    whole_mlp: the model's MLP Linears stay plain modules (no tensor parallelism, no ZeRO-3 partitioning), so a
-    backend's whole-MLP op may read their weights; otherwise `mlp` is None.
+    whole_mlp: a backend's whole-MLP op may be used (`gpt2.layout.RunLayout.whole_mlp` decides); otherwise `mlp` is
+    None and nothing is built for it.
     """
     if backend not in _BACKENDS:
         raise KernelUnavailableError(
             f"fused-kernel backend {backend!r} is not available in this version; "
             f"choose one of {sorted(_BACKENDS)}")
-    ops = _BACKENDS[backend]()
-    if inductor_head:
-        ops = replace(ops, lm_cross_entropy=reference.lm_cross_entropy)
-    return ops if whole_mlp else replace(ops, mlp=None)
+    ops = _BACKENDS[backend](whole_mlp)
+    assert whole_mlp or ops.mlp is None, f"backend {backend!r} returned a whole-MLP op it was not asked for"
+    return replace(ops, lm_cross_entropy=reference.lm_cross_entropy) if inductor_head else ops
 
 
-def _lazy_backend(module: str, factory: str) -> Callable[[], KernelOps]:
+def _lazy_backend(module: str, factory: str) -> Callable[[bool], KernelOps]:
     """A factory that imports its backend only when asked for: importing the registry never imports
     Triton or builds CUDA code."""
 
-    def load() -> KernelOps:
+    def load(whole_mlp: bool) -> KernelOps:
         try:
             backend = importlib.import_module(module)
         except ImportError as e:
             raise KernelUnavailableError(f"{module} cannot be imported here ({e}); use --fused-kernels none") from e
-        return getattr(backend, factory)()
+        return getattr(backend, factory)(whole_mlp=whole_mlp)
 
     return load
 

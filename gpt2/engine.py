@@ -34,7 +34,7 @@ from gpt2.compiling import compile_whole
 from gpt2.config import ConfigError, RunConfig, TrainConfig
 from gpt2.distributed import DistContext
 from gpt2.guard import NonFiniteGuard, step_if_finite
-from gpt2.layout import RunLayout
+from gpt2.layout import RunLayout, whole_mlp_allowed
 from gpt2.parallelize import build_model, parallelize, param_groups, tp_comm_stats
 from parallel.grads import allreduce_sequence_parallel_grads, clip_grad_norm_
 
@@ -51,7 +51,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def check_backends(cfg: RunConfig) -> None:
     """A fused-kernel or attention backend that cannot run here is a ConfigError now, not a failure later."""
     try:
-        get_ops(cfg.train.fused_kernels)
+        get_ops(cfg.train.fused_kernels, whole_mlp=whole_mlp_allowed(cfg))  # builds what the run will use
         get_attention(cfg.train.attn)
         on_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
         check_device(cfg.train.attn, "cuda" if on_cuda else "cpu")

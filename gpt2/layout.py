@@ -109,6 +109,14 @@ def resolve_grad_accum(cfg: RunConfig, dp_size: int) -> int:
     return t.global_batch_size // per_step
 
 
+def whole_mlp_allowed(cfg: RunConfig) -> bool:
+    """A fused-kernel backend may run each MLP as one op reading both Linears' weights (`fused_kernels.KernelOps.mlp`):
+    only where the Linears stay whole modules (no TP shards, no ZeRO-3 partitions) and in compiled runs, where that
+    op measured faster (eager: 0.988x; benchmarks/results/single_gpu)."""
+    zero3 = cfg.train.mode == "hybrid" and cfg.parallel.zero_stage == 3
+    return cfg.parallel.tp_size == 1 and not zero3 and cfg.train.compile
+
+
 @dataclass(frozen=True)
 class RunLayout:
     """One run's resolved layout. Build it with `RunLayout.resolve`; `cfg` is the parsed config, read-only."""
@@ -186,6 +194,10 @@ class RunLayout:
         """Whether our TP collectives' bytes are counted (CommStats): with TP, and not under --compile (a Python
         counter inside the compiled graphs would break them at every collective)."""
         return self.tp_size > 1 and not self.cfg.train.compile
+
+    @property
+    def whole_mlp(self) -> bool:
+        return whole_mlp_allowed(self.cfg)
 
     # ------------------------------------------------------------ ZeRO / DeepSpeed
     @property

@@ -46,7 +46,7 @@ def build_model(layout: RunLayout, device: torch.device, dims: ParallelDims,
     (rank 0 writes the full tensor, DeepSpeed re-partitions it)."""
     cfg = layout.cfg
     ops = get_ops(cfg.train.fused_kernels, inductor_head=cfg.train.compile and cfg.train.compile_scope == "model",
-                  whole_mlp=layout.tp_size == 1 and zero3 is None)  # TP and ZeRO-3 need the MLP's Linears as modules
+                  whole_mlp=layout.whole_mlp)
     attention = choose_attention(layout, device)
     torch.manual_seed(cfg.train.seed)
     if zero3 is None:
@@ -57,6 +57,7 @@ def build_model(layout: RunLayout, device: torch.device, dims: ParallelDims,
     with context:
         model = GPT(cfg.model, ops=ops, attention=attention.fn)
     model.attention_choice = attention  # for the run summary (gpt2.trainer.build_summary)
+    model.mlp_op = ops.mlp is not None  # the summary's `whole_mlp_op`: each MLP one fused op (fused_kernels.cuda.mlp)
     if cfg.train.init_from:
         from gpt2.hf_weights import load_hf_state_dict
 

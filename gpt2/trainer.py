@@ -280,7 +280,7 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
     summary = build_summary(layout, ctx, meter, peak, start_step=start_step, train_time=train_time, last=last,
                             val=val, skipped_steps=reading.skipped,
                             attention=getattr(engine.module, "attention_choice", None),
-                            profile=profiler.summary_fields())
+                            whole_mlp_op=getattr(engine.module, "mlp_op", False), profile=profiler.summary_fields())
     # predicted next to measured memory and communication
     summary.update(compare_with_run(plan, summary, comm.per_step("tp"), comm.per_step("dp")))
     recorder.log_summary(summary)
@@ -294,10 +294,11 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
 
 def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, peak: float | None, *,
                   start_step: int, train_time: float, last: dict[str, Any], val: dict[str, float],
-                  skipped_steps: int, attention: AttentionChoice | None = None,
+                  skipped_steps: int, attention: AttentionChoice | None = None, whole_mlp_op: bool = False,
                   profile: dict[str, float | None] | None = None) -> dict[str, Any]:
     """The run's summary record (collective: peak memory is the max over ranks). `attention`: what `--attn`
     resolved to at model build (`attn_backend`: the kernel that runs; `attn_choice`: with auto's timings).
+    `whole_mlp_op`: the fused-kernel backend runs each MLP as one op (under bf16 autocast).
     `profile`: `--profile`'s per-step figures (`profile/device_busy_pct`, ...; rank 0's, the rank that profiles)."""
     cfg, t = layout.cfg, layout.cfg.train
     return {
@@ -305,7 +306,7 @@ def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, p
         "world_size": layout.world_size, "tp_size": layout.tp_size, "dp_size": layout.dp_size,
         "batch_size_per_gpu": t.batch_size, "grad_accum": layout.grad_accum, "seq_len": t.seq_len,
         "tokens_per_step": layout.tokens_per_step, "precision": layout.precision,
-        "fused_kernels": t.fused_kernels, "attn": t.attn,
+        "fused_kernels": t.fused_kernels, "whole_mlp_op": whole_mlp_op, "attn": t.attn,
         "attn_backend": attention.backend if attention else None,
         "attn_choice": attention.describe() if attention else None, "compile": layout.compile_scope,
         "activation_checkpointing": t.activation_checkpointing, "device": _device_name(ctx),

@@ -221,28 +221,41 @@ def test_deepspeed_host_cost_repro_separates_zero3_from_torch(tmp_path, cpu_env)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signalled_tool_ends_its_launches(tmp_path: Path, sig: signal.Signals) -> None:
-    """`timeout`, Slurm or Ctrl-C signal the tool; its launches run in their own sessions, so they must be ended by
-    the tool (an orphaned DeepCompile run once trained on beside the next tool's timed runs)."""
-    pid_file = tmp_path / "child.pid"
-    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
-    tool = (f"import sys; from pathlib import Path; from benchmarks.common import launch, stop_launches_on_signal\n"
-            f"stop_launches_on_signal()\n"
-            f"launch([sys.executable, '-c', {child!r}], Path({str(tmp_path / 'child.log')!r}), timeout=120)")
+def test_a_signalled_tool_ends_its_launches_and_starts_no_more(tmp_path: Path, sig: signal.Signals) -> None:
+    """`timeout`, Slurm or Ctrl-C signal the tool; its launches run in their own sessions, so the tool must end them
+    (an orphaned DeepCompile run once trained on beside the next tool's timed runs): SIGTERM, then SIGKILL after the
+    grace period for a run that does not stop (this one ignores SIGTERM), and none of the queued launches starts."""
+    pids = tmp_path / "pids"
+    child = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+             f"open({str(pids)!r}, 'a').write(str(os.getpid()) + chr(10)); time.sleep(120)")
+    tool = f"""import sys
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from benchmarks import common
+common.STOP_GRACE_S = 1.0
+common.stop_launches_on_signal()
+with ThreadPoolExecutor(max_workers=1) as pool:  # as the parity tool: one running, two queued, results awaited
+    futures = [pool.submit(common.launch, [sys.executable, '-c', {child!r}], Path({str(tmp_path)!r}) / f'{{i}}.log',
+                           120) for i in range(3)]
+    for future in as_completed(futures):
+        future.result()
+"""
     proc = subprocess.Popen([sys.executable, "-c", tool], cwd=ROOT)
     deadline = time.monotonic() + 60
-    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+    while not (pids.exists() and pids.read_text().endswith("\n")) and time.monotonic() < deadline:
         time.sleep(0.05)
-    child_pid = int(pid_file.read_text())
+    time.sleep(0.5)  # the child has installed its SIGTERM-ignoring handler
     proc.send_signal(sig)
     rc = proc.wait(timeout=30)
+    started = [int(p) for p in pids.read_text().split()]
     deadline = time.monotonic() + 10
-    while _alive(child_pid) and time.monotonic() < deadline:
+    while any(_alive(p) for p in started) and time.monotonic() < deadline:
         time.sleep(0.05)
-    alive = _alive(child_pid)
-    if alive:
-        os.kill(child_pid, signal.SIGKILL)
-    assert not alive, "the launched run outlived its tool"
+    alive = [p for p in started if _alive(p)]
+    for p in alive:
+        os.kill(p, signal.SIGKILL)
+    assert not alive, "a launched run outlived its tool"
+    assert len(started) == 1, "a queued launch started after the signal"
     assert rc == 128 + sig
 
 

@@ -200,6 +200,7 @@ def test_auto_on_cpu_trains_exactly_like_sdpa(single_reference, tmp_path):
     got, ref = summary(tmp_path / "auto"), summary(single_reference.run_dir)
     assert (got["attn"], got["attn_backend"], got["attn_choice"]) == ("auto", "sdpa", "auto -> sdpa")
     assert ref["attn"] == "sdpa" and ref["attn_backend"] in ("sdpa-flash", "sdpa-math")
+    assert ref["whole_mlp_op"] is False  # the summary says whether the MLP ran as one fused op
 
 
 # the aten op F.scaled_dot_product_attention dispatches to, per backend

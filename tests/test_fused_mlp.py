@@ -79,7 +79,7 @@ def test_the_wrapper_runs_the_two_linears_outside_bf16_autocast() -> None:
 
 def test_the_model_uses_a_backends_whole_mlp_only_where_its_linears_are_plain_modules(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """get_ops(whole_mlp=False) (tensor parallelism, ZeRO-3) drops the op; the model's MLP calls it when present."""
+    """get_ops hands out a backend's whole-MLP op only when asked; the model's MLP calls it when present."""
     from gpt2.config import ModelConfig
     from gpt2.model import MLP
 
@@ -91,15 +91,68 @@ def test_the_model_uses_a_backends_whole_mlp_only_where_its_linears_are_plain_mo
 
     import fused_kernels
 
-    monkeypatch.setitem(fused_kernels._BACKENDS, "whole-mlp-test", lambda: KernelOps(
+    monkeypatch.setitem(fused_kernels._BACKENDS, "whole-mlp-test", lambda whole_mlp: KernelOps(
         name="whole-mlp-test", linear=REFERENCE_OPS.linear, add_layernorm=REFERENCE_OPS.add_layernorm,
-        lm_cross_entropy=REFERENCE_OPS.lm_cross_entropy, mlp=whole))
-    assert get_ops("whole-mlp-test").mlp is whole and get_ops("whole-mlp-test", whole_mlp=False).mlp is None
+        lm_cross_entropy=REFERENCE_OPS.lm_cross_entropy, mlp=whole if whole_mlp else None))
+    assert get_ops("whole-mlp-test", whole_mlp=True).mlp is whole and get_ops("whole-mlp-test").mlp is None
     cfg = ModelConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=16, n_positions=4, dropout=0.0)
     torch.manual_seed(0)
-    fused = MLP(cfg, get_ops("whole-mlp-test")).eval()
+    fused = MLP(cfg, get_ops("whole-mlp-test", whole_mlp=True)).eval()
     torch.manual_seed(0)
-    plain = MLP(cfg, get_ops("whole-mlp-test", whole_mlp=False)).eval()
+    plain = MLP(cfg, get_ops("whole-mlp-test")).eval()
     x = torch.randn(2, 4, 8)
     torch.testing.assert_close(fused(x), plain(x))
     assert calls == [((32, 8), (8, 32))]
+
+
+@pytest.mark.parametrize(("argv", "allowed"), [
+    (["--compile"], True),
+    ([], False),  # eager: the op measured 0.988x
+    (["--mode", "baseline", "--compile"], True),
+    (["--mode", "hybrid", "--zero-stage", "2", "--compile"], True),
+    (["--mode", "hybrid", "--zero-stage", "3", "--compile"], False),  # partitioned Linears
+    (["--mode", "hybrid", "--tp-size", "2", "--compile"], False),  # sharded Linears
+])
+def test_the_whole_mlp_op_is_allowed_only_for_whole_linears_in_compiled_runs(argv: list[str], allowed: bool) -> None:
+    """One decision (gpt2.layout.whole_mlp_allowed) for the start-up check and the model build."""
+    from gpt2.config import parse_args
+    from gpt2.layout import RunLayout, whole_mlp_allowed
+
+    cfg = parse_args(argv)
+    assert whole_mlp_allowed(cfg) is allowed
+    world = 2 if cfg.parallel.tp_size == 2 else 1
+    assert RunLayout.resolve(cfg, world_size=world, device="cuda").whole_mlp is allowed
+
+
+def test_the_op_backward_fills_no_zeros_for_its_saved_outputs(cpu_kernels: None) -> None:
+    """pre and h are outputs only so autograd can save them: their (unused) gradients stay None, no [T, 4d]
+    zero tensors a step (the review found two per layer)."""
+    seen = []
+    backward = fused_mlp._backward
+
+    def spy(ctx, dy, dpre, dh):
+        seen.append((dpre, dh))
+        return backward(ctx, dy, dpre, dh)
+
+    fused_mlp.mlp_op.register_autograd(spy, setup_context=fused_mlp._setup_context)
+    try:
+        y, _, _ = fused_mlp.mlp_op(*_inputs())
+        y.sum().backward()
+    finally:
+        fused_mlp.mlp_op.register_autograd(backward, setup_context=fused_mlp._setup_context)
+    assert seen == [(None, None)]
+
+
+def test_the_op_compiles_as_one_graph_with_the_same_gradients(cpu_kernels: None) -> None:
+    """AOTAutograd traces the op's forward and its backward (None gradients for pre and h included) without a graph
+    break, and the gradients equal eager's."""
+    def loss(*args: torch.Tensor) -> torch.Tensor:
+        y, _, _ = fused_mlp.mlp_op(*args)
+        return (y.float() ** 2).sum()
+
+    eager_inputs, compiled_inputs = _inputs(), _inputs()
+    loss(*eager_inputs).backward()
+    torch._dynamo.reset()
+    torch.compile(loss, backend="aot_eager", fullgraph=True)(*compiled_inputs).backward()
+    for a, b in zip(eager_inputs, compiled_inputs, strict=True):
+        torch.testing.assert_close(a.grad, b.grad)

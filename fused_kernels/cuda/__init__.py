@@ -1,7 +1,6 @@
-"""The `cuda` backend. On Hopper (sm_90) the whole MLP is one op on the wgmma GEMM's fused epilogues
-(`fused_kernels.cuda.mlp`: 1.02x `--compile` alone at GPT-2 Large batch 32, benchmarks/results/single_gpu).
-Elsewhere, and wherever the MLP's Linears must stay modules (TP, ZeRO-3), the MLP up-projection's epilogue is our
-CUDA C++ bias+GELU kernel:
+"""The `cuda` backend. On Hopper (sm_90), in the runs `gpt2.layout.RunLayout.whole_mlp` allows, the whole MLP is
+one op on the wgmma GEMM's fused epilogues (`fused_kernels.cuda.mlp`; measured: benchmarks/results/single_gpu).
+Elsewhere the MLP up-projection's epilogue is our CUDA C++ bias+GELU kernel:
 
 linear(x, W, b, gelu=True) = bias_gelu(x @ W^T) with the matmul by cuBLAS (no bias) and bias + GELU
 fused in one elementwise pass, as the custom ops `gpt2_fused::cuda_bias_gelu` (with autograd) and
@@ -84,13 +83,14 @@ def linear_pair(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor, w_proj:
     return linear(linear(x, w_fc, b_fc, True), w_proj, b_proj, False)
 
 
-def cuda_ops() -> KernelOps:
-    """The cuda backend's ops; builds the extensions now so a failure is reported at start-up. On Hopper the MLP is
-    one op on the wgmma kernel (`fused_kernels.cuda.mlp`); elsewhere its up-projection uses the bias+GELU kernel."""
+def cuda_ops(*, whole_mlp: bool) -> KernelOps:
+    """The cuda backend's ops; builds the extensions it will use now, so a failure is reported at start-up. Where
+    `whole_mlp` allows it and the GPU is a Hopper, the MLP is one op on the wgmma kernel (`fused_kernels.cuda.mlp`);
+    elsewhere its up-projection uses the bias+GELU kernel."""
     load_extension()
-    whole_mlp = None
-    if mlp.hopper():
+    mlp_op = None
+    if whole_mlp and mlp.hopper():
         mlp.load_wgmma_extension()
-        whole_mlp = functools.partial(mlp.mlp, linear_pair=linear_pair)
+        mlp_op = functools.partial(mlp.mlp, linear_pair=linear_pair)
     return KernelOps(name="cuda", linear=linear, add_layernorm=reference.add_layernorm,
-                     lm_cross_entropy=reference.lm_cross_entropy, mlp=whole_mlp)
+                     lm_cross_entropy=reference.lm_cross_entropy, mlp=mlp_op)

@@ -4,13 +4,11 @@ y = (GELU_tanh(x W_fc^T + b_fc)) W_proj^T + b_proj, as `torch.ops.gpt2_fused.cud
 epilogue writes h = GELU(pre) and the pre-activation pre (`wgmma_persistent_bias_gelu_aux`). The backward's
 down-projection dgrad applies GELU's backward and accumulates b_fc's gradient in its epilogue
 (`wgmma_persistent_dgelu`, `gpt2_fused::cuda_mlp_dgelu`). The down-projection's forward, the weight gradients and dx
-are cuBLAS. One op, not two Linears, because GELU's backward fuses into the *down*-projection's GEMM. At GPT-2 Large's
-MLP shape on an H100 the two epilogues take 0.441 ms against 0.526 ms for eager's separate ops
-(benchmarks/results/gemm/h100-2026-11-26).
+are cuBLAS. One op, not two Linears, because GELU's backward fuses into the *down*-projection's GEMM. Measured
+against eager's separate ops: benchmarks/results/gemm/h100-2026-11-26.
 
 sm_90 only (wgmma, TMA); the kernels are bf16, so the op runs under bf16 autocast, and the caller keeps the two
-Linears elsewhere (`linear_pair`). Not for tensor parallelism or ZeRO-3 (`fused_kernels.get_ops(whole_mlp=...)`):
-both need the Linears as modules.
+Linears elsewhere (`linear_pair`). Used only where `gpt2.layout.RunLayout.whole_mlp` allows.
 """
 
 from __future__ import annotations
@@ -98,10 +96,11 @@ def _setup_context(ctx, inputs: tuple[torch.Tensor, ...], output: tuple[torch.Te
     x, w_fc_t, _, w_proj, _ = inputs
     _, pre, h = output
     ctx.save_for_backward(x, w_fc_t, w_proj, pre, h)
+    ctx.set_materialize_grads(False)  # pre's and h's gradients are unused: no [T, 4d] zero tensors for them
 
 
 def _backward(ctx, dy: torch.Tensor, _dpre: torch.Tensor | None, _dh: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    x, w_fc_t, w_proj, pre, h = ctx.saved_tensors  # pre and h feed nothing outside the op: their grads are unused
+    x, w_fc_t, w_proj, pre, h = ctx.saved_tensors  # pre and h feed nothing outside the op: their grads are None
     dy = dy.contiguous()
     dpre, db_fc = dgelu_op(dy, w_proj, pre)  # [T, 4d], [4d]
     return (dpre @ w_fc_t.t(),  # dx [T, d]

@@ -33,7 +33,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gel
     return bias_gelu(F.linear(x, weight), bias)  # F.linear follows autocast; bias follows its output dtype
 
 
-def triton_ops() -> KernelOps:
-    """The triton backend's ops; KernelUnavailableError if the kernels cannot run on this machine."""
+def triton_ops(*, whole_mlp: bool) -> KernelOps:
+    """The triton backend's ops (no whole-MLP op, whatever `whole_mlp` allows); KernelUnavailableError if the
+    kernels cannot run on this machine."""
     check_available(bias_gelu_fwd_kernel)
     return KernelOps(name="triton", linear=linear, add_layernorm=add_layernorm, lm_cross_entropy=lm_cross_entropy)
