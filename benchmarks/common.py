@@ -160,7 +160,7 @@ def error_excerpt(log: str, n_lines: int) -> list[str]:
 # process groups of launches still running: each runs in its own session, so a signal to the tool never reaches it
 _RUNNING_GROUPS: set[int] = set()
 _STOPPING = threading.Event()  # the tool was signalled: launch() starts nothing more
-STOP_GRACE_S = 30.0  # after SIGTERM (train.py stops at its next step boundary), then SIGKILL
+STOP_GRACE_S = 30.0  # a launch ended early gets this long after SIGTERM (train.py stops at its next step), then SIGKILL
 
 
 def _group_alive(group: int) -> bool:
@@ -218,7 +218,7 @@ def launch(cmd: list[str], log_path: Path, timeout: float,
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGTERM)  # torchrun and its workers
             try:
-                proc.wait(timeout=30)
+                proc.wait(timeout=STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()

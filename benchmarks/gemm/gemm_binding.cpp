@@ -31,11 +31,16 @@ void run(const torch::Tensor& A, const torch::Tensor& B, const torch::Tensor& C)
 }
 
 #ifdef GEMM_WGMMA
-// C = GELU_tanh(A @ B + bias), bias: [N] bf16
-void run_bias_gelu(const torch::Tensor& A, const torch::Tensor& B, const torch::Tensor& bias, const torch::Tensor& C) {
+// bias: [N] bf16 on A's device
+void check_bias(const torch::Tensor& bias, const torch::Tensor& A, const torch::Tensor& B) {
   TORCH_CHECK(bias.is_cuda() && bias.scalar_type() == torch::kBFloat16 && bias.is_contiguous() && bias.dim() == 1 &&
                   bias.size(0) == B.size(1) && bias.device() == A.device(),
               "bias must be a contiguous 1-D bf16 CUDA tensor of B.size(1) elements");
+}
+
+// C = GELU_tanh(A @ B + bias), bias: [N] bf16
+void run_bias_gelu(const torch::Tensor& A, const torch::Tensor& B, const torch::Tensor& bias, const torch::Tensor& C) {
+  check_bias(bias, A, B);
   const auto [M, N, K] = check_operands(A, B, C);
   const c10::cuda::CUDAGuard guard(A.device());
   const char* err = gemm_wgmma_persistent_bias_gelu(A.data_ptr(), B.data_ptr(), bias.data_ptr(), C.data_ptr(), M, N,
@@ -53,9 +58,7 @@ void check_aux(const torch::Tensor& AUX, const torch::Tensor& A, const torch::Te
 // C = GELU_tanh(A @ B + bias) and AUX = A @ B + bias, bias: [N] bf16, AUX: [M,N] bf16
 void run_bias_gelu_aux(const torch::Tensor& A, const torch::Tensor& B, const torch::Tensor& bias,
                        const torch::Tensor& C, const torch::Tensor& AUX) {
-  TORCH_CHECK(bias.is_cuda() && bias.scalar_type() == torch::kBFloat16 && bias.is_contiguous() && bias.dim() == 1 &&
-                  bias.size(0) == B.size(1) && bias.device() == A.device(),
-              "bias must be a contiguous 1-D bf16 CUDA tensor of B.size(1) elements");
+  check_bias(bias, A, B);
   check_aux(AUX, A, C);
   const auto [M, N, K] = check_operands(A, B, C);
   const c10::cuda::CUDAGuard guard(A.device());
