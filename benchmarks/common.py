@@ -25,6 +25,9 @@ from gpt2.metrics import host_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 ERROR_LINE = re.compile(r"\b(\w+(?:Error|Exception)): (.+)$")
+# torchrun's "Root Cause" block names the first rank that failed; a rank killed by a signal prints no error line
+ROOT_CAUSE_FIELD = re.compile(r"^\s*(rank|exitcode|traceback)\s*: (.+?)\s*$")
+NATIVE_CRASH_LINE = re.compile(r"terminate called|Fatal Python error")
 
 
 def device_tag(device: torch.device | str | None = None) -> dict[str, str]:
@@ -144,8 +147,28 @@ def last_error(log: str) -> str:
     if i is not None:
         match = ERROR_LINE.search(lines[i])
         return f"{match.group(1)}: {match.group(2)}"[:300]
+    root_cause = _launcher_root_cause(lines)
+    if root_cause:
+        return root_cause[:300]
     lines = [line.strip() for line in lines if line.strip()]
     return lines[-1][:300] if lines else "no output"
+
+
+def _launcher_root_cause(lines: list[str]) -> str | None:
+    """torchrun's root cause as one line, e.g. `rank 1: Signal 6 (SIGABRT) received by PID 7 (terminate called
+    without an active exception)`: the failed rank, its signal or exit code, and the last native-crash message."""
+    starts = [i for i, line in enumerate(lines) if line.startswith("Root Cause")]
+    if not starts:
+        return None
+    fields = dict(m.groups() for line in lines[starts[-1]:] if (m := ROOT_CAUSE_FIELD.match(line)))
+    if "rank" not in fields:
+        return None
+    rank = fields["rank"].split()[0]
+    cause = fields.get("traceback", "<N/A>")
+    if cause.startswith("<"):  # no signal and no error file: the exit code is all torchrun knows
+        cause = f"exitcode {fields.get('exitcode', '?').split()[0]}"
+    crashes = [line.strip() for line in lines[:starts[-1]] if NATIVE_CRASH_LINE.search(line)]
+    return f"rank {rank}: {cause}" + (f" ({crashes[-1]})" if crashes else "")
 
 
 def error_excerpt(log: str, n_lines: int) -> list[str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import faulthandler
-import gc
 import os
 import sys
 from collections.abc import Callable
@@ -107,11 +106,15 @@ def run_as_process(main: Callable[[], int]) -> None:
     """Run a launched entry point (train.py, benchmarks.hf_reference) and exit with its status.
 
     faulthandler: a crash in native code (segfault, std::terminate) prints every thread's Python stack on each rank.
-    gc.collect() before exit frees the engine's reference cycles (DeepSpeed's hooks hold its process groups) while
-    the interpreter is whole: a gloo group left to interpreter finalization can abort the process after a finished
-    run ("terminate called without an active exception", seen intermittently at exit of 2- and 4-rank CPU ZeRO runs,
-    train.py's and the Hugging Face reference's)."""
+    Once `main` has returned (its process groups destroyed, its files closed), the process leaves with `os._exit`,
+    skipping interpreter finalization: objects that still hold a gloo group (DeepSpeed's module-level caches and
+    hooks) are otherwise destroyed there, and that intermittently aborts a finished run with "terminate called
+    without an active exception" (exit -6: train.py's and the Hugging Face reference's 2- and 4-rank CPU ZeRO
+    runs, a failed CI each time; a gc.collect() before exit did not stop it). An exception from `main` takes the
+    normal path: its traceback and exit status 1. Logging handlers flush every record; stdout's buffer is flushed
+    here."""
     faulthandler.enable()
     status = main()
-    gc.collect()
-    sys.exit(status)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

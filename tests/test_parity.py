@@ -316,3 +316,36 @@ def test_a_failed_torchrun_row_shows_the_worker_s_traceback_not_the_launcher_s()
     assert excerpt == ["[rank0]: Traceback (most recent call last):", '[rank0]:   File "train.py", line 3, in main',
                        "[rank0]: RecursionError: maximum recursion depth exceeded"]
     assert error_excerpt("a\nb\nc", 2) == ["b", "c"]  # no error line: the last lines
+
+
+# torchrun 2.13's summary after `os.abort()` on rank 1 (what a gloo teardown abort looks like), trimmed above it
+SIGNALLED_RANK_LOG = """step 3 | loss 10.8
+terminate called without an active exception
+Fatal Python error: Aborted
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+======================================================
+benchmarks.hf_reference FAILED
+------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-26_04:01:15
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -6 (pid: 18620)  (SIGABRT)
+  error_file: <N/A>
+  traceback : Signal 6 (SIGABRT) received by PID 18620
+======================================================"""
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_its_signal_not_torchrun_s_rule_line() -> None:
+    """CI's sweep row read `exit 1: =====...` (torchrun's closing rule) for a rank that aborted at exit."""
+    from benchmarks.common import last_error
+
+    assert last_error(SIGNALLED_RANK_LOG) == ("rank 1: Signal 6 (SIGABRT) received by PID 18620 "
+                                              "(Fatal Python error: Aborted)")
+    exited = SIGNALLED_RANK_LOG.replace("Signal 6 (SIGABRT) received by PID 18620", "<N/A>")
+    exited = "\n".join(line for line in exited.splitlines() if "terminate" not in line and "Fatal" not in line)
+    assert last_error(exited) == "rank 1: exitcode -6"
