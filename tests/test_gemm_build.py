@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fused_kernels.cuda.mlp import hopper
+
 GEMM_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "gemm"
 
 
@@ -59,7 +61,7 @@ def test_wgmma_persistent_kernel_compiles_for_sm90a_without_spills(tmp_path):
     assert re.findall(r"Used (\d+) registers", r.stderr) == ["168"] * 4, r.stderr  # see the wgmma test
 
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+HOPPER = hopper()
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.gemm import bench
+from fused_kernels.cuda.mlp import hopper
 
 
 def test_gelu_tanh_grad_matches_autograd():
@@ -74,7 +75,7 @@ def test_mlp_fwd_bwd_bench_without_the_kernels_runs_separate_only(monkeypatch):
     assert [r["variant"].split(":")[0] for r in rows] == ["separate", "separate"]
 
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+HOPPER = hopper()
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import device_tag, markdown_table, median_ms, tag_line, time_ms, write_csv
+from fused_kernels.cuda.mlp import hopper, load_wgmma_extension
 
 HERE = Path(__file__).resolve().parent
 CUDA_KERNELS = ["naive", "smem", "regblock", "wmma", "mma_128x128", "mma_128x256"]
@@ -100,7 +101,7 @@ def all_shapes(quick: bool, groups: tuple[str, ...] = ("4096", "squares", "gpt2"
 def cuda_kernels() -> list[str]:
     """The hand-written kernels this device runs: the ladder, plus the sm_90a kernels on Hopper (9.0 only:
     wgmma does not exist on later architectures either)."""
-    return CUDA_KERNELS + (HOPPER_KERNELS if torch.cuda.get_device_capability() == (9, 0) else [])
+    return CUDA_KERNELS + (HOPPER_KERNELS if hopper() else [])
 
 
 def build_extension(verbose: bool = False, kernels: list[str] | None = None) -> dict[str, Gemm]:
@@ -121,7 +122,6 @@ def build_extension(verbose: bool = False, kernels: list[str] | None = None) -> 
                       extra_cuda_cflags=cuda_flags, extra_cflags=["-O3"], verbose=verbose)
         fns.update({k: getattr(ladder, k) for k in CUDA_KERNELS})
     if wanted & set(HOPPER_KERNELS):  # the build training's fused MLP loads too (one recipe)
-        from fused_kernels.cuda.mlp import load_wgmma_extension
 
         hopper = load_wgmma_extension(verbose)
         fns.update({k: getattr(hopper, k) for k in [*HOPPER_KERNELS, *FUSED_EPILOGUES]})
