@@ -14,6 +14,7 @@ import signal
 import socket
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -115,8 +116,16 @@ def markdown_table(rows: list[dict[str, object]], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+def torchrun(nproc: int) -> list[str]:
+    """The torchrun command line for `nproc` local processes, up to the script. --standalone: the launcher binds its
+    rendezvous store on a port of its own choosing and holds it, where a --master_port picked beforehand by
+    free_port() could be taken by another process (a concurrent launch's listener) before torchrun binds it."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
 def free_port() -> int:
-    """A TCP port free right now on this host (for torchrun's --master_port)."""
+    """A TCP port free right now on this host, for launches that bind it at once themselves (torchrun: use
+    torchrun(), which takes no port)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -37,7 +37,6 @@ from benchmarks.common import (
     ROOT,
     device_tag,
     error_excerpt,
-    free_port,
     free_run_name,
     last_error,
     launch,
@@ -159,7 +158,7 @@ def run_all(jobs: list[Job], out: Path, n_parallel: int, timeout: float,
         (out / "logs" / f"{names[job]}.log").touch()
 
     def run(job: Job) -> Outcome:
-        cmd = job.command(names[job], free_port())
+        cmd = job.command(names[job])
         log = out / "logs" / f"{names[job]}.log"
         rc, wall = launch(cmd, log, timeout, env)
         return Outcome(shlex.join(cmd), rc, wall, out / "runs" / names[job], log)
@@ -285,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         for job in jobs:
             print(f"# {job.model} {job.row.name}: skipped: {job.skip}" if job.skip else
-                  shlex.join(job.command(f"{job.row.name}-{job.model}", 0)))
+                  shlex.join(job.command(f"{job.row.name}-{job.model}")))
         return 0
 
     tag = {**device_tag(device), "deepspeed": package_version("deepspeed")}

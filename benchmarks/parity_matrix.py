@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.common import ROOT
+from benchmarks.common import ROOT, torchrun
 from benchmarks.parity_verdict import config_key
 from gpt2.config import ConfigError, build_parser, parse_args
 from gpt2.engine import check_backends
@@ -103,13 +103,9 @@ class Job:
     key: str = ""
     skip: str = ""
 
-    def command(self, run_name: str, port: int) -> list[str]:
+    def command(self, run_name: str) -> list[str]:
         train = str(ROOT / "train.py")
-        if self.row.nproc is None:
-            launcher = [sys.executable, train]
-        else:
-            launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={self.row.nproc}",
-                        f"--master_port={port}", train]
+        launcher = [sys.executable, train] if self.row.nproc is None else [*torchrun(self.row.nproc), train]
         return [*launcher, *self.argv, "--run-name", run_name]
 
 

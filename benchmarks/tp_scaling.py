@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import device_tag, tag_line, time_ms, write_csv
+from benchmarks.common import device_tag, tag_line, time_ms, torchrun, write_csv
 from fused_kernels import get_ops
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -231,8 +231,7 @@ def launch_all(args: argparse.Namespace, argv: list[str]) -> None:
         if not skip:
             passthrough.append(a)
     for n in args.nprocs:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-               "-m", "benchmarks.tp_scaling", *passthrough]
+        cmd = [*torchrun(n), "-m", "benchmarks.tp_scaling", *passthrough]
         print("$ " + shlex.join(cmd), flush=True)
         subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parents[1])
 

@@ -51,6 +51,7 @@ from benchmarks.common import (
     launch,
     markdown_table,
     stop_launches_on_signal,
+    torchrun,
     write_csv,
 )
 from benchmarks.parity_verdict import read_verdicts, verdict_of
@@ -139,7 +140,7 @@ class RunResult:
 def command(args: argparse.Namespace, mode: str, fused: str, batch: int, name: str) -> list[str]:
     m = MODES[mode]
     target = ["-m", m.module] if m.module else [str(ROOT / "train.py")]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}", *target,
+    cmd = [*torchrun(args.gpus), *target,
            *m.flags, "--model", args.model, "--seq-len", str(args.seq_len), "--batch-size", str(batch),
            "--max-steps", str(args.steps), "--throughput-warmup-steps", str(args.warmup),
            "--log-interval", str(args.log_interval), "--precision", args.precision,

@@ -25,7 +25,7 @@ import torch
 
 from gpt2.config import parse_args as parse_train_args
 from gpt2.data import build_data
-from gpt2.distributed import init_distributed, shutdown_distributed
+from gpt2.distributed import init_distributed, run_as_process, shutdown_distributed
 from gpt2.engine import build_engine
 from gpt2.trainer import train_step
 
@@ -97,4 +97,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_process(main)

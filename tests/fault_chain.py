@@ -22,14 +22,13 @@ import json
 import random
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
-from benchmarks.common import free_port
+from benchmarks.common import torchrun
 from gpt2 import checkpoint
 from gpt2.checkpoint import FAULT_ENV, SAVE_STAGES
 from tests.train_runs import ROOT, TINY_ARGS, read_killed_records, run_train, step_values, train_env
@@ -112,9 +111,8 @@ def run_chain(name: str, tmp: Path, n_random: int, seed: int) -> list[Launch]:
         env = train_env()
         if fault in SAVE_STAGES:  # the first save this launch makes; a prune needs an older checkpoint
             env[FAULT_ENV] = f"{fault}@{start + 2 if fault in PRUNE_STAGES and start == 0 else start + 1}"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               str(ROOT / "train.py")] + args + ["--save-dir", str(ck), "--resume", "auto", "--out-dir", str(out),
-                                                 "--run-name", run_dir.name]
+        cmd = [*torchrun(2), str(ROOT / "train.py"), *args, "--save-dir", str(ck), "--resume", "auto",
+               "--out-dir", str(out), "--run-name", run_dir.name]
         launch = Launch(fault, run_dir)
         launches.append(launch)
         t0 = time.monotonic()

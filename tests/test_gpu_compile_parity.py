@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.common import free_port
+from benchmarks.common import torchrun
 from gpt2.compiling import compile_whole
 from gpt2.config import ModelConfig
 from gpt2.model import GPT
@@ -70,9 +70,8 @@ def _run(tmp: Path, name: str, *flags: str, mode: str = "hybrid") -> list[dict]:
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep carried packages
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONPATH": path, "WANDB_MODE": "disabled"}
     env.pop("DS_ACCELERATOR", None)
-    launcher = [] if mode == "single" else ["-m", "torch.distributed.run", "--nproc_per_node=1",
-                                            f"--master_port={free_port()}"]
-    cmd = [sys.executable, *launcher,
+    launcher = [sys.executable] if mode == "single" else torchrun(1)
+    cmd = [*launcher,
            str(ROOT / "train.py"), "--mode", mode, "--model", "gpt2", "--n-layer", "2", "--data", "synthetic",
            "--seq-len", "512", "--batch-size", "8", "--max-steps", "6", "--warmup-steps", "2", "--lr", "1e-3",
            "--log-interval", "1", "--eval-interval", "0", "--eval-batches", "1", "--wandb", "disabled",

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
-from benchmarks.common import free_port
+from benchmarks.common import torchrun
 from tests.train_runs import ROOT, train_env
 
 
 def test_reports_step_time_and_deepspeeds_host_functions(tmp_path: Path) -> None:
     out = tmp_path / "hp.txt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
-           "-m", "benchmarks.zero3_host_profile", "--out", str(out), "--warmup", "1", "--steps", "1",
+    cmd = [*torchrun(1), "-m", "benchmarks.zero3_host_profile", "--out", str(out), "--warmup", "1", "--steps", "1",
            "--profile-steps", "1", "--", "--mode", "hybrid", "--model", "gpt2-tiny", "--batch-size", "2",
            "--seq-len", "32", "--grad-accum", "2", "--wandb", "disabled"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=train_env(), cwd=ROOT, timeout=300)

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.common import free_port
+from benchmarks.common import torchrun
 from gpt2.config import ConfigError, parse_args
 from gpt2.data import build_data
 from gpt2.distributed import init_distributed
@@ -119,9 +119,8 @@ def test_fp16_counts_a_non_finite_loss_not_a_loss_scale_overflow() -> None:
 
 
 def _faulty_run(args: list[str], out: Path, faults: str, nproc: int = 1) -> subprocess.CompletedProcess:
-    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                                      f"--master_port={free_port()}"]
-    return subprocess.run([sys.executable, *launcher, str(ROOT / "train.py"), *args, "--out-dir", str(out)],
+    launcher = [sys.executable] if nproc == 1 else torchrun(nproc)
+    return subprocess.run([*launcher, str(ROOT / "train.py"), *args, "--out-dir", str(out)],
                           capture_output=True, text=True, env=train_env() | {FAULT_ENV: faults}, timeout=300, cwd=ROOT)
 
 

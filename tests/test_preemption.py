@@ -28,7 +28,7 @@ from tests.preempt_runs import (
     saved_step,
     wait_for,
 )
-from tests.train_runs import ROOT, free_port, run_train, step_losses, train_env
+from tests.train_runs import ROOT, run_train, step_losses, torchrun, train_env
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +41,7 @@ def _launch(args: list[str], out_dir: Path, nproc: int, log: Path) -> subprocess
     if nproc == 1:
         cmd = [sys.executable, str(ROOT / "train.py")]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", str(ROOT / "train.py")]
+        cmd = [*torchrun(nproc), str(ROOT / "train.py")]
     with open(log, "w") as f:  # a file, not a pipe: nobody reads the output while it runs
         return subprocess.Popen(cmd + args + ["--out-dir", str(out_dir)], env=train_env(), cwd=ROOT,
                                 stdout=f, stderr=subprocess.STDOUT)

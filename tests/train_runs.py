@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import free_port
+from benchmarks.common import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -58,8 +58,7 @@ def run_train(args: list[str], out_dir: Path, nproc: int = 1, timeout: int = 300
     if nproc == 1:
         cmd = [sys.executable, str(ROOT / "train.py")]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", str(ROOT / "train.py")]
+        cmd = [*torchrun(nproc), str(ROOT / "train.py")]
     proc = subprocess.run(cmd + args + ["--out-dir", str(out_dir)], capture_output=True, text=True,
                           env=train_env(), timeout=timeout, cwd=ROOT)
     if proc.returncode != 0:

@@ -2,7 +2,8 @@
 
 Trains a stack of L tiny Linear layers (2L parameter tensors, almost no arithmetic) at world size 1 for each
 engine: plain torch (AdamW), torch DDP, and DeepSpeed ZeRO-1/2/3 with the harness's ds_configs/zero{1,2,3}.json.
-The median step time against the number of parameter tensors is close to a line; its slope is the host time each
+The fastest step time (of --steps; another process on the host only ever adds time) against the number of
+parameter tensors is close to a line; its slope is the host time each
 engine spends per parameter tensor per step. GPT-2 Large has 436 parameter tensors, so slope x 436 is the host
 time per step that engine's per-tensor work costs at GPT-2 Large (torch's own included; on a GPU, the device's work
 can overlap it, so the wall time added depends on the batch). For ZeRO-3 this is the per-parameter Python path that
@@ -34,8 +35,9 @@ if not torch.cuda.is_available():
 import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.common import ROOT, free_port, markdown_table, median_ms, write_csv  # noqa: E402
+from benchmarks.common import ROOT, free_port, markdown_table, time_ms, write_csv  # noqa: E402
 from gpt2.config import ParallelConfig  # noqa: E402
+from gpt2.distributed import run_as_process  # noqa: E402
 from gpt2.planner import persistence_threshold_default  # noqa: E402
 
 ENGINES = ("torch", "ddp", "zero1", "zero2", "zero3")
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     points: dict[str, list[tuple[int, float]]] = {}
     for engine in args.engines:
         for layers in args.layers:
-            ms = median_ms(make_step(engine, layers, device), args.steps, warmup=3, device=device)
+            ms = min(time_ms(make_step(engine, layers, device), args.steps, warmup=3, device=device))
             points.setdefault(engine, []).append((2 * layers, ms))
             print(f"{engine:6} {2 * layers:5} tensors: {ms:8.2f} ms/step", flush=True)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
@@ -129,4 +131,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_process(main)
