@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         if logger:
             logger.close()
         shutdown_distributed(all_ranks_finished=finished)
+        preemption.restore()
     return 0
 
 

@@ -37,12 +37,16 @@ class Preempted(Exception):
 
 
 class PreemptionWatcher:
-    """Installs the handlers on construction (main thread only); `should_stop` is collective."""
+    """Installs the handlers on construction (main thread only), `restore` puts back the ones it replaced (train.main
+    called in-process, e.g. by a test or a notebook, must not leave SIGTERM ignored); `should_stop` is collective."""
 
     def __init__(self, signals: tuple[signal.Signals, ...] = PREEMPT_SIGNALS):
         self.received = 0  # signal number of the last preemption signal this process got; 0: none
-        for sig in signals:
-            signal.signal(sig, self._handle)
+        self._replaced = {sig: signal.signal(sig, self._handle) for sig in signals}
+
+    def restore(self) -> None:
+        for sig, handler in self._replaced.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum

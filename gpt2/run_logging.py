@@ -37,6 +37,8 @@ def make_run_dir(cfg: RunConfig) -> Path:
 
 def setup_console(run_dir: Path | None, is_main: bool) -> None:
     """Log to the console and (rank 0) to run_dir/console.log; other ranks only log warnings."""
+    for handler in log.handlers:  # an earlier run's console.log (train.main called again in one process)
+        handler.close()
     log.handlers.clear()
     log.propagate = False
     log.setLevel(logging.INFO if is_main else logging.WARNING)
