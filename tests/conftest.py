@@ -4,6 +4,7 @@ Without a GPU, Triton kernels run in Triton's CPU interpreter. Triton reads TRIT
 kernel is decorated (at import), so it is set here, before any test module imports a kernel.
 """
 
+import logging
 import os
 
 import pytest
@@ -13,6 +14,13 @@ from tests.train_runs import ReferenceRun, step_losses, train_reference
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def gpt2_logs_reach_caplog(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test starts with the `gpt2` logger propagating (to pytest's caplog): a run's console set-up
+    (gpt2.run_logging.setup_console, e.g. train.main called in-process by an earlier test) turns propagation off."""
+    monkeypatch.setattr(logging.getLogger("gpt2"), "propagate", True)
 
 
 @pytest.fixture(scope="session")

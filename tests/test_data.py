@@ -7,7 +7,6 @@ need the real GPT-2 tokenizer / WikiText-2 read ../shared/data and skip when it 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -287,7 +286,6 @@ def test_truncated_token_cache_is_rebuilt_with_a_warning(tmp_path, tiny_tokenize
     with pytest.raises(DataError, match=f"{bin_path.name} is damaged.*delete {bin_path}"):
         build(cfg, is_main=False)  # a rank that does not rebuild names the file to delete
 
-    monkeypatch.setattr(logging.getLogger("gpt2"), "propagate", True)  # a run's console set-up may disable it
     with caplog.at_level("WARNING", logger="gpt2"):
         rebuilt = build(cfg)
     assert not rebuilt.cache_hit
@@ -358,7 +356,6 @@ def test_cache_of_another_format_is_not_read_and_is_named(tmp_path, tiny_tokeniz
     old.write_text(json.dumps({"version": 1, "source": {"files": [[str(corpus), 1, 1]]}, "dtype": "uint16",
                                "n_tokens": 4, "n_text_rows": 1, "n_rows": 1}))
     write(corpus, wiki_lines(31, seed=11))  # new text: a miss, built next to both caches
-    monkeypatch.setattr(logging.getLogger("gpt2"), "propagate", True)
     with caplog.at_level("WARNING", logger="gpt2"):
         bundle = build(cfg)
     assert not bundle.cache_hit and len(bundle.train.tokens) > 4
