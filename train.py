@@ -112,10 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s; exit %d", err, EXIT_NONFINITE)
         return EXIT_NONFINITE
     finally:
-        if logger:
-            logger.close()
-        shutdown_distributed(all_ranks_finished=finished)
-        preemption.restore()
+        try:
+            if logger:
+                logger.close()
+            shutdown_distributed(all_ranks_finished=finished)
+        finally:
+            preemption.restore()
     return 0
 
 

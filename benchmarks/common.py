@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -150,22 +151,32 @@ def _last_error_index(lines: list[str]) -> int | None:
 
 
 def last_error(log: str) -> str:
-    """The last `SomethingError: message` line of a run's output (launcher wrapper errors skipped)."""
+    """What ended a failed run, as one line: the signal that killed a rank (torchrun's root cause, with the last
+    native crash message), else the last `SomethingError: message` line (launcher wrapper errors skipped), else the
+    failed rank's exit code, else the last line."""
     lines = log.splitlines()
+    root_cause = _launcher_root_cause(lines)
+    if root_cause and root_cause.signal:
+        return root_cause.text[:300]
     i = _last_error_index(lines)
     if i is not None:
         match = ERROR_LINE.search(lines[i])
         return f"{match.group(1)}: {match.group(2)}"[:300]
-    root_cause = _launcher_root_cause(lines)
     if root_cause:
-        return root_cause[:300]
+        return root_cause.text[:300]
     lines = [line.strip() for line in lines if line.strip()]
     return lines[-1][:300] if lines else "no output"
 
 
-def _launcher_root_cause(lines: list[str]) -> str | None:
-    """torchrun's root cause as one line, e.g. `rank 1: Signal 6 (SIGABRT) received by PID 7 (terminate called
-    without an active exception)`: the failed rank, its signal or exit code, and the last native-crash message."""
+@dataclass(frozen=True)
+class RootCause:
+    text: str  # e.g. `rank 1: Signal 6 (SIGABRT) received by PID 7 (terminate called without an active exception)`
+    signal: bool  # the rank was killed by a signal (no Python error line explains it)
+
+
+def _launcher_root_cause(lines: list[str]) -> RootCause | None:
+    """torchrun's "Root Cause" block as one line: the failed rank, then its signal and the last native crash message
+    (`terminate called ...` preferred over faulthandler's `Fatal Python error: ...`), or its exit code."""
     starts = [i for i, line in enumerate(lines) if line.startswith("Root Cause")]
     if not starts:
         return None
@@ -173,11 +184,12 @@ def _launcher_root_cause(lines: list[str]) -> str | None:
     if "rank" not in fields:
         return None
     rank = fields["rank"].split()[0]
-    cause = fields.get("traceback", "<N/A>")
-    if cause.startswith("<"):  # no signal and no error file: the exit code is all torchrun knows
-        cause = f"exitcode {fields.get('exitcode', '?').split()[0]}"
+    cause = fields.get("traceback", "")
+    if not cause.startswith("Signal "):  # an exit code: torchrun's traceback field then only says how to enable it
+        return RootCause(f"rank {rank}: exitcode {fields.get('exitcode', '?').split()[0]}", signal=False)
     crashes = [line.strip() for line in lines[:starts[-1]] if NATIVE_CRASH_LINE.search(line)]
-    return f"rank {rank}: {cause}" + (f" ({crashes[-1]})" if crashes else "")
+    crash = next((c for c in reversed(crashes) if c.startswith("terminate called")), crashes[-1] if crashes else "")
+    return RootCause(f"rank {rank}: {cause}" + (f" ({crash})" if crash else ""), signal=True)
 
 
 def error_excerpt(log: str, n_lines: int) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import os
 import sys
@@ -103,7 +104,8 @@ def shutdown_distributed(all_ranks_finished: bool) -> None:
 
 
 def run_as_process(main: Callable[[], int]) -> None:
-    """Run a launched entry point (train.py, benchmarks.hf_reference) and exit with its status.
+    """Run a launched entry point (train.py, benchmarks.hf_reference, the ZeRO host-cost repro and host profile) and
+    exit with its status.
 
     faulthandler: a crash in native code (segfault, std::terminate) prints every thread's Python stack on each rank.
     Once `main` has returned (its process groups destroyed, its files closed), the process leaves with `os._exit`,
@@ -111,10 +113,11 @@ def run_as_process(main: Callable[[], int]) -> None:
     hooks) are otherwise destroyed there, and that intermittently aborts a finished run with "terminate called
     without an active exception" (exit -6: train.py's and the Hugging Face reference's 2- and 4-rank CPU ZeRO
     runs, a failed CI each time; a gc.collect() before exit did not stop it). An exception from `main` takes the
-    normal path: its traceback and exit status 1. Logging handlers flush every record; stdout's buffer is flushed
-    here."""
+    normal path: its traceback and exit status 1. Logging handlers flush every record; Python's and C's stdio
+    buffers are flushed here."""
     faulthandler.enable()
     status = main()
     sys.stdout.flush()
     sys.stderr.flush()
+    ctypes.CDLL(None).fflush(None)  # C stdio's buffers too (NCCL_DEBUG, native printf): _exit skips libc's flush
     os._exit(status)

@@ -46,7 +46,8 @@ class PreemptionWatcher:
 
     def restore(self) -> None:
         for sig, handler in self._replaced.items():
-            signal.signal(sig, handler)
+            if handler is not None:  # None: a handler installed from C, which Python cannot put back
+                signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum

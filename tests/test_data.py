@@ -271,7 +271,7 @@ def test_non_main_ranks_wait_for_the_main_process(tmp_path, tiny_tokenizer):
                          cache_dir=str(tmp_path / "elsewhere")), is_main=False)
 
 
-def test_truncated_token_cache_is_rebuilt_with_a_warning(tmp_path, tiny_tokenizer, caplog, monkeypatch):
+def test_truncated_token_cache_is_rebuilt_with_a_warning(tmp_path, tiny_tokenizer, caplog):
     # a partial copy of --cache-dir: numpy's memmap used to fail with "mmap length is greater than file size"
     lines = wiki_lines(30, seed=6)
     write(tmp_path / "corpus.txt", lines)
@@ -345,7 +345,7 @@ def test_cache_travels_by_content_and_a_hit_needs_no_datasets(tmp_path, tiny_tok
     assert "needs the `datasets` package" in missing.get("error", ""), missing
 
 
-def test_cache_of_another_format_is_not_read_and_is_named(tmp_path, tiny_tokenizer, caplog, monkeypatch):
+def test_cache_of_another_format_is_not_read_and_is_named(tmp_path, tiny_tokenizer, caplog):
     corpus = write(tmp_path / "corpus.txt", wiki_lines(30, seed=11))
     cfg = DataConfig(data_path=str(corpus), tokenizer=str(tiny_tokenizer), cache_dir=str(tmp_path / "cache"),
                      num_proc=1)

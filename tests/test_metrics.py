@@ -70,9 +70,7 @@ def test_meter_without_measured_steps_reports_none() -> None:
     assert meter.summary()["tokens_per_s"] is None
 
 
-def test_peak_table_override_and_unknown_device_warning(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_peak_table_override_and_unknown_device_warning(caplog: pytest.LogCaptureFixture) -> None:
     assert device_peak_tflops(torch.device("cpu"), override=123.0) == 123.0
     with caplog.at_level("WARNING", logger="gpt2"):
         assert device_peak_tflops(torch.device("cpu")) is None

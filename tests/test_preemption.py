@@ -8,7 +8,6 @@ flag makes rank 0 stop at the same step); SIGTERM to the torchrun agent, which f
 
 from __future__ import annotations
 
-import logging
 import signal
 import subprocess
 import sys
@@ -134,26 +133,3 @@ def test_signal_saves_at_step_boundary_and_resume_is_exact(tmp_path: Path, refer
     assert step_losses(tmp_path / "interrupted") == ref[:step]
     assert step_losses(tmp_path / "resumed") == ref[step:step + RESUMED_STEPS]  # bit-identical
 
-
-def test_train_main_in_process_puts_back_the_signal_handlers_it_replaced(tmp_path: Path, capsys) -> None:
-    """A test or a notebook calling train.main must not be left with SIGTERM ignored (only flagged) afterwards."""
-    import train
-    from gpt2.preemption import PREEMPT_SIGNALS
-
-    before = {sig: signal.getsignal(sig) for sig in PREEMPT_SIGNALS}
-    # fails at the data, after the watcher is installed
-    assert train.main(["--data-path", str(tmp_path / "missing"), "--out-dir", str(tmp_path / "runs")]) == 2
-    assert "missing" in capsys.readouterr().err
-    assert {sig: signal.getsignal(sig) for sig in PREEMPT_SIGNALS} == before
-
-
-def test_a_second_console_set_up_closes_the_first_run_s_console_log(tmp_path: Path) -> None:
-    from gpt2.run_logging import log, setup_console
-
-    (tmp_path / "a").mkdir()
-    setup_console(tmp_path / "a", is_main=True)
-    first = next(h for h in log.handlers if isinstance(h, logging.FileHandler))
-    log.info("first run")
-    setup_console(None, is_main=True)
-    assert first.stream is None  # closed: FileHandler.close drops its stream
-    assert "first run" in (tmp_path / "a" / "console.log").read_text()

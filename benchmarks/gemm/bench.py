@@ -122,9 +122,8 @@ def build_extension(verbose: bool = False, kernels: list[str] | None = None) -> 
                       extra_cuda_cflags=cuda_flags, extra_cflags=["-O3"], verbose=verbose)
         fns.update({k: getattr(ladder, k) for k in CUDA_KERNELS})
     if wanted & set(HOPPER_KERNELS):  # the build training's fused MLP loads too (one recipe)
-
-        hopper = load_wgmma_extension(verbose)
-        fns.update({k: getattr(hopper, k) for k in [*HOPPER_KERNELS, *FUSED_EPILOGUES]})
+        wgmma = load_wgmma_extension(verbose)
+        fns.update({k: getattr(wgmma, k) for k in [*HOPPER_KERNELS, *FUSED_EPILOGUES]})
     return fns
 
 

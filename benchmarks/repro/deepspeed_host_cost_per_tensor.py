@@ -2,9 +2,9 @@
 
 Trains a stack of L tiny Linear layers (2L parameter tensors, almost no arithmetic) at world size 1 for each
 engine: plain torch (AdamW), torch DDP, and DeepSpeed ZeRO-1/2/3 with the harness's ds_configs/zero{1,2,3}.json.
-The fastest step time (of --steps; another process on the host only ever adds time) against the number of
-parameter tensors is close to a line; its slope is the host time each
-engine spends per parameter tensor per step. GPT-2 Large has 436 parameter tensors, so slope x 436 is the host
+The fastest step time of --steps (another process on the host only ever adds time; results before `0a80300` took
+the median) against the number of parameter tensors is close to a line; its slope is the host time each engine
+spends per parameter tensor per step. GPT-2 Large has 436 parameter tensors, so slope x 436 is the host
 time per step that engine's per-tensor work costs at GPT-2 Large (torch's own included; on a GPU, the device's work
 can overlap it, so the wall time added depends on the batch). For ZeRO-3 this is the per-parameter Python path that
 issue 15's profiles name (gradient bucketing, partition and free, gathers, per-parameter norms): the persistence
