@@ -125,8 +125,9 @@ def torchrun(nproc: int) -> list[str]:
 
 
 def free_port() -> int:
-    """A TCP port free right now on this host, for launches that bind it at once themselves (torchrun: use
-    torchrun(), which takes no port)."""
+    """A TCP port free right now on this host, for a listener started at once (the forked TP test harness, the test
+    Slurm cluster, the single-process host-cost repro). Another process can take it before it is bound: torchrun
+    launches use torchrun() and spawned children a file store instead, which take no port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.common import free_port
 from benchmarks.ring_allreduce import ring_all_reduce
 
 SHAPES = [(1,), (3,), (7,), (64,), (1001,), (5, 3)]  # includes lengths below and not divisible by world size
 
 
-def _worker(rank: int, world: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def file_store(tmp_path: Path) -> str:
+    """A rendezvous through a file: spawned children import for seconds before they would bind a TCP port picked
+    now, and another process could take it meanwhile."""
+    return f"file://{tmp_path / 'store'}"
+
+
+def _worker(rank: int, world: int, store: str) -> None:
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     try:
         for i, shape in enumerate(SHAPES):
             for dtype in (torch.float64, torch.float32):
@@ -38,14 +45,14 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_ring_all_reduce_matches_all_reduce(world: int):
-    mp.spawn(_worker, args=(world, free_port()), nprocs=world, join=True)
+def test_ring_all_reduce_matches_all_reduce(world: int, tmp_path):
+    mp.spawn(_worker, args=(world, file_store(tmp_path)), nprocs=world, join=True)
 
 
-def _collectives_worker(rank: int, world: int, port: int, out: str) -> None:
+def _collectives_worker(rank: int, world: int, store: str, out: str) -> None:
     from benchmarks import collectives
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     try:
         collectives.run(collectives.parse_args(["--out", out, "--min-bytes", "4096", "--max-bytes", "16384",
                                                 "--bytes-per-point", "1"]))
@@ -56,7 +63,7 @@ def _collectives_worker(rank: int, world: int, port: int, out: str) -> None:
 def test_collectives_benchmark_on_gloo(tmp_path):
     import csv
 
-    mp.spawn(_collectives_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_collectives_worker, args=(2, file_store(tmp_path), str(tmp_path)), nprocs=2, join=True)
     rows = list(csv.DictReader((tmp_path / "collectives_n2.csv").open()))
     factors = {"all_reduce": 1.0, "ring_all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5,
                "all_to_all": 0.5, "broadcast": 1.0}  # nccl-tests bus factors at n = 2
