@@ -22,10 +22,7 @@ def _up(x: torch.Tensor, w_fc_t: torch.Tensor, b_fc: torch.Tensor, h: torch.Tens
 
 
 def _dgelu(dy: torch.Tensor, w_proj: torch.Tensor, pre: torch.Tensor, dpre: torch.Tensor, db: torch.Tensor) -> None:
-    x = pre.float()
-    t = torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3))
-    grad = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * math.sqrt(2 / math.pi) * (1 + 3 * 0.044715 * x * x)
-    d = (dy.float() @ w_proj.float()) * grad
+    d = torch.ops.aten.gelu_backward(dy.float() @ w_proj.float(), pre.float(), approximate="tanh")
     dpre.copy_(d)
     db.add_(d.sum(0))
 
