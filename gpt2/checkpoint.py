@@ -21,7 +21,8 @@ A save writes everything into `step-XXXXXX.tmp/`, fsyncs it, records the name in
 folder to `step-XXXXXX/` and only then points `latest` at it and removes `latest.pending`. A kill at any instant
 leaves a resumable save dir: before the rename `latest` still names the previous checkpoint; after it, a
 `latest.pending` that names a complete folder newer than `latest` wins (a warning says so), so the requeued job
-continues from the newest complete checkpoint. A complete step folder that neither names (another branch of the
+continues from the newest complete checkpoint; its first save points `latest` there before it writes
+`latest.pending` again. A complete step folder that neither names (another branch of the
 run) is never chosen by `--resume auto`. `--keep-last` renames a folder to `step-XXXXXX.deleting` before deleting
 it, so a kill mid-delete leaves nothing a resume could pick. An existing
 step folder is never overwritten, and a `--save-dir` holding another run's checkpoints is refused unless this
@@ -209,6 +210,18 @@ def resolve_resume(ckpt: CheckpointConfig) -> Path | None:
 def _step_of(step_dir: Path) -> int:
     m = _STEP_DIR.match(step_dir.name)
     return int(m.group(1)) if m else -1
+
+
+def _finish_interrupted_commit(save_dir: Path) -> None:
+    """Point `latest` at the complete folder that `latest.pending` names when it is newer (a save stopped between
+    its rename and the pointer update; --resume auto resumed from it). A new save overwrites `latest.pending`
+    before its own rename: a kill there would otherwise leave `latest` at the older step, and the next --resume
+    auto would go back to it and refuse to overwrite the newer folder."""
+    pending = _pending_checkpoint(save_dir)
+    pointer = save_dir / LATEST
+    if pending is not None and (not pointer.is_file()
+                                or _step_of(save_dir / pointer.read_text().strip()) < _step_of(pending)):
+        _write_text_atomic(pointer, pending.name + "\n")
 
 
 def _pending_checkpoint(root: Path) -> Path | None:
@@ -403,6 +416,7 @@ def save_checkpoint(layout: RunLayout, ctx: DistContext, engine: Any, train_load
             shutil.rmtree(tmp)  # left by an interrupted save of this step
         for doomed in save_dir.glob("step-*.deleting"):
             shutil.rmtree(doomed)  # left by an interrupted --keep-last deletion
+        _finish_interrupted_commit(save_dir)
         tmp.mkdir()
         _fault_point("tmp-created", step)
 

@@ -83,6 +83,25 @@ def test_kill_at_every_save_stage_then_resume_auto_continues_exactly(reference: 
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-000004"]
 
 
+def test_a_kill_before_the_rename_after_resuming_from_a_pending_checkpoint_resumes_from_it_again(
+        reference: Path, tmp_path: Path) -> None:
+    """Killed after step 2's rename (`latest` still names step 1, `latest.pending` step 2), resumed from step 2, then
+    killed at step 3's pending-written: `latest.pending` now names the unrenamed step 3. The next resume must start
+    from step 2 again (CI's ZeRO-3 fault chain hit this: it went back to `latest` and refused to overwrite step 2)."""
+    ck = tmp_path / "ck"
+    common = ARGS + ["--save-dir", str(ck), "--out-dir", str(tmp_path)]
+    for name, fault in (("first", f"renamed@{KILL_STEP}"), ("second", f"pending-written@{KILL_STEP + 1}")):
+        killed = subprocess.run([sys.executable, str(ROOT / "train.py"), *common, "--run-name", name,
+                                 "--resume", "auto"], capture_output=True, text=True,
+                                env=train_env() | {FAULT_ENV: fault}, timeout=300, cwd=ROOT)
+        assert killed.returncode == -9, f"not killed at {fault}: rc {killed.returncode}\n{killed.stderr[-3000:]}"
+    run_train(ARGS + ["--run-name", "resumed", "--save-dir", str(ck), "--resume", "auto"], tmp_path)
+    assert summary(tmp_path / "resumed")["start_step"] == KILL_STEP
+    for key in ("loss", "grad_norm"):
+        assert step_values(tmp_path / "resumed", key) == step_values(reference, key)[KILL_STEP:], key
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-000004"]
+
+
 @pytest.mark.slow
 def test_twenty_kills_at_random_instants_then_resume_auto_each_time(tmp_path: Path) -> None:
     """One run SIGKILLed again and again at a random instant (0-0.4 s after its first new step record: inside a
