@@ -164,6 +164,26 @@ def memory_stats(device: torch.device) -> MemoryStats:
     return MemoryStats(rss / gib, rss / gib, 0)
 
 
+class PeakMemory:
+    """Peak memory since the run started, as the running max of readings taken after every step and evaluation.
+
+    Not the allocator's peak counter alone: a library may reset it mid-run. DeepSpeed's DeepCompile profiler calls
+    `torch.cuda.reset_peak_memory_stats()` per graph node while it profiles (steps 1 and 6) and again when the eval
+    graph compiles, so at the end of a run the counter held only the evaluation's peak (19.1 GiB for a batch-32 run
+    whose training steps peaked at 71.5). A reset inside a step still hides that step's peak before the reset."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._peak = MemoryStats(0.0, 0.0, 0)
+
+    def observe(self) -> MemoryStats:
+        now = memory_stats(self.device)
+        self._peak = MemoryStats(max(self._peak.peak_allocated_gib, now.peak_allocated_gib),
+                                 max(self._peak.peak_reserved_gib, now.peak_reserved_gib),
+                                 max(self._peak.alloc_retries, now.alloc_retries))
+        return self._peak
+
+
 class ThroughputMeter:
     """Tokens/s, MFU and HFU over the steps after `warmup_steps` (compilation, allocator warm-up).
 

@@ -21,6 +21,7 @@ from gpt2.distributed import DistContext
 from gpt2.guard import GuardReading, NonFiniteGuard, install_fault_injection
 from gpt2.layout import RunLayout
 from gpt2.metrics import (
+    PeakMemory,
     StepTimer,
     ThroughputMeter,
     TrainingCommMeter,
@@ -28,7 +29,6 @@ from gpt2.metrics import (
     flops_per_token,
     hardware_flops_per_token,
     host_cpu,
-    memory_stats,
     model_params_for_flops,
 )
 from gpt2.planner import compare_with_run, format_plan, plan_for_run
@@ -65,9 +65,9 @@ def _world_max(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return values
 
 
-def _peak_memory(ctx: DistContext) -> dict[str, float]:
-    """Peak memory per device, as the max over all ranks."""
-    mem = memory_stats(ctx.device)
+def _peak_memory(ctx: DistContext, memory: PeakMemory) -> dict[str, float]:
+    """Peak memory per device so far, as the max over all ranks."""
+    mem = memory.observe()
     peaks = _world_max(torch.tensor([mem.peak_allocated_gib, mem.peak_reserved_gib, mem.alloc_retries],
                                     dtype=torch.float64, device=ctx.device), ctx).tolist()
     return {"mem/peak_allocated_gib": peaks[0], "mem/peak_reserved_gib": peaks[1], "mem/alloc_retries": int(peaks[2])}
@@ -140,14 +140,15 @@ def train_step(layout: RunLayout, ctx: DistContext, engine: Engine, data: DataBu
     return loss_sum, correct_sum, engine.optimizer_step()
 
 
-def step_record(layout: RunLayout, ctx: DistContext, engine: Engine, meter: ThroughputMeter, step: int,
-                loss_sum: torch.Tensor, correct_sum: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, Any]:
+def step_record(layout: RunLayout, ctx: DistContext, engine: Engine, meter: ThroughputMeter, memory: PeakMemory,
+                step: int, loss_sum: torch.Tensor, correct_sum: torch.Tensor,
+                grad_norm: torch.Tensor) -> dict[str, Any]:
     """The logged metrics of one step (collective: the loss and accuracy are averaged over the DP group)."""
     t, grad_accum = layout.cfg.train, layout.grad_accum
     loss_acc = _dp_mean(torch.stack([loss_sum / grad_accum,
                                      correct_sum / (grad_accum * t.batch_size * t.seq_len)]), ctx).tolist()
     return {"loss": loss_acc[0], "accuracy": loss_acc[1], "grad_norm": float(grad_norm),
-            "lr": engine.lr, "step_time_s": meter.last_step_time, **meter.current(), **_peak_memory(ctx),
+            "lr": engine.lr, "step_time_s": meter.last_step_time, **meter.current(), **_peak_memory(ctx, memory),
             "tokens_seen": step * layout.tokens_per_step}
 
 
@@ -217,6 +218,7 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
         hw_flops_per_token=hardware_flops_per_token(cfg.model, t.seq_len, t.activation_checkpointing),
         n_devices=ctx.world_size, peak_tflops=peak, warmup_steps=start_step + untimed_steps(t))
     timer = StepTimer(ctx.device)
+    memory = PeakMemory(ctx.device)
     log.info("tokens/step %d (dp %d x batch %d x accum %d x seq %d); FLOPs/token %.3e; peak %s TFLOP/s",
              layout.tokens_per_step, layout.dp_size, t.batch_size, layout.grad_accum, t.seq_len,
              meter.flops_per_token, peak)
@@ -243,6 +245,7 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
         guard.record(step, loss_sum, grad_norm)
         comm.end_step()
         meter.record(step, timer.stop())
+        memory.observe()
         profiler.step()
 
         log_due = step % cfg.log.log_interval == 0 or step in (start_step + 1, t.max_steps)
@@ -250,7 +253,7 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
         if log_due or save_due or guard.check_due(step):
             reading = guard.check(step, ctx)
         if log_due:
-            last = step_record(layout, ctx, engine, meter, step, loss_sum, correct_sum, grad_norm)
+            last = step_record(layout, ctx, engine, meter, memory, step, loss_sum, correct_sum, grad_norm)
             last["skipped_steps"] = reading.skipped
             recorder.log_step(step, last)
             recorder.show(last)
@@ -277,7 +280,7 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
     train_time = time.perf_counter() - train_start
 
     val = _evaluate(cfg, engine, data, recorder, t.max_steps)
-    summary = build_summary(layout, ctx, meter, peak, start_step=start_step, train_time=train_time, last=last,
+    summary = build_summary(layout, ctx, meter, memory, peak, start_step=start_step, train_time=train_time, last=last,
                             val=val, skipped_steps=reading.skipped,
                             attention=getattr(engine.module, "attention_choice", None),
                             whole_mlp_op=getattr(engine.module, "mlp_op", False), profile=profiler.summary_fields())
@@ -292,7 +295,8 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
     return summary
 
 
-def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, peak: float | None, *,
+def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, memory: PeakMemory,
+                  peak: float | None, *,
                   start_step: int, train_time: float, last: dict[str, Any], val: dict[str, float],
                   skipped_steps: int, attention: AttentionChoice | None = None, whole_mlp_op: bool = False,
                   profile: dict[str, float | None] | None = None) -> dict[str, Any]:
@@ -314,7 +318,7 @@ def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, p
         "peak_tflops_per_gpu": peak, "flops_per_token": meter.flops_per_token,
         "steps": t.max_steps, "start_step": start_step,  # a resumed run trained steps start_step+1..steps
         "skipped_steps": skipped_steps,  # of those, updates skipped for a non-finite loss or gradient norm
-        "train_time_s": train_time, **meter.summary(), **_peak_memory(ctx),
+        "train_time_s": train_time, **meter.summary(), **_peak_memory(ctx, memory),
         "final_loss": last.get("loss"), "final_accuracy": last.get("accuracy"), **val,
         "torch_version": torch.__version__, "profiled": t.profile, **(profile or {}),
     }
