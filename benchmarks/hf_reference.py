@@ -37,12 +37,12 @@ from gpt2.config import MODEL_PRESETS, DataConfig, LogConfig, ModelConfig, Paral
 from gpt2.distributed import run_as_process, shutdown_distributed
 from gpt2.layout import run_precision
 from gpt2.metrics import (
+    PeakMemory,
     StepTimer,
     ThroughputMeter,
     device_peak_tflops,
     flops_per_token,
     host_cpu,
-    memory_stats,
     model_params_for_flops,
 )
 from gpt2.run_logging import MetricsLogger, log, make_run_dir, setup_console
@@ -191,9 +191,9 @@ def _world_max(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def _peak_memory(device: torch.device) -> dict[str, float]:
-    mem = memory_stats(device)
-    peaks = _world_max([mem.peak_allocated_gib, mem.peak_reserved_gib, mem.alloc_retries], device)
+def _peak_memory(memory: PeakMemory) -> dict[str, float]:
+    mem = memory.observe()
+    peaks = _world_max([mem.peak_allocated_gib, mem.peak_reserved_gib, mem.alloc_retries], memory.device)
     return {"mem/peak_allocated_gib": peaks[0], "mem/peak_reserved_gib": peaks[1], "mem/alloc_retries": int(peaks[2])}
 
 
@@ -208,6 +208,7 @@ def train(cfg: RunConfig, device: torch.device, step_fn: StepFn, attn: str,
     meter = ThroughputMeter(tokens_per_step=tokens_per_step, flops_per_token=fpt, hw_flops_per_token=fpt,
                             n_devices=world, peak_tflops=peak, warmup_steps=t.throughput_warmup_steps)
     timer = StepTimer(device)
+    memory = PeakMemory(device)
     gen = torch.Generator(device=device).manual_seed(t.seed + rank)  # disjoint synthetic batches per rank
     log.info("tokens/step %d (dp %d x batch %d x seq %d); FLOPs/token %.3e; peak %s TFLOP/s; attention %s",
              tokens_per_step, world, t.batch_size, t.seq_len, fpt, peak, attn)
@@ -218,12 +219,13 @@ def train(cfg: RunConfig, device: torch.device, step_fn: StepFn, attn: str,
         timer.start()
         loss = step_fn(ids)
         meter.record(step, timer.stop())
+        memory.observe()
         if step % cfg.log.log_interval == 0 or step in (1, t.max_steps):
             loss_mean = loss.float().clone()
             dist.all_reduce(loss_mean)
             rates = meter.current()
             last = {"loss": loss_mean.item() / world, "step_time_s": meter.last_step_time, **rates,
-                    **_peak_memory(device), "tokens_seen": step * tokens_per_step}
+                    **_peak_memory(memory), "tokens_seen": step * tokens_per_step}
             if logger:
                 logger.log_step(step, last)
             mfu = f"{100 * rates['mfu']:.1f}%" if rates["mfu"] is not None else "n/a"
@@ -237,7 +239,7 @@ def train(cfg: RunConfig, device: torch.device, step_fn: StepFn, attn: str,
         "fused_kernels": "none", "attn": attn, "compile": False, "activation_checkpointing": False,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "host_cpu": host_cpu(),
         "peak_tflops_per_gpu": peak, "flops_per_token": fpt, "steps": t.max_steps, "train_time_s": train_time,
-        **meter.summary(), **_peak_memory(device), "final_loss": last.get("loss"), "final_accuracy": None,
+        **meter.summary(), **_peak_memory(memory), "final_loss": last.get("loss"), "final_accuracy": None,
         "torch_version": torch.__version__, "profiled": False, "implementation": "hf-transformers",
     }
     if logger:

@@ -165,7 +165,8 @@ def memory_stats(device: torch.device) -> MemoryStats:
 
 
 class PeakMemory:
-    """Peak memory since the run started, as the running max of readings taken after every step and evaluation.
+    """Peak memory since this process made it (a resumed run: since it resumed), as the running max of readings taken
+    after every training step and at the run's end (after the final evaluation).
 
     Not the allocator's peak counter alone: a library may reset it mid-run. DeepSpeed's DeepCompile profiler calls
     `torch.cuda.reset_peak_memory_stats()` per graph node while it profiles (steps 1 and 6) and again when the eval
