@@ -37,6 +37,7 @@ from gpt2.config import MODEL_PRESETS, DataConfig, LogConfig, ModelConfig, Paral
 from gpt2.distributed import run_as_process, shutdown_distributed
 from gpt2.layout import run_precision
 from gpt2.metrics import (
+    MemoryStats,
     PeakMemory,
     StepTimer,
     ThroughputMeter,
@@ -192,9 +193,9 @@ def _world_max(values: list[float], device: torch.device) -> list[float]:
 
 
 def _peak_memory(memory: PeakMemory) -> dict[str, float]:
-    mem = memory.observe()
+    mem = memory.peak
     peaks = _world_max([mem.peak_allocated_gib, mem.peak_reserved_gib, mem.alloc_retries], memory.device)
-    return {"mem/peak_allocated_gib": peaks[0], "mem/peak_reserved_gib": peaks[1], "mem/alloc_retries": int(peaks[2])}
+    return MemoryStats(peaks[0], peaks[1], int(peaks[2])).as_dict()
 
 
 def train(cfg: RunConfig, device: torch.device, step_fn: StepFn, attn: str,

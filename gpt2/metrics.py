@@ -175,14 +175,13 @@ class PeakMemory:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._peak = MemoryStats(0.0, 0.0, 0)
+        self.peak = MemoryStats(0.0, 0.0, 0)  # as of the last observe()
 
-    def observe(self) -> MemoryStats:
+    def observe(self) -> None:
         now = memory_stats(self.device)
-        self._peak = MemoryStats(max(self._peak.peak_allocated_gib, now.peak_allocated_gib),
-                                 max(self._peak.peak_reserved_gib, now.peak_reserved_gib),
-                                 max(self._peak.alloc_retries, now.alloc_retries))
-        return self._peak
+        self.peak = MemoryStats(max(self.peak.peak_allocated_gib, now.peak_allocated_gib),
+                                max(self.peak.peak_reserved_gib, now.peak_reserved_gib),
+                                max(self.peak.alloc_retries, now.alloc_retries))
 
 
 class ThroughputMeter:

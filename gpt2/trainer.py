@@ -21,6 +21,7 @@ from gpt2.distributed import DistContext
 from gpt2.guard import GuardReading, NonFiniteGuard, install_fault_injection
 from gpt2.layout import RunLayout
 from gpt2.metrics import (
+    MemoryStats,
     PeakMemory,
     StepTimer,
     ThroughputMeter,
@@ -66,11 +67,11 @@ def _world_max(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
 
 
 def _peak_memory(ctx: DistContext, memory: PeakMemory) -> dict[str, float]:
-    """Peak memory per device so far, as the max over all ranks."""
-    mem = memory.observe()
+    """Peak memory per device as of the last reading, as the max over all ranks."""
+    mem = memory.peak
     peaks = _world_max(torch.tensor([mem.peak_allocated_gib, mem.peak_reserved_gib, mem.alloc_retries],
                                     dtype=torch.float64, device=ctx.device), ctx).tolist()
-    return {"mem/peak_allocated_gib": peaks[0], "mem/peak_reserved_gib": peaks[1], "mem/alloc_retries": int(peaks[2])}
+    return MemoryStats(peaks[0], peaks[1], int(peaks[2])).as_dict()
 
 
 def _device_name(ctx: DistContext) -> str:
@@ -280,6 +281,7 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
     train_time = time.perf_counter() - train_start
 
     val = _evaluate(cfg, engine, data, recorder, t.max_steps)
+    memory.observe()  # the final evaluation's peak counts too
     summary = build_summary(layout, ctx, meter, memory, peak, start_step=start_step, train_time=train_time, last=last,
                             val=val, skipped_steps=reading.skipped,
                             attention=getattr(engine.module, "attention_choice", None),

@@ -28,10 +28,9 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.common import torchrun
 from gpt2 import checkpoint
 from gpt2.checkpoint import FAULT_ENV, SAVE_STAGES
-from tests.train_runs import ROOT, TINY_ARGS, read_killed_records, run_train, step_values, train_env
+from tests.train_runs import ROOT, TINY_ARGS, read_killed_records, run_train, step_values, train_command, train_env
 
 BEFORE_RENAME = SAVE_STAGES[:SAVE_STAGES.index("renamed")]
 PRUNE_STAGES = ("prune-renamed", "prune-partial")  # reached only when --keep-last deletes an older checkpoint
@@ -111,7 +110,7 @@ def run_chain(name: str, tmp: Path, n_random: int, seed: int) -> list[Launch]:
         env = train_env()
         if fault in SAVE_STAGES:  # the first save this launch makes; a prune needs an older checkpoint
             env[FAULT_ENV] = f"{fault}@{start + 2 if fault in PRUNE_STAGES and start == 0 else start + 1}"
-        cmd = [*torchrun(2), str(ROOT / "train.py"), *args, "--save-dir", str(ck), "--resume", "auto",
+        cmd = [*train_command(2), *args, "--save-dir", str(ck), "--resume", "auto",
                "--out-dir", str(out), "--run-name", run_dir.name]
         launch = Launch(fault, run_dir)
         launches.append(launch)

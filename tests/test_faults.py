@@ -29,13 +29,21 @@ alone; at tmp-created rank 0 dies, at rank-state-written and model-state-written
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from gpt2.checkpoint import FAULT_ENV, SAVE_STAGES
-from tests.train_runs import ROOT, TINY_ARGS, read_killed_records, run_train, step_values, summary, train_env
+from tests.train_runs import (
+    ROOT,
+    TINY_ARGS,
+    read_killed_records,
+    run_train,
+    step_values,
+    summary,
+    train_command,
+    train_env,
+)
 
 ARGS = TINY_ARGS + ["--data", "synthetic", "--max-steps", "4", "--seed", "7", "--batch-size", "2",
                     "--eval-batches", "1", "--save-interval", "1", "--keep-last", "1"]
@@ -51,9 +59,9 @@ def reference(tmp_path_factory) -> Path:
     return root / "full"
 
 
-def _killed_run(args: list[str], out_dir: Path, stage: str) -> subprocess.CompletedProcess:
-    env = train_env() | {FAULT_ENV: f"{stage}@{KILL_STEP}"}
-    return subprocess.run([sys.executable, str(ROOT / "train.py")] + args + ["--out-dir", str(out_dir)],
+def _killed_run(args: list[str], out_dir: Path, stage: str, step: int = KILL_STEP) -> subprocess.CompletedProcess:
+    env = train_env() | {FAULT_ENV: f"{stage}@{step}"}
+    return subprocess.run(train_command(1) + args + ["--out-dir", str(out_dir)],
                           capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
 
 
@@ -89,12 +97,10 @@ def test_a_kill_before_the_rename_after_resuming_from_a_pending_checkpoint_resum
     killed at step 3's pending-written: `latest.pending` now names the unrenamed step 3. The next resume must start
     from step 2 again (CI's ZeRO-3 fault chain hit this: it went back to `latest` and refused to overwrite step 2)."""
     ck = tmp_path / "ck"
-    common = ARGS + ["--save-dir", str(ck), "--out-dir", str(tmp_path)]
-    for name, fault in (("first", f"renamed@{KILL_STEP}"), ("second", f"pending-written@{KILL_STEP + 1}")):
-        killed = subprocess.run([sys.executable, str(ROOT / "train.py"), *common, "--run-name", name,
-                                 "--resume", "auto"], capture_output=True, text=True,
-                                env=train_env() | {FAULT_ENV: fault}, timeout=300, cwd=ROOT)
-        assert killed.returncode == -9, f"not killed at {fault}: rc {killed.returncode}\n{killed.stderr[-3000:]}"
+    for name, stage, step in (("first", "renamed", KILL_STEP), ("second", "pending-written", KILL_STEP + 1)):
+        killed = _killed_run(ARGS + ["--run-name", name, "--save-dir", str(ck), "--resume", "auto"], tmp_path, stage,
+                             step)
+        assert killed.returncode == -9, f"not killed at {stage}@{step}: rc {killed.returncode}\n{killed.stderr[-3000:]}"
     run_train(ARGS + ["--run-name", "resumed", "--save-dir", str(ck), "--resume", "auto"], tmp_path)
     assert summary(tmp_path / "resumed")["start_step"] == KILL_STEP
     for key in ("loss", "grad_norm"):
@@ -123,7 +129,7 @@ def test_twenty_kills_at_random_instants_then_resume_auto_each_time(tmp_path: Pa
         cycles += 1
         assert cycles <= 60, f"no progress after {kills} kills"
         before = {p.name for p in out.iterdir()} if out.is_dir() else set()
-        cmd = [sys.executable, str(ROOT / "train.py")] + args + ["--run-name", "r", "--save-dir", str(ck),
+        cmd = train_command(1) + args + ["--run-name", "r", "--save-dir", str(ck),
                                                                  "--resume", "auto", "--out-dir", str(out)]
         proc = subprocess.Popen(cmd, env=train_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True)

@@ -24,13 +24,11 @@ import copy
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks.common import torchrun
 from gpt2.config import ConfigError, parse_args
 from gpt2.data import build_data
 from gpt2.distributed import init_distributed
@@ -46,7 +44,7 @@ from gpt2.guard import (
 )
 from gpt2.layout import RunLayout
 from gpt2.trainer import train_step
-from tests.train_runs import ROOT, TINY_ARGS, read_records, train_env
+from tests.train_runs import ROOT, TINY_ARGS, read_records, train_command, train_env
 
 ARGS = TINY_ARGS + ["--data", "synthetic", "--max-steps", "10", "--seed", "7", "--eval-batches", "1",
                     "--max-bad-steps", "3", "--save-interval", "1", "--keep-last", "1"]
@@ -119,8 +117,7 @@ def test_fp16_counts_a_non_finite_loss_not_a_loss_scale_overflow() -> None:
 
 
 def _faulty_run(args: list[str], out: Path, faults: str, nproc: int = 1) -> subprocess.CompletedProcess:
-    launcher = [sys.executable] if nproc == 1 else torchrun(nproc)
-    return subprocess.run([*launcher, str(ROOT / "train.py"), *args, "--out-dir", str(out)],
+    return subprocess.run([*train_command(nproc), *args, "--out-dir", str(out)],
                           capture_output=True, text=True, env=train_env() | {FAULT_ENV: faults}, timeout=300, cwd=ROOT)
 
 

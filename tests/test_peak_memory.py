@@ -29,25 +29,34 @@ def test_running_max_outlasts_a_reset(monkeypatch: pytest.MonkeyPatch) -> None:
     readings = _readings([5.0, 9.0, 2.0, 3.0])
     monkeypatch.setattr(metrics, "memory_stats", lambda device: next(readings))
     memory = PeakMemory(torch.device("cpu"))
-    peaks = [memory.observe().peak_allocated_gib for _ in range(4)]
+    peaks = []
+    for _ in range(4):
+        memory.observe()
+        peaks.append(memory.peak.peak_allocated_gib)
     assert peaks == [5.0, 9.0, 9.0, 9.0]
-    assert memory.observe().peak_reserved_gib == 10.0
+    assert memory.peak.peak_reserved_gib == 10.0
 
 
-def test_run_reads_memory_after_every_step_not_only_logged_ones(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    # the counter reads 7 GiB only during step 2, which is not logged (--log-interval 3 logs steps 1, 3 and 4);
-    # a reset after it leaves 1 GiB for the rest of the run, its evaluation included
-    current = {"step": 0}
-    real_train_step = trainer.train_step
+def _train_with_counter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, high_in: str) -> tuple[dict, dict]:
+    """train.main in-process for 4 steps, --log-interval 3 (steps 1, 3 and 4 logged), with an allocator counter that
+    reads 7 GiB (8 reserved) only during `high_in` ("step 2" or "the final evaluation") and 1 GiB otherwise, as if
+    reset after it. Returns {logged step: peak allocated} and the summary."""
+    phase = {"now": ""}
+    real_train_step, real_evaluate = trainer.train_step, trainer._evaluate
+    steps = itertools.count(1)
 
-    def counting_train_step(*args: Any, **kwargs: Any) -> Any:
-        current["step"] += 1
+    def train_step(*args: Any, **kwargs: Any) -> Any:
+        phase["now"] = f"step {next(steps)}"
         return real_train_step(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "train_step", counting_train_step)
-    monkeypatch.setattr(metrics, "memory_stats",
-                        lambda device: MemoryStats(7.0, 8.0, 0) if current["step"] == 2 else MemoryStats(1.0, 2.0, 0))
+    def evaluate(*args: Any, **kwargs: Any) -> Any:  # the only one: --eval-interval is 0
+        phase["now"] = "the final evaluation"
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", train_step)
+    monkeypatch.setattr(trainer, "_evaluate", evaluate)
+    monkeypatch.setattr(metrics, "memory_stats", lambda device: MemoryStats(7.0, 8.0, 0) if phase["now"] == high_in
+                        else MemoryStats(1.0, 2.0, 0))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(sys, "argv", ["train.py"])
@@ -56,6 +65,17 @@ def test_run_reads_memory_after_every_step_not_only_logged_ones(tmp_path: Path,
                                    "1", "--batch-size", "2", "--out-dir", str(out), "--run-name", "peak"]) == 0
     records = [json.loads(line) for line in (out / "peak" / "metrics.jsonl").read_text().splitlines()]
     logged = {r["step"]: r["mem/peak_allocated_gib"] for r in records if r.get("type") == "step" and "loss" in r}
+    return logged, json.loads((out / "peak" / "summary.json").read_text())
+
+
+def test_run_reads_memory_after_every_step_not_only_logged_ones(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    logged, summary = _train_with_counter(tmp_path, monkeypatch, "step 2")
     assert logged == {1: 1.0, 3: 7.0, 4: 7.0}
-    summary = json.loads((out / "peak" / "summary.json").read_text())
+    assert (summary["mem/peak_allocated_gib"], summary["mem/peak_reserved_gib"]) == (7.0, 8.0)
+
+
+def test_the_final_evaluation_s_peak_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    logged, summary = _train_with_counter(tmp_path, monkeypatch, "the final evaluation")
+    assert logged == {1: 1.0, 3: 1.0, 4: 1.0}
     assert (summary["mem/peak_allocated_gib"], summary["mem/peak_reserved_gib"]) == (7.0, 8.0)

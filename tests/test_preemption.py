@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from tests.preempt_runs import (
     saved_step,
     wait_for,
 )
-from tests.train_runs import ROOT, run_train, step_losses, torchrun, train_env
+from tests.train_runs import ROOT, run_train, step_losses, train_command, train_env
 
 pytestmark = pytest.mark.slow
 
@@ -38,12 +37,8 @@ def _flags(nproc: int, device: str) -> list[str]:
 
 
 def _launch(args: list[str], out_dir: Path, nproc: int, log: Path) -> subprocess.Popen:
-    if nproc == 1:
-        cmd = [sys.executable, str(ROOT / "train.py")]
-    else:
-        cmd = [*torchrun(nproc), str(ROOT / "train.py")]
     with open(log, "w") as f:  # a file, not a pipe: nobody reads the output while it runs
-        return subprocess.Popen(cmd + args + ["--out-dir", str(out_dir)], env=train_env(), cwd=ROOT,
+        return subprocess.Popen(train_command(nproc) + args + ["--out-dir", str(out_dir)], env=train_env(), cwd=ROOT,
                                 stdout=f, stderr=subprocess.STDOUT)
 
 
@@ -132,4 +127,3 @@ def test_signal_saves_at_step_boundary_and_resume_is_exact(tmp_path: Path, refer
     ref = references(nproc, device)
     assert step_losses(tmp_path / "interrupted") == ref[:step]
     assert step_losses(tmp_path / "resumed") == ref[step:step + RESUMED_STEPS]  # bit-identical
-

@@ -53,13 +53,14 @@ def train_env() -> dict[str, str]:
     return env
 
 
+def train_command(nproc: int) -> list[str]:
+    """train.py's command line up to its flags: a plain process for one, torchrun for more."""
+    return [*([sys.executable] if nproc == 1 else torchrun(nproc)), str(ROOT / "train.py")]
+
+
 def run_train(args: list[str], out_dir: Path, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run train.py (under torchrun when nproc > 1); raises with the output if it fails."""
-    if nproc == 1:
-        cmd = [sys.executable, str(ROOT / "train.py")]
-    else:
-        cmd = [*torchrun(nproc), str(ROOT / "train.py")]
-    proc = subprocess.run(cmd + args + ["--out-dir", str(out_dir)], capture_output=True, text=True,
+    proc = subprocess.run(train_command(nproc) + args + ["--out-dir", str(out_dir)], capture_output=True, text=True,
                           env=train_env(), timeout=timeout, cwd=ROOT)
     if proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
