@@ -238,7 +238,8 @@ def table_row(r: RunResult) -> dict[str, Any]:
         else "-", "batch_per_gpu": r.batch, "batch_choice": r.batch_choice, "gpus": s.get("world_size"),
         "tokens_per_s": s.get("tokens_per_s"), "tokens_per_s_per_gpu": s.get("tokens_per_s_per_gpu"),
         "mfu": s.get("mfu"), "peak_allocated_gib": s.get("mem/peak_allocated_gib"),
-        "peak_reserved_gib": s.get("mem/peak_reserved_gib"), "step_time_s": s.get("step_time_s"),
+        "peak_reserved_gib": s.get("mem/peak_reserved_gib"),
+        "allocated_after_step_gib": s.get("mem/allocated_after_step_gib"), "step_time_s": s.get("step_time_s"),
         "run_time_s": r.wall_s, "final_loss": s.get("final_loss"),
         # --extra-args=--profile: the device's busy share of the profiled steps, and what the host did per step
         "device_busy_pct": s.get("profile/device_busy_pct"),

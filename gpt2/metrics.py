@@ -14,6 +14,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -162,6 +163,19 @@ def memory_stats(device: torch.device) -> MemoryStats:
     rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     rss = rss_kib if sys.platform == "darwin" else rss_kib * 1024
     return MemoryStats(rss / gib, rss / gib, 0)
+
+
+def allocated_gib(device: torch.device) -> float | None:
+    """Memory held now. CUDA: the allocator's bytes in live tensors; read between steps, that is what a run keeps
+    across steps (weights, optimizer state, gradient buffers an engine keeps), so peak minus it is the step's
+    transient memory (activations, gathered weights, buckets). CPU: the process's resident set (Linux; else None)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 1024**3
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except OSError:
+        return None
+    return resident_pages * os.sysconf("SC_PAGE_SIZE") / 1024**3
 
 
 class PeakMemory:

@@ -26,6 +26,7 @@ from gpt2.metrics import (
     StepTimer,
     ThroughputMeter,
     TrainingCommMeter,
+    allocated_gib,
     device_peak_tflops,
     flops_per_token,
     hardware_flops_per_token,
@@ -72,6 +73,14 @@ def _peak_memory(ctx: DistContext, memory: PeakMemory) -> dict[str, float]:
     peaks = _world_max(torch.tensor([mem.peak_allocated_gib, mem.peak_reserved_gib, mem.alloc_retries],
                                     dtype=torch.float64, device=ctx.device), ctx).tolist()
     return MemoryStats(peaks[0], peaks[1], int(peaks[2])).as_dict()
+
+
+def _memory_between_steps(ctx: DistContext) -> dict[str, float | None]:
+    """`mem/allocated_after_step_gib`: what each device holds right after a step, max over ranks (None where the
+    platform cannot say): the part of the peak that a mode keeps for the whole run (gpt2.metrics.allocated_gib)."""
+    now = allocated_gib(ctx.device)
+    held = None if now is None else _world_max(torch.tensor([now], dtype=torch.float64, device=ctx.device), ctx).item()
+    return {"mem/allocated_after_step_gib": held}
 
 
 def _device_name(ctx: DistContext) -> str:
@@ -150,7 +159,7 @@ def step_record(layout: RunLayout, ctx: DistContext, engine: Engine, meter: Thro
                                      correct_sum / (grad_accum * t.batch_size * t.seq_len)]), ctx).tolist()
     return {"loss": loss_acc[0], "accuracy": loss_acc[1], "grad_norm": float(grad_norm),
             "lr": engine.lr, "step_time_s": meter.last_step_time, **meter.current(), **_peak_memory(ctx, memory),
-            "tokens_seen": step * layout.tokens_per_step}
+            **_memory_between_steps(ctx), "tokens_seen": step * layout.tokens_per_step}
 
 
 def untimed_steps(t: TrainConfig) -> int:
@@ -321,6 +330,7 @@ def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, m
         "steps": t.max_steps, "start_step": start_step,  # a resumed run trained steps start_step+1..steps
         "skipped_steps": skipped_steps,  # of those, updates skipped for a non-finite loss or gradient norm
         "train_time_s": train_time, **meter.summary(), **_peak_memory(ctx, memory),
+        "mem/allocated_after_step_gib": last.get("mem/allocated_after_step_gib"),  # the last logged step's
         "final_loss": last.get("loss"), "final_accuracy": last.get("accuracy"), **val,
         "torch_version": torch.__version__, "profiled": t.profile, **(profile or {}),
     }

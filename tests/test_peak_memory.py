@@ -79,3 +79,30 @@ def test_the_final_evaluation_s_peak_counts(tmp_path: Path, monkeypatch: pytest.
     logged, summary = _train_with_counter(tmp_path, monkeypatch, "the final evaluation")
     assert logged == {1: 1.0, 3: 1.0, 4: 1.0}
     assert (summary["mem/peak_allocated_gib"], summary["mem/peak_reserved_gib"]) == (7.0, 8.0)
+
+
+def test_records_say_what_a_run_holds_between_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`mem/allocated_after_step_gib` is read after the step, not during it: a reading of 3 GiB between steps and 9
+    GiB inside train_step (where activations live) must log 3."""
+    inside = {"step": False}
+    real_train_step = trainer.train_step
+
+    def train_step(*args: Any, **kwargs: Any) -> Any:
+        inside["step"] = True
+        try:
+            return real_train_step(*args, **kwargs)
+        finally:
+            inside["step"] = False
+
+    monkeypatch.setattr(trainer, "train_step", train_step)
+    monkeypatch.setattr(trainer, "allocated_gib", lambda device: 9.0 if inside["step"] else 3.0)
+    _, summary = _train_with_counter(tmp_path, monkeypatch, "step 2")
+    records = [json.loads(line) for line in (tmp_path / "runs" / "peak" / "metrics.jsonl").read_text().splitlines()]
+    held = [r["mem/allocated_after_step_gib"] for r in records if r.get("type") == "step" and "loss" in r]
+    assert held == [3.0, 3.0, 3.0]
+    assert summary["mem/allocated_after_step_gib"] == 3.0
+
+
+def test_a_cpu_run_reads_its_resident_memory() -> None:
+    held = metrics.allocated_gib(torch.device("cpu"))
+    assert held is not None and 0.01 < held < 1024  # this process: tens of MiB to a few GiB
