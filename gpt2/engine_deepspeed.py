@@ -173,6 +173,38 @@ def arch_list_deepspeed_can_parse() -> Iterator[None]:
             os.environ["TORCH_CUDA_ARCH_LIST"] = old
 
 
+@contextlib.contextmanager
+def zero3_master_shares_fp32_weights() -> Iterator[None]:
+    """While inside, ZeRO-3's optimizer uses the fp32 weights' own partitions as its fp32 master copy, as DeepSpeed
+    means to when their dtype is the master's (fp32 weights: `torch_autocast`, our default, or fp32 training).
+
+    DeepSpeed 0.19.8 `DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions` shares them only if
+    `weights.device == self.device`, but `self.device` is `get_accelerator().current_device_name()`, a str, and a
+    torch.device never equals a str, so it clones: one more fp32 copy of the model, 1/dp of it per rank (GPT-2
+    Large at world size 1: 2.88 GiB; benchmarks/repro/deepspeed_master_weight_copies.py shows it). The comparison
+    runs with `self.device` as a torch.device here, which names the same device wherever DeepSpeed uses it."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    original = Stage3._create_fp32_partitions
+
+    def create_fp32_partitions(optimizer: Any) -> None:
+        device = optimizer.device
+        optimizer.device = torch.device(device)
+        try:
+            original(optimizer)
+        finally:
+            optimizer.device = device
+        groups = list(zip(optimizer.fp32_partitioned_groups_flat, optimizer.fp16_partitioned_groups_flat))
+        log.info("ZeRO-3: the fp32 master shares %d of %d weight partitions (no second fp32 copy of those)",
+                 sum(master is weights for master, weights in groups), len(groups))
+
+    Stage3._create_fp32_partitions = create_fp32_partitions
+    try:
+        yield
+    finally:
+        Stage3._create_fp32_partitions = original
+
+
 class DeepSpeedEngine:
     """ZeRO-1/2/3 training; `engine` is the DeepSpeed engine, `module` our GPT inside it."""
 
@@ -199,9 +231,11 @@ class DeepSpeedEngine:
         optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                                       fused=True)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, t) / t.lr)
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
-            mpu=ModelParallelUnit(ctx.dims), dist_init_required=False)
+        # not under DeepCompile: its passes use the ZeRO-3 buffers, and no GPU run has checked them with the sharing
+        with contextlib.nullcontext() if layout.deepcompile else zero3_master_shares_fp32_weights():
+            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
+                mpu=ModelParallelUnit(ctx.dims), dist_init_required=False)
         if layout.deepcompile:
             self._deepcompile()
         self._step_lr = self.scheduler.get_last_lr()[0]  # the lr of the last optimizer step

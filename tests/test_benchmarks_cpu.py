@@ -222,6 +222,24 @@ def test_deepspeed_host_cost_repro_separates_zero3_from_torch(tmp_path, cpu_env)
     assert "| zero3 |" in (tmp_path / "host_cost.md").read_text()
 
 
+def test_master_weight_copies_repro_names_what_zero_keeps(tmp_path, cpu_env):
+    """benchmarks/repro/deepspeed_master_weight_copies.py on CPU names the fp32 copies ZeRO keeps between steps with
+    fp32 weights (DeepSpeed 0.19.8): torch 3 model-sized copies, ZeRO-1/2 4 (a cloned master), ZeRO-3 5 (a cloned
+    master, whose sharing test compares a torch.device with a str, and the flat gradient partition). If a DeepSpeed
+    release shares the master, this fails: the README's memory rows and benchmarks/results/zero3 then need updating."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.repro.deepspeed_master_weight_copies", "--engines",
+                           "torch", "zero1", "zero3", "--layers", "4", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["engine"]: r for r in read_csv(tmp_path / "copies.csv")}
+    assert {e: float(r["model_sized_copies"]) for e, r in rows.items()} == {"torch": 3.0, "zero1": 4.0, "zero3": 5.0}
+    assert float(rows["zero1"]["single_partition_of_fp32_groups (MiB)"]) == float(rows["zero1"]["model_fp32_mib"])
+    assert (rows["zero3"]["master_dtype"], rows["zero3"]["weights_dtype"]) == ("float32", "float32")
+    assert rows["zero3"]["master_shares_weights"] == "False"
+    assert rows["zero3"]["deepspeed_share_test"] == "device(type='cpu') == 'cpu' -> False"
+    assert float(rows["zero3"]["grad_partitions_flat_buffer (MiB)"]) > 0
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signalled_tool_ends_its_launches_and_starts_no_more(tmp_path: Path, sig: signal.Signals) -> None:
     """`timeout`, Slurm or Ctrl-C signal the tool; its launches run in their own sessions, so the tool must end them
