@@ -35,7 +35,7 @@ if not torch.cuda.is_available():
 import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.common import ROOT, free_port, markdown_table, time_ms, write_csv  # noqa: E402
+from benchmarks.common import ROOT, free_port, report_table, time_ms  # noqa: E402
 from gpt2.config import ParallelConfig  # noqa: E402
 from gpt2.distributed import run_as_process  # noqa: E402
 from gpt2.planner import persistence_threshold_default  # noqa: E402
@@ -117,15 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"engine": engine, **{f"ms_at_{t}_tensors": round(ms, 3) for t, ms in pts},
                      "us_per_tensor_per_step": round(1000 * slope, 1), "intercept_ms": round(intercept, 2),
                      "ms_per_step_at_gpt2_large_tensors": round(slope * GPT2_LARGE_TENSORS, 1)})
-    header = (f"# Host time per parameter tensor per step, world size 1 ({name}, torch {torch.__version__}, "
-              f"DeepSpeed {deepspeed.__version__})\n\n`python -m benchmarks.repro.deepspeed_host_cost_per_tensor "
-              f"{' '.join(sys.argv[1:] if argv is None else argv)}`\n\n")
-    table = markdown_table(rows, list(rows[0]))
-    print("\n" + header + table)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "host_cost.md").write_text(header + table + "\n")
-        write_csv(args.out / "host_cost.csv", rows, {"device": name})
+    report_table(f"Host time per parameter tensor per step, world size 1 ({name}, torch {torch.__version__}, "
+                 f"DeepSpeed {deepspeed.__version__})", "python -m benchmarks.repro.deepspeed_host_cost_per_tensor "
+                 + " ".join(sys.argv[1:] if argv is None else argv), rows, list(rows[0]), args.out, "host_cost",
+                 {"device": name})
     dist.destroy_process_group()
     return 0
 

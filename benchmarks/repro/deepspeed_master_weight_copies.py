@@ -17,6 +17,8 @@ What it shows (DeepSpeed 0.19.8):
   compares `tensor.device` (a torch.device) with `self.device`, which is `get_accelerator().current_device_name()`,
   a str; `torch.device("cuda", 0) == "cuda:0"` is False, so it clones.
 At N ranks each of these copies is 1/N of the model per rank (ZeRO-1/2/3 partition them), the reduce bucket is not.
+This is DeepSpeed as shipped; the harness runs ZeRO-3's sharing test with a torch.device
+(`gpt2.engine_deepspeed.zero3_master_shares_fp32_weights`), so its ZeRO-3 keeps 4 copies.
 
     python -m benchmarks.repro.deepspeed_master_weight_copies              # GPU if present, else CPU (gloo)
     python -m benchmarks.repro.deepspeed_master_weight_copies --out /tmp/copies
@@ -40,7 +42,7 @@ if not torch.cuda.is_available():
 import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.common import ROOT, markdown_table, write_csv  # noqa: E402
+from benchmarks.common import ROOT, report_table  # noqa: E402
 from benchmarks.repro.deepspeed_host_cost_per_tensor import init_single_process  # noqa: E402
 from gpt2.config import ParallelConfig  # noqa: E402
 from gpt2.distributed import run_as_process  # noqa: E402
@@ -165,15 +167,10 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{k} {v}" for k, v in row.items() if k.endswith("(MiB)")), flush=True)
     columns = list(dict.fromkeys(k for row in rows for k in row))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    header = (f"# Device memory held between steps, world size 1 ({name}, torch {torch.__version__}, DeepSpeed "
-              f"{deepspeed.__version__})\n\n`python -m benchmarks.repro.deepspeed_master_weight_copies "
-              f"{' '.join(sys.argv[1:] if argv is None else argv)}`\n\n")
-    table = markdown_table(rows, columns)
-    print("\n" + header + table)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "copies.md").write_text(header + table + "\n")
-        write_csv(args.out / "copies.csv", rows, {"device": name})
+    report_table(f"Device memory held between steps, world size 1 ({name}, torch {torch.__version__}, DeepSpeed "
+                 f"{deepspeed.__version__})", "python -m benchmarks.repro.deepspeed_master_weight_copies "
+                 + " ".join(sys.argv[1:] if argv is None else argv), rows, columns, args.out, "copies",
+                 {"device": name})
     dist.destroy_process_group()
     return 0
 
