@@ -117,13 +117,13 @@ def markdown_table(rows: list[dict[str, object]], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def report_table(title: str, command: str, rows: list[dict[str, object]], columns: list[str], out: Path | None,
+def report_table(title: str, command: str, rows: list[dict[str, object]], columns: list[str], *, out: Path | None,
                  stem: str, tag: dict[str, str]) -> None:
     """Print a Markdown table under its title and the command that made it; with `out`, also write it to
     <out>/<stem>.md and the rows (with the `tag` columns) to <out>/<stem>.csv."""
     report = f"# {title}\n\n`{command}`\n\n{markdown_table(rows, columns)}\n"
     print("\n" + report)
-    if out:
+    if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{stem}.md").write_text(report)
         write_csv(out / f"{stem}.csv", rows, tag)

@@ -189,7 +189,8 @@ def zero3_master_shares_fp32_weights() -> Iterator[None]:
 
     def create_fp32_partitions(optimizer: Any) -> None:
         device = optimizer.device
-        optimizer.device = torch.device(device)
+        if isinstance(device, str):  # as in 0.19.8; a release that stores a torch.device needs no help
+            optimizer.device = torch.device(device)
         try:
             original(optimizer)
         finally:
@@ -232,7 +233,7 @@ class DeepSpeedEngine:
                                       fused=True)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, t) / t.lr)
         # not under DeepCompile: its passes use the ZeRO-3 buffers, and no GPU run has checked them with the sharing
-        with contextlib.nullcontext() if layout.deepcompile else zero3_master_shares_fp32_weights():
+        with zero3_master_shares_fp32_weights() if stage == 3 and not layout.deepcompile else contextlib.nullcontext():
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
                 mpu=ModelParallelUnit(ctx.dims), dist_init_required=False)

@@ -168,13 +168,13 @@ def memory_stats(device: torch.device) -> MemoryStats:
 def allocated_gib(device: torch.device) -> float | None:
     """Memory held now. CUDA: the allocator's bytes in live tensors; read between steps, that is what a run keeps
     across steps (weights, optimizer state, gradient buffers an engine keeps), so peak minus it is the step's
-    transient memory (activations, gathered weights, buckets). CPU: the process's resident set (Linux; else None)."""
+    transient memory (activations, gathered weights, buckets). CPU: the process's resident set (Linux; else None,
+    decided by the platform alone, so every rank of a run agrees)."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / 1024**3
-    try:
-        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except OSError:
+    if not sys.platform.startswith("linux"):
         return None
+    resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
     return resident_pages * os.sysconf("SC_PAGE_SIZE") / 1024**3
 
 

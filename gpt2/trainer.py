@@ -75,12 +75,16 @@ def _peak_memory(ctx: DistContext, memory: PeakMemory) -> dict[str, float]:
     return MemoryStats(peaks[0], peaks[1], int(peaks[2])).as_dict()
 
 
-def _memory_between_steps(ctx: DistContext) -> dict[str, float | None]:
-    """`mem/allocated_after_step_gib`: what each device holds right after a step, max over ranks (None where the
-    platform cannot say): the part of the peak that a mode keeps for the whole run (gpt2.metrics.allocated_gib)."""
-    now = allocated_gib(ctx.device)
-    held = None if now is None else _world_max(torch.tensor([now], dtype=torch.float64, device=ctx.device), ctx).item()
-    return {"mem/allocated_after_step_gib": held}
+def _memory_after_step(ctx: DistContext, memory: PeakMemory) -> dict[str, float | None]:
+    """The peaks (`_peak_memory`) and `mem/allocated_after_step_gib`: what each device holds right after a step, the
+    part of the peak a mode keeps for the whole run (gpt2.metrics.allocated_gib), None where the platform cannot say
+    (the same on every rank). Max over all ranks, in one collective."""
+    mem, now = memory.peak, allocated_gib(ctx.device)
+    values = _world_max(torch.tensor([mem.peak_allocated_gib, mem.peak_reserved_gib, mem.alloc_retries,
+                                      -1.0 if now is None else now], dtype=torch.float64, device=ctx.device),
+                        ctx).tolist()
+    return {**MemoryStats(values[0], values[1], int(values[2])).as_dict(),
+            "mem/allocated_after_step_gib": None if now is None else values[3]}
 
 
 def _device_name(ctx: DistContext) -> str:
@@ -158,8 +162,8 @@ def step_record(layout: RunLayout, ctx: DistContext, engine: Engine, meter: Thro
     loss_acc = _dp_mean(torch.stack([loss_sum / grad_accum,
                                      correct_sum / (grad_accum * t.batch_size * t.seq_len)]), ctx).tolist()
     return {"loss": loss_acc[0], "accuracy": loss_acc[1], "grad_norm": float(grad_norm),
-            "lr": engine.lr, "step_time_s": meter.last_step_time, **meter.current(), **_peak_memory(ctx, memory),
-            **_memory_between_steps(ctx), "tokens_seen": step * layout.tokens_per_step}
+            "lr": engine.lr, "step_time_s": meter.last_step_time, **meter.current(), **_memory_after_step(ctx, memory),
+            "tokens_seen": step * layout.tokens_per_step}
 
 
 def untimed_steps(t: TrainConfig) -> int:

@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                      "ms_per_step_at_gpt2_large_tensors": round(slope * GPT2_LARGE_TENSORS, 1)})
     report_table(f"Host time per parameter tensor per step, world size 1 ({name}, torch {torch.__version__}, "
                  f"DeepSpeed {deepspeed.__version__})", "python -m benchmarks.repro.deepspeed_host_cost_per_tensor "
-                 + " ".join(sys.argv[1:] if argv is None else argv), rows, list(rows[0]), args.out, "host_cost",
-                 {"device": name})
+                 + " ".join(sys.argv[1:] if argv is None else argv), rows, list(rows[0]), out=args.out,
+                 stem="host_cost", tag={"device": name})
     dist.destroy_process_group()
     return 0
 

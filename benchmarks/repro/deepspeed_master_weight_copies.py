@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,17 +42,16 @@ if not torch.cuda.is_available():
 import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.common import ROOT, report_table  # noqa: E402
-from benchmarks.repro.deepspeed_host_cost_per_tensor import init_single_process  # noqa: E402
-from gpt2.config import ParallelConfig  # noqa: E402
+from benchmarks.common import report_table  # noqa: E402
+from benchmarks.repro.deepspeed_host_cost_per_tensor import MICRO_BATCH, init_single_process  # noqa: E402
+from benchmarks.repro.deepspeed_host_cost_per_tensor import ds_config as host_cost_ds_config  # noqa: E402
 from gpt2.distributed import run_as_process  # noqa: E402
-from gpt2.planner import persistence_threshold_default  # noqa: E402
 
 ENGINES = ("torch", "zero1", "zero2", "zero3")
 # the attributes of DeepSpeed's ZeRO optimizers (stage3.py, stage_1_and_2.py) that hold model-sized buffers
 ZERO_BUFFERS = ("fp16_partitioned_groups_flat", "fp32_partitioned_groups_flat", "grad_partitions_flat_buffer",
                 "ipg_buckets", "bit16_groups_flat", "single_partition_of_fp32_groups")
-WIDTH, MICRO_BATCH = 512, 4
+WIDTH = 512
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,17 +62,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def ds_config(stage: int) -> dict:
-    """ds_configs/zero{stage}.json as the 4-GPU runs use it, with DeepSpeed's torch_autocast (fp32 weights), as
-    gpt2.ds_config writes it for `--zero-precision autocast`."""
-    cfg = json.loads((ROOT / "ds_configs" / f"zero{stage}.json").read_text())
-    cfg.pop("fp16", None)
-    if stage == 3:
-        cfg["zero_optimization"].setdefault("stage3_param_persistence_threshold",
-                                            persistence_threshold_default(ParallelConfig().zero3_fetch))
-    cfg["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
-    cfg.update(train_micro_batch_size_per_gpu=MICRO_BATCH, gradient_accumulation_steps=1, gradient_clipping=1.0)
-    return cfg
+def ds_config(stage: int) -> dict[str, Any]:
+    """The host-cost repro's config (ds_configs/zero{stage}.json as the 4-GPU runs use it) with DeepSpeed's
+    torch_autocast (fp32 weights), as gpt2.ds_config writes it for `--zero-precision autocast`."""
+    return {**host_cost_ds_config(stage), "torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
 
 
 def _storages(value: object, name: str, out: dict[int, str]) -> None:
@@ -91,7 +83,7 @@ def _storages(value: object, name: str, out: dict[int, str]) -> None:
         _storages(value.buffer, name, out)
 
 
-def master_shares_weights(zero: object) -> dict[str, object]:
+def master_shares_weights(zero: Any) -> dict[str, object]:
     """Whether the fp32 master partition is the weights' own storage, and (ZeRO-3) the device test that decides it
     in DeepSpeed's `_create_fp32_partitions`: `weights.device == self.device`."""
     if hasattr(zero, "fp32_partitioned_groups_flat"):  # stage 3
@@ -113,7 +105,7 @@ def live_storages(device: torch.device) -> dict[int, int]:
     return found
 
 
-def census(engine: str, layers: int, device: torch.device) -> dict[str, float]:
+def census(engine: str, layers: int, device: torch.device) -> dict[str, object]:
     """Train `engine` for 2 steps, then: MiB held per named buffer, and the total in model-sized fp32 copies."""
     gc.collect()
     before = set(live_storages(device))  # earlier engines' leftovers are not this engine's
@@ -169,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     report_table(f"Device memory held between steps, world size 1 ({name}, torch {torch.__version__}, DeepSpeed "
                  f"{deepspeed.__version__})", "python -m benchmarks.repro.deepspeed_master_weight_copies "
-                 + " ".join(sys.argv[1:] if argv is None else argv), rows, columns, args.out, "copies",
-                 {"device": name})
+                 + " ".join(sys.argv[1:] if argv is None else argv), rows, columns, out=args.out, stem="copies",
+                 tag={"device": name})
     dist.destroy_process_group()
     return 0
 
