@@ -67,24 +67,19 @@ def _world_max(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return values
 
 
-def _peak_memory(ctx: DistContext, memory: PeakMemory) -> dict[str, float]:
-    """Peak memory per device as of the last reading, as the max over all ranks."""
+def _memory_record(ctx: DistContext, memory: PeakMemory, *, after_step: bool) -> dict[str, float | None]:
+    """Peak memory per device as of the last reading and, read right after a step, `mem/allocated_after_step_gib`:
+    what each device holds then, the part of the peak a mode keeps for the whole run (gpt2.metrics.allocated_gib;
+    None where the platform cannot say, the same on every rank). Max over all ranks, in one collective."""
     mem = memory.peak
-    peaks = _world_max(torch.tensor([mem.peak_allocated_gib, mem.peak_reserved_gib, mem.alloc_retries],
-                                    dtype=torch.float64, device=ctx.device), ctx).tolist()
-    return MemoryStats(peaks[0], peaks[1], int(peaks[2])).as_dict()
-
-
-def _memory_after_step(ctx: DistContext, memory: PeakMemory) -> dict[str, float | None]:
-    """The peaks (`_peak_memory`) and `mem/allocated_after_step_gib`: what each device holds right after a step, the
-    part of the peak a mode keeps for the whole run (gpt2.metrics.allocated_gib), None where the platform cannot say
-    (the same on every rank). Max over all ranks, in one collective."""
-    mem, now = memory.peak, allocated_gib(ctx.device)
+    held = allocated_gib(ctx.device) if after_step else None
     values = _world_max(torch.tensor([mem.peak_allocated_gib, mem.peak_reserved_gib, mem.alloc_retries,
-                                      -1.0 if now is None else now], dtype=torch.float64, device=ctx.device),
+                                      -1.0 if held is None else held], dtype=torch.float64, device=ctx.device),
                         ctx).tolist()
-    return {**MemoryStats(values[0], values[1], int(values[2])).as_dict(),
-            "mem/allocated_after_step_gib": None if now is None else values[3]}
+    record: dict[str, float | None] = {**MemoryStats(values[0], values[1], int(values[2])).as_dict()}
+    if after_step:
+        record["mem/allocated_after_step_gib"] = None if held is None else values[3]
+    return record
 
 
 def _device_name(ctx: DistContext) -> str:
@@ -162,7 +157,8 @@ def step_record(layout: RunLayout, ctx: DistContext, engine: Engine, meter: Thro
     loss_acc = _dp_mean(torch.stack([loss_sum / grad_accum,
                                      correct_sum / (grad_accum * t.batch_size * t.seq_len)]), ctx).tolist()
     return {"loss": loss_acc[0], "accuracy": loss_acc[1], "grad_norm": float(grad_norm),
-            "lr": engine.lr, "step_time_s": meter.last_step_time, **meter.current(), **_memory_after_step(ctx, memory),
+            "lr": engine.lr, "step_time_s": meter.last_step_time, **meter.current(),
+            **_memory_record(ctx, memory, after_step=True),
             "tokens_seen": step * layout.tokens_per_step}
 
 
@@ -333,7 +329,7 @@ def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, m
         "peak_tflops_per_gpu": peak, "flops_per_token": meter.flops_per_token,
         "steps": t.max_steps, "start_step": start_step,  # a resumed run trained steps start_step+1..steps
         "skipped_steps": skipped_steps,  # of those, updates skipped for a non-finite loss or gradient norm
-        "train_time_s": train_time, **meter.summary(), **_peak_memory(ctx, memory),
+        "train_time_s": train_time, **meter.summary(), **_memory_record(ctx, memory, after_step=False),
         "mem/allocated_after_step_gib": last.get("mem/allocated_after_step_gib"),  # the last logged step's
         "final_loss": last.get("loss"), "final_accuracy": last.get("accuracy"), **val,
         "torch_version": torch.__version__, "profiled": t.profile, **(profile or {}),

@@ -124,8 +124,6 @@ def census(engine: str, layers: int, device: torch.device) -> dict[str, object]:
         for attr in ZERO_BUFFERS:
             if hasattr(zero, attr):
                 _storages(getattr(zero, attr), attr, names)
-        _storages(zero.optimizer.state, "AdamW moments", names)
-        _storages([p.data for p in model.parameters()], "module parameters", names)
         master = master_shares_weights(zero)
         del ds, zero
     else:
@@ -133,8 +131,8 @@ def census(engine: str, layers: int, device: torch.device) -> dict[str, object]:
             model(x).pow(2).mean().backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        _storages(optimizer.state, "AdamW moments", names)
-        _storages([p.data for p in model.parameters()], "module parameters", names)
+    _storages(optimizer.state, "AdamW moments", names)  # ZeRO steps our optimizer over its flat partitions
+    _storages([p.data for p in model.parameters()], "module parameters", names)
     held: dict[str, float] = {}
     for ptr, nbytes in live_storages(device).items():
         if ptr not in before and ptr != x.untyped_storage().data_ptr():  # the input aside
