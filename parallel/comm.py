@@ -62,6 +62,15 @@ def group_rank(group: Group) -> int:
     return dist.get_rank(group)
 
 
+def _fresh_output(written_in_place: torch.Tensor) -> torch.Tensor:
+    """A forward's result that a collective wrote in place, returned as a view of itself (no copy).
+
+    torch 2.11's Dynamo gives the backward of an autograd.Function zeros instead of the incoming gradient when
+    its forward returns a tensor last written in place, under every backend (pytorch/pytorch#184113; not seen
+    on 2.13): TP under --compile then trained another function. A view is an ordinary output to it."""
+    return written_in_place.view_as(written_in_place)
+
+
 def _record(stats: CommStats | None, op: str, phase: str, tensor: torch.Tensor) -> None:
     if stats is not None:
         stats.record(op, phase, tensor)
@@ -155,7 +164,7 @@ class _ReduceFromTP(torch.autograd.Function):
     def forward(ctx, x, group, stats):
         x = x.contiguous().clone()  # all-reduce is in place; never mutate the caller's tensor
         all_reduce(x, group, stats, "fwd")
-        return x
+        return _fresh_output(x)
 
     @staticmethod
     def backward(ctx, grad):
@@ -207,7 +216,7 @@ class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, stats, dim):
         ctx.group, ctx.stats, ctx.dim = group, stats, dim
-        return reduce_scatter_sequence(x, group, stats, "fwd", dim)
+        return _fresh_output(reduce_scatter_sequence(x, group, stats, "fwd", dim))
 
     @staticmethod
     def backward(ctx, grad):

@@ -24,11 +24,13 @@ from tests._tp_harness import device, spawn
 
 B, T, D_IN, D_OUT = 2, 8, 12, 16
 F32 = 4
+COLLECTIVES = (comm.copy_to_tp, comm.reduce_from_tp, comm.gather_from_tp, comm.scatter_to_tp,
+               comm.gather_from_sequence, comm.reduce_scatter_to_sequence, comm.scatter_to_sequence)
 
 
-def close(actual: torch.Tensor, expected: torch.Tensor, exact: bool = False) -> None:
+def close(actual: torch.Tensor, expected: torch.Tensor, exact: bool = False, what: str = "") -> None:
     tol = 0.0 if exact else 1e-6
-    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}" if what else m)
 
 
 def randn(*shape: int, seed: int) -> torch.Tensor:
@@ -100,10 +102,34 @@ def check_collectives(dims: ParallelDims) -> None:
     # one-rank groups: every collective is the identity and records nothing
     solo = dist.new_group([dims.rank], use_local_synchronization=True)
     quiet = CommStats()
-    for fn in (comm.copy_to_tp, comm.reduce_from_tp, comm.gather_from_tp, comm.scatter_to_tp,
-               comm.gather_from_sequence, comm.reduce_scatter_to_sequence, comm.scatter_to_sequence):
+    for fn in COLLECTIVES:
         assert fn(x_full, solo, quiet) is x_full
     assert not quiet.bytes
+
+
+def check_collectives_compiled(dims: ParallelDims) -> None:
+    """Each collective compiled (Dynamo + AOT autograd, one graph) gives eager's output and input gradient.
+
+    torch 2.11's Dynamo fed the backward of a Function whose output was last written in place (reduce_from_tp's
+    all-reduce, reduce_scatter_to_sequence's reduce-scatter) zeros instead of the incoming gradient
+    (pytorch/pytorch#184113): TP under --compile trained another function while eager matched single."""
+    g, r = dims.tp_group, dims.tp_rank
+    x_full = randn(B, T, D_IN, seed=6) * (r + 1)  # rank-dependent, as partial sums are
+    for op in COLLECTIVES:
+        def loss_of(x: torch.Tensor, up: torch.Tensor, op=op) -> tuple[torch.Tensor, torch.Tensor]:
+            y = op(x * 1.0, g)  # a non-leaf input, as inside a block
+            return y, (y * up).sum()
+
+        x = leaf(x_full)
+        y, _ = loss_of(x, torch.zeros(()))
+        up = randn(*y.shape, seed=7) * (r + 1)  # every element's gradient differs, and every rank's
+        loss_of(x, up)[1].backward()
+        torch._dynamo.reset()
+        x_c = leaf(x_full)
+        y_c, loss = torch.compile(loss_of, backend="aot_eager", fullgraph=True)(x_c, up)
+        loss.backward()
+        close(y_c, y, exact=True, what=f"compiled {op.__name__}")
+        close(x_c.grad, x.grad, exact=True, what=f"compiled {op.__name__}'s input gradient")
 
 
 def check_shard_roundtrip(dims: ParallelDims) -> None:
@@ -287,6 +313,7 @@ def check_lm_head(dims: ParallelDims) -> None:
 def run_layer_checks(dims: ParallelDims) -> None:
     torch.manual_seed(0)
     check_collectives(dims)
+    check_collectives_compiled(dims)
     check_shard_roundtrip(dims)
     check_column(dims)
     check_column_autocast(dims)
