@@ -9,12 +9,14 @@ precision the runs use (bf16 on a GPU, fp32 on CPU)?
 Each row of benchmarks/parity_matrix.py (one-device rows; with more GPUs visible, DDP/ZeRO at that world size and
 tensor parallelism) trains --steps steps from the same seed on the same global batches of --batch-size sequences,
 its loss logged every step, then its validation loss. Data: WikiText-2 from ../shared/data by default, or
---data-path any text (--cache-dir a pre-built token cache); the training set is cut to whole global batches so
-that every row's epochs line up. The reference (`single`) and the `noise` row run in the same call, up to --jobs
-rows at a time; the verdicts are benchmarks/parity_verdict.py's. Written to --out, and rewritten each time a run
-ends (rows still running read `pending`, the header says how many ended), so a call killed part-way keeps the
-finished rows' verdicts: parity.csv, parity.md (command, device, versions, the tolerance rule with the measured
-noise, one table per model) and parity_<model>.png; run folders in OUT/runs, each launch's output in OUT/logs.
+--data-path any text (--cache-dir a pre-built token cache); the training set is cut to whole global batches so that
+every row's epochs line up. The reference (`single`) and the `noise` row run in the same call, up to --jobs rows at
+a time on each GPU (one-GPU rows spread over the visible GPUs, a row of N processes takes N of them, each run's
+CUDA_VISIBLE_DEVICES naming its GPUs); the verdicts are benchmarks/parity_verdict.py's. Written to --out, and
+rewritten each time a run ends (rows still running read `pending`, the header says how many ended), so a call killed
+part-way keeps the finished rows' verdicts: parity.csv, parity.md (command, device, versions, the tolerance rule
+with the measured noise, one table per model) and parity_<model>.png; run folders in OUT/runs, each launch's output
+in OUT/logs.
 Exit status 1 if a row fails or errors, 2 on bad flags or data.
 """
 
@@ -25,9 +27,11 @@ import importlib.metadata
 import os
 import shlex
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -88,7 +92,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="tokenizer.json, folder or hub name")
     p.add_argument("--cache-dir", help=f"token cache (default: train.py's, {ROOT / DataConfig.cache_dir})")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
-    p.add_argument("--jobs", type=int, default=1, help="rows run at once")
+    p.add_argument("--jobs", type=int, default=1, help="rows run at once on each device: one-GPU rows spread over the "
+                   "visible GPUs (CUDA_VISIBLE_DEVICES), a row of N processes takes a slot on N of them")
     p.add_argument("--tol-factor", type=float, default=3.0, help="tolerance = max(floor, factor x noise)")
     p.add_argument("--tol-floor", type=float,
                    help="default by the reference's precision: 0.05 for bf16, 1e-4 for fp32")
@@ -145,10 +150,44 @@ class Outcome:
         return error_excerpt(self.log.read_text(errors="replace"), LOG_TAIL_LINES)
 
 
-def run_all(jobs: list[Job], out: Path, n_parallel: int, timeout: float,
+class DeviceSlots:
+    """Which devices a run may use: `per_device` runs at once on each; a run of N processes takes a slot on each of
+    the N least busy devices (its CUDA_VISIBLE_DEVICES), so one-GPU rows run side by side, one a GPU, and a
+    4-process row waits for a slot on all four. On the CPU, one device with `per_device` slots."""
+
+    def __init__(self, names: list[str], per_device: int):
+        self.names, self.free = names, [per_device] * len(names)
+        self.changed = threading.Condition()
+
+    @contextmanager
+    def take(self, n: int) -> Iterator[list[str]]:
+        if n > len(self.names):
+            raise ValueError(f"needs {n} devices, {len(self.names)} visible")
+        with self.changed:
+            self.changed.wait_for(lambda: sum(f > 0 for f in self.free) >= n)
+            taken = sorted(range(len(self.free)), key=lambda d: -self.free[d])[:n]  # the least busy
+            for d in taken:
+                self.free[d] -= 1
+        try:
+            yield [self.names[d] for d in taken]
+        finally:
+            with self.changed:
+                for d in taken:
+                    self.free[d] += 1
+                self.changed.notify_all()
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process sees, named as a child's CUDA_VISIBLE_DEVICES must name them."""
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = inherited.split(",") if inherited else [str(i) for i in range(torch.cuda.device_count())]
+    return names[:torch.cuda.device_count()]
+
+
+def run_all(jobs: list[Job], out: Path, slots: DeviceSlots, timeout: float, gpus: bool,
             on_done: Callable[[dict[Job, Outcome]], None] = lambda outcomes: None) -> dict[Job, Outcome]:
-    """Launch every runnable job, up to n_parallel at once (torchrun rows each on a port free at their start);
-    `on_done(outcomes so far)` after each one ends."""
+    """Launch every runnable job as `slots` allow (with `gpus`, each on the GPUs it took; torchrun rows bind ports of
+    their own); `on_done(outcomes so far)` after each one ends."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on shared machines
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -160,11 +199,12 @@ def run_all(jobs: list[Job], out: Path, n_parallel: int, timeout: float,
     def run(job: Job) -> Outcome:
         cmd = job.command(names[job])
         log = out / "logs" / f"{names[job]}.log"
-        rc, wall = launch(cmd, log, timeout, env)
+        with slots.take((job.row.nproc or 1) if gpus else 1) as devices:  # CPU ranks share the one device
+            rc, wall = launch(cmd, log, timeout, {**env, "CUDA_VISIBLE_DEVICES": ",".join(devices)} if gpus else env)
         return Outcome(shlex.join(cmd), rc, wall, out / "runs" / names[job], log)
 
     outcomes: dict[Job, Outcome] = {}
-    with ThreadPoolExecutor(max_workers=n_parallel) as pool:
+    with ThreadPoolExecutor(max_workers=sum(slots.free)) as pool:
         futures = {pool.submit(run, job): job for job in jobs}
         for future in as_completed(futures):
             job, outcome = futures[future], future.result()
@@ -280,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as err:  # tokenising needs `datasets`, which a GPU machine may lack
         p.error(f"building the token cache needs the {err.name} package; build it where {err.name} is installed "
                 "(python -m gpt2.data --data-path ... --tokenizer ... --cache-dir DIR) and pass --cache-dir DIR")
+    gpus = visible_gpus() if device == "cuda" else []
+    jobs = [replace(j, skip=f"needs {j.row.nproc} GPUs, {len(gpus)} visible") if gpus and not j.skip and
+            (j.row.nproc or 1) > len(gpus) else j for j in jobs]  # an --extra-row wider than the machine
     runnable = [job for job in jobs if not job.skip]
     if args.dry_run:
         for job in jobs:
@@ -317,12 +360,14 @@ def main(argv: list[str] | None = None) -> int:
         parity_report.write(out, results, tolerances, {**header, **ended}, tag)
         return results
 
-    print(f"{len(runnable)} runs ({len(jobs) - len(runnable)} skipped), {args.jobs} at a time, on {device}", flush=True)
+    slots = DeviceSlots(gpus or [device], args.jobs)
+    print(f"{len(runnable)} runs ({len(jobs) - len(runnable)} skipped), {args.jobs} at a time on each of "
+          f"{len(slots.names)} {'GPUs' if gpus else device}", flush=True)
     def write_partial(ended: dict[Job, Outcome]) -> None:
         if len(ended) < len(runnable):  # the complete tables are written once, below
             write_tables(ended)
 
-    results = write_tables(run_all(runnable, out, args.jobs, args.run_timeout, on_done=write_partial))
+    results = write_tables(run_all(runnable, out, slots, args.run_timeout, bool(gpus), on_done=write_partial))
     for r in results:
         c = r.comparison
         delta = f"max |dloss| {c.max_abs_dloss:.2e}, dval {c.val_dloss:+.2e}, tol {c.tolerance:.2e}" if c else ""

@@ -33,6 +33,7 @@ REFERENCE = Row("single")  # eager: the function every other row must train
 NOISE = Row("noise", ("--grad-accum", "2"))  # the same function and data, another float summation order
 DDP = ("--mode", "baseline")
 TP2 = ("--tp-size", "2")
+SP, COMPILE = "--sequence-parallel", "--compile"
 DEEPCOMPILE = ("--compile", "--compiler", "deepcompile")  # ZeRO-3 under DeepSpeed's DeepCompile (CUDA only)
 
 
@@ -59,13 +60,17 @@ def one_device_rows() -> list[Row]:
 
 
 def multi_device_rows(world: int) -> list[Row]:
-    """DDP and ZeRO at `world` processes, and tensor parallelism (TP 2, +- sequence parallel) under DDP and ZeRO-3."""
+    """DDP and ZeRO at `world` processes; tensor parallelism under DDP and ZeRO-3: TP 2 +- sequence parallel, each
+    eager and compiled, and TP 4 where 4 divides the world."""
     w = f"-w{world}"
     rows = [Row("ddp" + w, DDP, world)] + [Row(f"zero{s}{w}", _zero(s), world) for s in (1, 2, 3)]
     for name, flags in (("ddp-tp2", (*DDP, *TP2)), ("zero3-tp2", (*_zero(3), *TP2))):
-        rows += [Row(name + w, flags, world), Row(f"{name}-sp{w}", (*flags, "--sequence-parallel"), world)]
-    return rows + [Row(f"zero3-tp2-compile{w}", (*_zero(3), *TP2, "--compile"), world),
-                   Row(f"zero3-deepcompile{w}", (*_zero(3), *DEEPCOMPILE), world)]
+        for variant, extra in (("", ()), ("-sp", (SP,)), ("-compile", (COMPILE,)), ("-sp-compile", (SP, COMPILE))):
+            rows.append(Row(f"{name}{variant}{w}", (*flags, *extra), world))
+    if world % 4 == 0:
+        rows += [Row(f"ddp-tp4{w}", (*DDP, "--tp-size", "4"), world),
+                 Row(f"zero3-tp4{w}", (*_zero(3), "--tp-size", "4"), world)]
+    return rows + [Row(f"zero3-deepcompile{w}", (*_zero(3), *DEEPCOMPILE), world)]
 
 
 def matrix(world: int) -> list[Row]:

@@ -6,9 +6,12 @@ from __future__ import annotations
 import csv
 import json
 import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import parity, parity_verdict, train_sweep
 from benchmarks.common import write_csv
@@ -23,6 +26,7 @@ from benchmarks.parity_verdict import (
     tolerance,
 )
 from gpt2.config import parse_args
+from gpt2.data import build_data
 from gpt2.distributed import LAUNCHER_VARS
 from gpt2.metrics import host_cpu
 from tests.test_data import tiny_tokenizer, wiki_lines, write  # noqa: F401 (tiny_tokenizer: a fixture)
@@ -144,20 +148,103 @@ def test_a_row_that_ends_before_the_reference_is_pending_not_judged(tmp_path):
     assert "judged once single and noise have ended" in results[2].note
 
 
+def test_the_noise_row_sees_the_reference_s_batches_past_the_first_epoch(text_data):
+    """prepare_data cuts the training set to whole global batches, so single (batch 8) and noise (4 x accum 2) roll
+    over together and see the same sequences at every step of later epochs; with half a batch more, noise
+    reaches the end of its epoch one step after single."""
+    common = ["--model", "gpt2-tiny", "--seq-len", "256", *text_data]
+    max_samples, _ = parity.prepare_data(common, 8, 2)
+    assert max_samples % 8 == 0
+
+    def aligned_steps(blocks: int) -> int:
+        def loader(batch: int):
+            cfg = parse_args([*common, "--batch-size", str(batch), "--max-samples", str(blocks)])
+            return build_data(cfg.data, seq_len=256, batch_size=batch, model_vocab_size=cfg.model.vocab_size,
+                              dp_rank=0, dp_size=1, seed=cfg.train.seed, is_main=True, barrier=lambda: None).train
+
+        ref, noise = loader(8), loader(4)
+        for step in range(2 * len(ref) + 3):  # past two epoch ends
+            x, _ = ref.next_batch()
+            if not torch.equal(x, torch.cat([noise.next_batch()[0], noise.next_batch()[0]])):
+                return step
+        assert ref.epoch == 2
+        return step + 1
+
+    assert aligned_steps(max_samples) == 2 * max_samples // 8 + 3
+    assert aligned_steps(max_samples - 4) == (max_samples - 4) // 8  # half a batch more: apart from epoch 2 on
+
+
+def test_device_slots_spread_one_gpu_rows_and_give_a_wide_row_every_gpu():
+    """Four one-GPU takes land on four different GPUs; a four-GPU take waits until each has a free slot again."""
+    slots = parity.DeviceSlots(["0", "1", "2", "3"], per_device=1)
+    wide: list[list[str]] = []
+
+    def take_all() -> None:
+        with slots.take(4) as devices:
+            wide.append(devices)
+
+    with slots.take(1) as a, slots.take(1) as b, slots.take(1) as c:
+        with slots.take(1) as d:
+            assert sorted(a + b + c + d) == ["0", "1", "2", "3"]
+            waiter = threading.Thread(target=take_all)
+            waiter.start()
+            waiter.join(0.2)
+            assert not wide  # every GPU is busy
+        waiter.join(0.2)
+        assert not wide  # one GPU is free, three are not
+    waiter.join(30)
+    assert wide == [["0", "1", "2", "3"]]
+    with pytest.raises(ValueError, match="needs 5 devices, 4 visible"), slots.take(5):
+        pass
+
+
+def test_run_all_gives_each_row_its_gpus_and_never_two_rows_one_gpu(tmp_path, monkeypatch):
+    """run_all on 4 GPUs at --jobs 1: each one-GPU row's CUDA_VISIBLE_DEVICES names one GPU, the torchrun row of 4
+    names all four, and no GPU ever runs two rows at once (counted inside the launches)."""
+    common = ["--model", "gpt2-tiny", "--seq-len", "32", "--data", "synthetic"]
+    rows = [Row(f"one-{i}") for i in range(6)] + [Row("ddp-w4", ("--mode", "baseline"), 4)]
+    jobs = [plan(row, "gpt2-tiny", common, 8, 2, "cuda") for row in rows]
+    busy: dict[str, int] = {}
+    worst: dict[str, int] = {}
+    seen: dict[str, str] = {}
+    lock = threading.Lock()
+
+    def fake_launch(cmd, log, timeout, env):
+        devices = env["CUDA_VISIBLE_DEVICES"].split(",")
+        with lock:
+            seen[cmd[cmd.index("--run-name") + 1]] = env["CUDA_VISIBLE_DEVICES"]
+            for d in devices:
+                busy[d] = busy.get(d, 0) + 1
+                worst[d] = max(worst.get(d, 0), busy[d])
+        time.sleep(0.05)
+        with lock:
+            for d in devices:
+                busy[d] -= 1
+        return 0, 0.05
+
+    monkeypatch.setattr(parity, "launch", fake_launch)
+    outcomes = parity.run_all(jobs, tmp_path, parity.DeviceSlots(["0", "1", "2", "3"], 1), 60.0, gpus=True)
+    assert len(outcomes) == 7 and all(o.rc == 0 for o in outcomes.values())
+    assert all(len(seen[f"one-{i}-gpt2-tiny"].split(",")) == 1 for i in range(6))
+    assert sorted(seen["ddp-w4-gpt2-tiny"].split(",")) == ["0", "1", "2", "3"]
+    assert max(worst.values()) == 1
+
+
 def test_matrix_keeps_the_global_batch_in_every_layout():
     """With 4 GPUs the matrix adds DDP/ZeRO at world 4 and the TP rows; every row trains on 8 sequences per step and
     evaluates the same 2 x 8, whatever its dp x grad-accum split (what the CPU runs above cannot show)."""
     common = ["--model", "gpt2-tiny", "--seq-len", "32", "--data", "synthetic"]
     jobs = {row.name: plan(row, "gpt2-tiny", common, 8, 2, "cuda") for row in matrix(4)}
-    assert {"ddp-w4", "zero1-w4", "zero3-w4", "ddp-tp2-w4", "ddp-tp2-sp-w4", "zero3-tp2-sp-w4",
-            "zero3-tp2-compile-w4"} <= set(jobs)
+    assert {"ddp-w4", "zero1-w4", "zero3-w4", "ddp-tp2-w4", "ddp-tp2-sp-w4", "zero3-tp2-sp-w4", "zero3-tp2-compile-w4",
+            "ddp-tp2-compile-w4", "zero3-tp2-sp-compile-w4", "ddp-tp4-w4", "zero3-tp4-w4"} <= set(jobs)
+    assert not any("tp4" in row.name for row in matrix(2))  # TP 4 only where 4 divides the world
 
     def flag(job, name: str) -> int:
         return int(job.argv[job.argv.index(name) + 1])
 
-    for name in ("single", "grad-accum", "ddp", "ddp-w4", "zero3-tp2-w4", "zero3-tp2-sp-w4"):
+    for name in ("single", "grad-accum", "ddp", "ddp-w4", "zero3-tp2-w4", "zero3-tp2-sp-w4", "zero3-tp4-w4"):
         job = jobs[name]
-        dp = (job.row.nproc or 1) // (2 if "tp2" in name else 1)
+        dp = (job.row.nproc or 1) // (4 if "tp4" in name else 2 if "tp2" in name else 1)
         accum = flag(job, "--grad-accum") if "--grad-accum" in job.argv else 1
         assert flag(job, "--batch-size") * dp * accum == 8 and flag(job, "--eval-batches") == 2 * accum, name
     assert jobs["zero3-tp2-sp-w4"].key.startswith("gpt2-tiny zero3-tp2-sp w4 ")
