@@ -37,11 +37,11 @@ class ReferenceRun:
         return self.save_dir / f"step-{REFERENCE_STEPS:06d}"
 
 
-def train_reference(root: Path, args: list[str] = REFERENCE_ARGS) -> ReferenceRun:
-    """`--mode single --batch-size 4` with `args` (REFERENCE_STEPS steps), its last step saved."""
+def train_reference(root: Path, args: list[str] = REFERENCE_ARGS, env: dict[str, str] | None = None) -> ReferenceRun:
+    """`--mode single --batch-size 4` with `args` (REFERENCE_STEPS steps) in `env`, its last step saved."""
     ref = ReferenceRun(run_dir=root / "single", save_dir=root / "ck-single")
     run_train(args + ["--batch-size", str(REFERENCE_BATCH), "--run-name", "single", "--save-dir", str(ref.save_dir)],
-              root)
+              root, env=env)
     return ref
 
 
@@ -53,15 +53,24 @@ def train_env() -> dict[str, str]:
     return env
 
 
+def gpu_train_env() -> dict[str, str]:
+    """train_env for runs on GPUs: DeepSpeed picks its CUDA accelerator; NVLink multicast stays off."""
+    env = {k: v for k, v in train_env().items() if k != "DS_ACCELERATOR"}
+    env["NCCL_NVLS_ENABLE"] = "0"
+    return env
+
+
 def train_command(nproc: int) -> list[str]:
     """train.py's command line up to its flags: a plain process for one, torchrun for more."""
     return [*([sys.executable] if nproc == 1 else torchrun(nproc)), str(ROOT / "train.py")]
 
 
-def run_train(args: list[str], out_dir: Path, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run train.py (under torchrun when nproc > 1); raises with the output if it fails."""
+def run_train(args: list[str], out_dir: Path, nproc: int = 1, timeout: int = 300,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run train.py (under torchrun when nproc > 1) in `env` (default: train_env()); raises with the output if it
+    fails."""
     proc = subprocess.run(train_command(nproc) + args + ["--out-dir", str(out_dir)], capture_output=True, text=True,
-                          env=train_env(), timeout=timeout, cwd=ROOT)
+                          env=train_env() if env is None else env, timeout=timeout, cwd=ROOT)
     if proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
@@ -107,10 +116,11 @@ def summary(run_dir: Path) -> dict:
     return next(r for r in read_records(run_dir) if r["type"] == "summary")
 
 
-def assert_matches_reference(ref: ReferenceRun, run_dir: Path, grad_norm_rel_tol: float) -> None:
-    """A run with the reference's flags trains its function: per-step loss within LOSS_REL_TOL and pre-clip
+def assert_matches_reference(ref: ReferenceRun, run_dir: Path, grad_norm_rel_tol: float,
+                             loss_rel_tol: float = LOSS_REL_TOL) -> None:
+    """A run with the reference's flags trains its function: per-step loss within `loss_rel_tol` and pre-clip
     gradient norm within `grad_norm_rel_tol` (relative), over every one of its REFERENCE_STEPS steps."""
-    for key, rel_tol in (("loss", LOSS_REL_TOL), ("grad_norm", grad_norm_rel_tol)):
+    for key, rel_tol in (("loss", loss_rel_tol), ("grad_norm", grad_norm_rel_tol)):
         want, got = step_values(ref.run_dir, key), step_values(run_dir, key)
         assert len(want) == len(got) == REFERENCE_STEPS, (key, len(want), len(got))
         for step, (a, b) in enumerate(zip(want, got), start=1):
