@@ -28,6 +28,7 @@ import os
 import shlex
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
@@ -153,21 +154,28 @@ class Outcome:
 class DeviceSlots:
     """Which devices a run may use: `per_device` runs at once on each; a run of N processes takes a slot on each of
     the N least busy devices (its CUDA_VISIBLE_DEVICES), so one-GPU rows run side by side, one a GPU, and a
-    4-process row waits for a slot on all four. On the CPU, one device with `per_device` slots."""
+    4-process row waits for a slot on all four. First come, first served: a run waits for those that asked before
+    it, so rows start in the matrix's order and a wide row is not passed over by narrow ones. On the CPU, one
+    device with `per_device` slots."""
 
     def __init__(self, names: list[str], per_device: int):
         self.names, self.free = names, [per_device] * len(names)
         self.changed = threading.Condition()
+        self.queue: deque[object] = deque()
 
     @contextmanager
     def take(self, n: int) -> Iterator[list[str]]:
         if n > len(self.names):
             raise ValueError(f"needs {n} devices, {len(self.names)} visible")
+        me = object()
         with self.changed:
-            self.changed.wait_for(lambda: sum(f > 0 for f in self.free) >= n)
+            self.queue.append(me)
+            self.changed.wait_for(lambda: self.queue[0] is me and sum(f > 0 for f in self.free) >= n)
+            self.queue.popleft()
             taken = sorted(range(len(self.free)), key=lambda d: -self.free[d])[:n]  # the least busy
             for d in taken:
                 self.free[d] -= 1
+            self.changed.notify_all()  # the next in line may fit too
         try:
             yield [self.names[d] for d in taken]
         finally:

@@ -194,6 +194,25 @@ def test_device_slots_spread_one_gpu_rows_and_give_a_wide_row_every_gpu():
         assert not wide  # one GPU is free, three are not
     waiter.join(30)
     assert wide == [["0", "1", "2", "3"]]
+    # first come, first served: with a wide row waiting, a one-GPU row that asks later waits behind it
+    order: list[str] = []
+
+    def take(n: int, name: str) -> None:
+        with slots.take(n):
+            order.append(name)
+
+    with slots.take(1):
+        wide_row = threading.Thread(target=take, args=(4, "wide"))
+        wide_row.start()
+        while not slots.queue:
+            time.sleep(0.01)
+        narrow = threading.Thread(target=take, args=(1, "narrow"))
+        narrow.start()
+        narrow.join(0.2)
+        assert order == []  # three GPUs are free, but the wide row asked first
+    wide_row.join(30)
+    narrow.join(30)
+    assert order == ["wide", "narrow"]
     with pytest.raises(ValueError, match="needs 5 devices, 4 visible"), slots.take(5):
         pass
 
