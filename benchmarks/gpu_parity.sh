@@ -13,12 +13,14 @@
 #   summary.json), gpu_tests.log, tp_checks.log and versions.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/python_env.sh
+source scripts/python_env.sh  # PYTHON (on a GPU machine without .venv: its python3), its torchrun first on PATH
+gpt2_python_env
 OUT=${OUT:?set OUT}
 MODEL=${MODEL:-gpt2}
 JOBS=${JOBS:-2}
 LIMIT=${LIMIT:-540}
 TESTS=${TESTS:-1}
-PYTHON=${PYTHON:-python3}
 WORK=${WORK:-/tmp/gpu_parity}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
