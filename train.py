@@ -7,35 +7,36 @@
 
 config -> process groups -> data (sharded by data-parallel rank) -> engine -> loop -> logs.
 Exit status: 0 trained to --max-steps; 2 bad configuration; 65 stopped after --max-bad-steps consecutive steps with
-a non-finite loss or gradient norm, none applied or saved (gpt2/guard.py; the message says what to change); 75
-preempted by SIGUSR1/SIGTERM after saving a checkpoint (gpt2/preemption.py; rerun with --resume auto).
+a non-finite loss or gradient norm, none applied or saved (gpt2/engines/guard.py; the message says what to change); 75
+preempted by SIGUSR1/SIGTERM after saving a checkpoint (gpt2/train/preemption.py; rerun with --resume auto).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import TYPE_CHECKING
 
-from gpt2.config import ConfigError, parse_args
+from gpt2.config.schema import ConfigError, parse_args
 
 if TYPE_CHECKING:
-    from gpt2.layout import RunLayout
+    from gpt2.config.layout import RunLayout
 
 
 def check_before_work(layout: RunLayout) -> None:
     """Start-up checks that need the launch (device, dp size) but come before data, a run folder or a model."""
-    from gpt2.engine import check_backends
-    from gpt2.run_logging import wandb_mode
+    from gpt2.engines.build import check_backends
+    from gpt2.observe.run_logging import wandb_mode
 
     cfg = layout.cfg
     check_backends(cfg)
     wandb_mode(cfg.log.wandb)  # --wandb online without credentials
     if cfg.train.mode == "hybrid":  # a missing or broken --ds-config, or one that contradicts the flags
-        from gpt2.ds_config import build_ds_config
+        from gpt2.engines.ds_config import build_ds_config
 
         build_ds_config(layout)
     if cfg.train.init_from:  # its architecture must be this run's
-        from gpt2.hf_weights import check_init_from
+        from gpt2.model.hf_weights import check_init_from
 
         check_init_from(cfg.train.init_from, cfg.model)
 
@@ -44,19 +45,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         if cfg.plan.plan:  # prints and exits: no process group, data or GPU
-            from gpt2.planner import run_plan_cli
+            from gpt2.planning.planner import run_plan_cli
 
             return run_plan_cli(cfg)
         # imported after argument parsing so that `--help` and bad flags answer instantly
-        from gpt2.checkpoint import Checkpointer, load_checkpoint, prepare_resume
-        from gpt2.data import build_data
-        from gpt2.distributed import init_distributed, shutdown_distributed
-        from gpt2.engine import build_engine
-        from gpt2.guard import EXIT_NONFINITE, NonFiniteError
-        from gpt2.metrics import model_params_for_flops
-        from gpt2.preemption import EXIT_PREEMPTED, Preempted, PreemptionWatcher
-        from gpt2.run_logging import MetricsLogger, log, make_run_dir, setup_console
-        from gpt2.trainer import run_training
+        from gpt2.data.loader import build_data
+        from gpt2.engines.build import build_engine
+        from gpt2.engines.guard import EXIT_NONFINITE, NonFiniteError
+        from gpt2.model.flops import model_params_for_flops
+        from gpt2.observe.run_logging import MetricsLogger, log, make_run_dir, setup_console
+        from gpt2.planning.planner import compare_with_run, format_plan, plan_for_run
+        from gpt2.runtime.distributed import init_distributed, shutdown_distributed
+        from gpt2.train.checkpoint import Checkpointer, load_checkpoint, prepare_resume
+        from gpt2.train.loop import run_training
+        from gpt2.train.preemption import EXIT_PREEMPTED, Preempted, PreemptionWatcher
 
         layout, ctx = init_distributed(cfg)
         try:
@@ -92,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         checkpointer = Checkpointer(layout, ctx, engine, data.train) if cfg.checkpoint.save_dir else None
         record = layout.config_record(resumed_from=str(resume.folder.resolve()) if resume else None)
         logger = MetricsLogger(cfg, run_dir, record) if ctx.is_main else None
+        plan = plan_for_run(layout)  # made once, here: the loop only adds its comparison to the summary
+        log.info("%s", format_plan(plan))
         run_training(layout, ctx, engine, data, logger, start_step=start_step, checkpointer=checkpointer,
-                     preemption=preemption)
+                     preemption=preemption, compare=functools.partial(compare_with_run, plan))
         finished = True
     except ConfigError as err:
         print(f"train.py: error: {err}", file=sys.stderr)
@@ -122,6 +126,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from gpt2.distributed import run_as_process
+    from gpt2.runtime.distributed import run_as_process
 
     run_as_process(main)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from gpt2.metrics import host_cpu
+from gpt2.observe.metrics import host_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 ERROR_LINE = re.compile(r"\b(\w+(?:Error|Exception)): (.+)$")

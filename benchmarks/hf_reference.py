@@ -13,7 +13,7 @@ vocabulary of 50257, not padded), trained on synthetic tokens with `labels=input
            partitioned), torch AdamW passed to `deepspeed.initialize`, and the ZeRO-3 section of HF's
            documented example config with its "auto" values resolved as HF's Trainer resolves them.
 Tokens/s, MFU (our FLOPs/token formula and peak table), memory and the run folder (config.json,
-metrics.jsonl, summary.json, console.log) come from the same gpt2.metrics / gpt2.run_logging code as
+metrics.jsonl, summary.json, console.log) come from the same gpt2.observe.metrics / gpt2.observe.run_logging code as
 train.py, so `benchmarks.train_sweep` and the report can put these rows next to ours.
 
 Issue-author numbers for comparison (GPT-2 Large, seq 1024, 4x H200): HF DDP batch 8 139.7k tok/s,
@@ -33,20 +33,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpt2.config import MODEL_PRESETS, DataConfig, LogConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
-from gpt2.distributed import run_as_process, shutdown_distributed
-from gpt2.layout import run_precision
-from gpt2.metrics import (
-    MemoryStats,
-    PeakMemory,
-    StepTimer,
-    ThroughputMeter,
-    device_peak_tflops,
-    flops_per_token,
-    host_cpu,
-    model_params_for_flops,
-)
-from gpt2.run_logging import MetricsLogger, log, make_run_dir, setup_console
+from gpt2.config.layout import run_precision
+from gpt2.config.schema import MODEL_PRESETS, DataConfig, LogConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from gpt2.model.flops import flops_per_token, model_params_for_flops
+from gpt2.observe.metrics import MemoryStats, PeakMemory, StepTimer, ThroughputMeter, device_peak_tflops, host_cpu
+from gpt2.observe.run_logging import MetricsLogger, log, make_run_dir, setup_console
+from gpt2.runtime.distributed import run_as_process, shutdown_distributed
 
 StepFn = Callable[[torch.Tensor], torch.Tensor]  # input ids [B, T] -> detached loss
 
@@ -163,7 +155,7 @@ def init_partitioned_weights(model: torch.nn.Module, deepspeed) -> None:
 def build_zero3(cfg: RunConfig, device: torch.device) -> tuple[StepFn, str]:
     from transformers import GPT2LMHeadModel
 
-    from gpt2.engine_deepspeed import _import_deepspeed  # DS_ACCELERATOR and no op JIT-builds on CPU
+    from gpt2.engines.deepspeed_engine import _import_deepspeed  # DS_ACCELERATOR and no op JIT-builds on CPU
 
     deepspeed = _import_deepspeed(device)
     ds_config = zero3_ds_config(cfg.train.batch_size, cfg.model.n_embd,

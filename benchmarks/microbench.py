@@ -3,7 +3,7 @@
     python -m benchmarks.microbench --model gpt2-large --batch-size 8 --seq-len 1024 --dtype bf16
     python -m benchmarks.microbench --detailed --export-csv benchmarks/results/microbench.csv
 
-Each op runs the real modules of gpt2/model.py (with the reference ops, as training runs them by
+Each op runs the real modules of gpt2/model/gpt.py (with the reference ops, as training runs them by
 default) on inputs of the shape it sees inside the block, under the same autocast. Forward time:
 median over iterations of the op alone; backward time: median of `autograd.grad` of its output
 with respect to its inputs and parameters. A self-check first verifies that the chain of ops
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from benchmarks.common import device_tag, markdown_table, median_ms, tag_line, write_csv
 from fused_kernels import REFERENCE_OPS
-from gpt2.config import MODEL_PRESETS, ModelConfig
-from gpt2.model import Block, Embedding, LayerNorm, LMHead, sdpa_attention
+from gpt2.config.schema import MODEL_PRESETS, ModelConfig
+from gpt2.model.gpt import Block, Embedding, LayerNorm, LMHead, sdpa_attention
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -5,7 +5,7 @@
 Deliberately minimal, as a user would write it from nanoGPT (Karpathy): pre-LN blocks with fused QKV, SDPA
 causal attention, tanh GELU, tied embeddings, vocabulary padded to 50304, bf16 autocast over fp32 weights,
 fused AdamW, `torch.compile(model)` before DDP. Synthetic tokens. It prints tokens/s (all ranks) and MFU with
-the same FLOPs/token formula and peak table as train.py (gpt2.metrics), timed over the steps after the warm-up
+the same FLOPs/token formula and peak table as train.py (gpt2.observe.metrics), timed over the steps after the warm-up
 with a CUDA synchronise at both ends, so its numbers sit next to train.py's of the same shape and machine.
 """
 
@@ -21,8 +21,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from gpt2.config import MODEL_PRESETS, ModelConfig
-from gpt2.metrics import device_peak_tflops, flops_per_token
+from gpt2.config.schema import MODEL_PRESETS, ModelConfig
+from gpt2.model.flops import flops_per_token
+from gpt2.observe.metrics import device_peak_tflops
 
 
 class Block(nn.Module):

@@ -58,9 +58,9 @@ from benchmarks.parity_verdict import (
     max_abs_dloss,
     tolerance,
 )
-from gpt2.config import MODEL_PRESETS, ConfigError, DataConfig
-from gpt2.config import parse_args as parse_train_args
-from gpt2.distributed import LAUNCHER_VARS
+from gpt2.config.schema import MODEL_PRESETS, ConfigError, DataConfig
+from gpt2.config.schema import parse_args as parse_train_args
+from gpt2.runtime.distributed import LAUNCHER_VARS
 
 SHARED_DATA = ROOT.parent / "shared" / "data"
 DEFAULT_DATA = SHARED_DATA / "wikitext-2"
@@ -124,7 +124,7 @@ def prepare_data(common: list[str], batch: int, eval_batches: int) -> tuple[int,
     --max-samples: the training blocks of whole global batches. The loader's epoch is floor(blocks / its batch)
     micro-batches, so with a remainder a run with micro-batch B/4 and 4 accumulation steps would roll over at a
     different step than the reference. --eval-batches: at most the validation batches there are."""
-    from gpt2.data import build_data
+    from gpt2.data.loader import build_data
 
     cfg = parse_train_args([*common, "--batch-size", str(batch)])
     bundle = build_data(cfg.data, seq_len=cfg.train.seq_len, batch_size=batch, model_vocab_size=cfg.model.vocab_size,

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any, get_args
 
 from benchmarks.report import load_run
-from gpt2.config import Mode, compile_label
-from gpt2.run_logging import run_label
+from gpt2.config.schema import Mode, compile_label
+from gpt2.observe.run_logging import run_label
 
 # verdicts, best first: a configuration checked by several rows (e.g. `single` and `grad-accum` share a key) gets
 # the worst of them. `reference` and `noise` are the rows the others are measured against: they pass by definition.

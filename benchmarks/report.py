@@ -8,7 +8,7 @@ summary.json and config.json. Written to --out: report.md (the table below, plus
 memory when the runs carry the planner's `plan/*` keys), tokens_vs_memory.png (tokens/s against peak
 memory, one point per configuration), mfu.png (bars), loss.png (training-loss curves overlaid) and
 memory_timeline.png (peak allocated memory at each logged step). The same runs in wandb carry the group,
-job type (the configuration label used here) and tags of gpt2.run_logging.wandb_identity.
+job type (the configuration label used here) and tags of gpt2.observe.run_logging.wandb_identity.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ matplotlib.use("Agg")  # files only; no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from benchmarks.common import markdown_table  # noqa: E402
-from gpt2.run_logging import run_label  # noqa: E402
+from gpt2.observe.run_logging import run_label  # noqa: E402
 
 COLUMNS = ["Configuration", "GPUs", "Batch/GPU", "Tokens/s", "MFU", "Peak memory (GiB)", "Training time (s)",
            "Final loss", "Accuracy", "Val loss"]
@@ -130,7 +130,7 @@ def markdown(runs: list[Run]) -> str:
              markdown_table([table_row(r) for r in runs], COLUMNS)]
     planned = [r for r in runs if "plan/peak_gib" in r.summary]
     if planned:
-        lines += ["", "## Planner: predicted vs measured (gpt2.planner)", "",
+        lines += ["", "## Planner: predicted vs measured (gpt2.planning.planner)", "",
                   markdown_table([plan_row(r) for r in planned], PLAN_COLUMNS)]
     lines += ["", "Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS), ""]
     return "\n".join(lines)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import markdown_table
-from gpt2.perf_model import bus_factor
+from gpt2.planning.perf_model import bus_factor
 from parallel.dims import ParallelDims
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import device_tag, time_ms, write_csv
-from gpt2.config import MODEL_PRESETS, ModelConfig
-from gpt2.model import GPT
+from gpt2.config.schema import MODEL_PRESETS, ModelConfig
+from gpt2.model.gpt import GPT
 from parallel.comm import CommStats
 from parallel.dims import ParallelDims
 from parallel.grads import allreduce_sequence_parallel_grads

@@ -4,7 +4,8 @@
     python -m benchmarks.zero3_host_profile --out /tmp/hp-single.txt -- --model gpt2-large     # single, to compare
 
 The flags after `--` are train.py's (synthetic tokens are forced). The data, the engine and the step are the ones
-train.py runs (`gpt2.data.build_data`, `gpt2.engine.build_engine`, `gpt2.trainer.train_step`). The report lists
+train.py runs (`gpt2.data.loader.build_data`, `gpt2.engines.build.build_engine`, `gpt2.train.loop.train_step`). The
+report lists
 the mean step time over `--steps` timed steps (after `--warmup`), then the functions with the most own (tottime)
 and cumulative time over `--profile-steps` profiled steps, with DeepSpeed's own functions separately: what the
 GPU waits for when ZeRO-3 at world size 1 runs at a fraction of single's speed. cProfile slows Python code down,
@@ -23,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from gpt2.config import parse_args as parse_train_args
-from gpt2.data import build_data
-from gpt2.distributed import init_distributed, run_as_process, shutdown_distributed
-from gpt2.engine import build_engine
-from gpt2.trainer import train_step
+from gpt2.config.schema import parse_args as parse_train_args
+from gpt2.data.loader import build_data
+from gpt2.engines.build import build_engine
+from gpt2.runtime.distributed import init_distributed, run_as_process, shutdown_distributed
+from gpt2.train.loop import train_step
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:

@@ -1,4 +1,4 @@
-"""Attention functions for `--attn`, with the `gpt2.model.AttentionFn` signature:
+"""Attention functions for `--attn`, with the `gpt2.model.gpt.AttentionFn` signature:
 (q, k, v [B, H, T, hd], dropout_p) -> [B, H, T, hd], causal.
 
     sdpa            F.scaled_dot_product_attention; PyTorch picks among its flash / cuDNN / memory-efficient /

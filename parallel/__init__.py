@@ -1,4 +1,4 @@
-"""Our tensor parallelism (Megatron-style TP + sequence parallelism) for gpt2.model.GPT.
+"""Our tensor parallelism (Megatron-style TP + sequence parallelism) for gpt2.model.gpt.GPT.
 
     dims.py    ParallelDims: the arange(world).view(dp, tp) grid and its TP / DP groups
     comm.py    autograd collectives (f, g, gather, scatter, sequence all-gather / reduce-scatter), CommStats
@@ -11,7 +11,7 @@
 How an engine uses it, in this order (torchtitan's: TP -> activation checkpointing -> compile -> DP):
 
     dims = ParallelDims(world_size, rank, tp_size); dims.build_groups()   # every rank
-    # sizes checked beforehand, with the fix: gpt2.layout.RunLayout.resolve(cfg, world_size, device)
+    # sizes checked beforehand, with the fix: gpt2.config.layout.RunLayout.resolve(cfg, world_size, device)
     torch.manual_seed(seed); model = GPT(cfg.model, ops, attention)        # full model, same on every rank;
     n_params = model.num_params()                                          #   not under deepspeed.zero.Init
     apply_tensor_parallel(model, dims, sequence_parallel=sp, overlap=tp_overlap)  # shards it in place

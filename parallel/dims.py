@@ -8,7 +8,7 @@ ranks, which share a node and its NVLink), data-parallel groups are columns. Wit
 
 Everything that needs a group receives it from this object; there are no module-level globals. It takes
 integers: which sizes a run may use (tp divides the world, the model and the sequence) is checked once, with
-the fix, by `gpt2.layout.RunLayout.resolve`. `dp_size_of` is the one place dp = world / tp is computed
+the fix, by `gpt2.config.layout.RunLayout.resolve`. `dp_size_of` is the one place dp = world / tp is computed
 (and `tp_divides_world` the one rule it needs); the run layout and the planner call them too.
 """
 
@@ -26,7 +26,7 @@ def tp_divides_world(world_size: int, tp_size: int) -> bool:
 
 def dp_size_of(world_size: int, tp_size: int) -> int:
     """The data-parallel size of a world of `world_size` ranks split into TP groups of `tp_size`."""
-    if not tp_divides_world(world_size, tp_size):  # the user-facing check, naming the fix, is gpt2.layout's
+    if not tp_divides_world(world_size, tp_size):  # the user-facing check, naming the fix, is gpt2.config.layout's
         raise ValueError(f"world_size {world_size} is not a multiple of tp_size {tp_size}")
     return world_size // tp_size
 

@@ -1,6 +1,6 @@
 """Tensor-parallel layers (the logic half of `parallel/`; the collectives live in `parallel.comm`).
 
-Each layer presents the forward signature of the GPT-2 module it replaces (`gpt2.model`), so the model's
+Each layer presents the forward signature of the GPT-2 module it replaces (`gpt2.model.gpt`), so the model's
 forward runs unchanged:
 
     ColumnParallelLinear.forward(x, gelu=False)   Linear: output features split; x replicated (or a sequence shard)

@@ -158,7 +158,7 @@ COLUMN = Style("column", {"weight": Shard(0), "bias": Shard(0)}, _column)
 ROW = Style("row", {"weight": Shard(1), "bias": REPLICATED}, _row)
 LM_HEAD = Style("lm_head", {"weight": Shard(0)}, _lm_head)
 
-# Applied top to bottom; every pattern must match at least one module of gpt2.model.GPT.
+# Applied top to bottom; every pattern must match at least one module of gpt2.model.gpt.GPT.
 PLAN: tuple[tuple[str, Style], ...] = (
     ("wte", VOCAB),
     ("wpe", POSITION),
@@ -183,7 +183,7 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, *, sequence_para
     """
     if dims.tp_size == 1:
         return
-    if model.cfg.n_head % dims.tp_size:  # the user-facing check, naming the fix, is gpt2.layout's
+    if model.cfg.n_head % dims.tp_size:  # the user-facing check, naming the fix, is gpt2.config.layout's
         raise ValueError(f"n_head {model.cfg.n_head} is not a multiple of tp_size {dims.tp_size}")
     if dims.tp_group is None:
         raise ValueError("ParallelDims has no TP group yet; call dims.build_groups() on every rank first")

@@ -25,7 +25,7 @@
 #      process of the job's steps on every node (the launchers and all their workers), not this shell.
 #   3. torchrun and the deepspeed launcher would die of SIGUSR1 (its default action; torchrun handles only
 #      SIGTERM/SIGINT/SIGHUP/SIGQUIT unless told otherwise), so slurm/task.sh starts them with SIGUSR1
-#      ignored; their workers inherit that and train.py installs its own handler (gpt2/preemption.py) once
+#      ignored; their workers inherit that and train.py installs its own handler (gpt2/train/preemption.py) once
 #      its process group is up (a SIGUSR1 before that, during start-up, is lost; SIGTERM still ends the job).
 #   4. Each worker's handler sets a flag; at the next step boundary all ranks all-reduce it (MAX), save the
 #      same step to checkpoints/ and exit 75 (EXIT_PREEMPTED). The launchers see failed workers and exit

@@ -19,7 +19,8 @@ if not torch.cuda.is_available():
 @pytest.fixture(autouse=True)
 def gpt2_logs_reach_caplog(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test starts with the `gpt2` logger propagating (to pytest's caplog): a run's console set-up
-    (gpt2.run_logging.setup_console, e.g. train.main called in-process by an earlier test) turns propagation off."""
+    (gpt2.observe.run_logging.setup_console, e.g. train.main called in-process by an earlier test) turns propagation
+    off."""
     monkeypatch.setattr(logging.getLogger("gpt2"), "propagate", True)
 
 

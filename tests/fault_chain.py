@@ -28,8 +28,8 @@ from pathlib import Path
 
 import psutil
 
-from gpt2 import checkpoint
-from gpt2.checkpoint import FAULT_ENV, SAVE_STAGES
+from gpt2.train import checkpoint
+from gpt2.train.checkpoint import FAULT_ENV, SAVE_STAGES
 from tests.train_runs import ROOT, TINY_ARGS, read_killed_records, run_train, step_values, train_command, train_env
 
 BEFORE_RENAME = SAVE_STAGES[:SAVE_STAGES.index("renamed")]

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from benchmarks import tp_scaling, train_sweep
 from benchmarks.common import ROOT, free_port
-from gpt2.metrics import host_cpu
+from gpt2.observe.metrics import host_cpu
 
 TINY = ["--model", "gpt2-tiny", "--seq-len", "32", "--steps", "3", "--warmup", "1", "--log-interval", "1",
         "--device", "cpu", "--precision", "fp32", "--peak-tflops", "1", "--fused", "none"]
@@ -166,8 +166,8 @@ def test_nanogpt_reference_model_is_gpt2_with_our_parameter_count():
     """The compact floor model trains the same architecture: same parameter count as ours (tied embeddings,
     padded vocabulary) and a first loss of about ln V at GPT-2's initialisation."""
     from benchmarks.nanogpt_reference import CompactGPT
-    from gpt2.config import MODEL_PRESETS, ModelConfig
-    from gpt2.model import GPT
+    from gpt2.config.schema import MODEL_PRESETS, ModelConfig
+    from gpt2.model.gpt import GPT
 
     cfg = ModelConfig(**MODEL_PRESETS["gpt2-tiny"])
     torch.manual_seed(0)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt2.checkpoint import CheckpointError, build_meta, check_compatible
-from gpt2.config import parse_args
-from gpt2.layout import RunLayout
+from gpt2.config.layout import RunLayout
+from gpt2.config.schema import parse_args
+from gpt2.train.checkpoint import CheckpointError, build_meta, check_compatible
 from tests.train_runs import (
     TINY_ARGS,
     assert_hf_export_matches,
@@ -123,7 +123,7 @@ def test_bad_checkpoints_fail_at_start_naming_the_problem(single: Path, tmp_path
 def test_checkpoint_files_are_verified_before_any_load(single: Path, tmp_path: Path, capsys) -> None:
     """manifest.json (sha256 + size of every file, written last) is checked before anything is loaded: a truncated,
     modified, missing or unlisted file is refused naming it, at resume and at export."""
-    from gpt2.export import consolidated_state_dict
+    from gpt2.train.export import consolidated_state_dict
 
     args = COMMON + ["--batch-size", "4", "--max-steps", "9"]
     src = single / "ck" / "step-000008"
@@ -175,8 +175,8 @@ def test_zero_stage_mismatch_is_named(single: Path) -> None:
 
 def test_export_loads_in_transformers_and_as_init_from(single: Path, tmp_path: Path) -> None:
 
-    from gpt2.data import build_data
-    from gpt2.export import consolidated_state_dict, export_hf
+    from gpt2.data.loader import build_data
+    from gpt2.train.export import consolidated_state_dict, export_hf
 
     export_hf(single / "ck" / "step-000008", tmp_path / "hf")
     cfg, sd = consolidated_state_dict(single / "ck" / "step-000008")
@@ -207,9 +207,9 @@ def test_resume_with_other_grad_accum_is_refused(tmp_path: Path) -> None:
 
 def test_resume_follows_the_new_schedule_when_max_steps_grows(single: Path, tmp_path: Path) -> None:
     """Resuming the 8-step run's step-4 checkpoint with --max-steps 16: every step's LR, the first resumed one
-    included, is the 16-step schedule's (gpt2.engine.lr_at), not the checkpoint's stale 8-step value."""
-    from gpt2.config import parse_args
-    from gpt2.engine import lr_at
+    included, is the 16-step schedule's (gpt2.engines.base.lr_at), not the checkpoint's stale 8-step value."""
+    from gpt2.config.schema import parse_args
+    from gpt2.engines.base import lr_at
 
     args = [a if a != "8" else "16" for a in COMMON] + ["--batch-size", "4"]
     run_train(args + ["--run-name", "longer", "--resume", str(single / "ck" / "step-000004")], tmp_path)

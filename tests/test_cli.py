@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import train
-from gpt2.config import ConfigError, ModelConfig, parse_args
-from gpt2.layout import RunLayout, check_tp_divides_model, check_tp_divides_world
+from gpt2.config.layout import RunLayout, check_tp_divides_model, check_tp_divides_world
+from gpt2.config.schema import ConfigError, ModelConfig, parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -258,7 +258,7 @@ def test_wandb_online_without_credentials_fails_before_data_and_run_folder(
 ])
 def test_wandb_credentials_say_exactly_what_was_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                       text: str | None, why: str | None) -> None:
-    from gpt2.run_logging import wandb_credentials
+    from gpt2.observe.run_logging import wandb_credentials
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_BASE_URL", raising=False)
@@ -281,8 +281,8 @@ def test_wandb_follows_wandb_mode_and_a_machine_without_the_package(monkeypatch:
     work; now the default logs to metrics.jsonl only there, and an explicit choice fails at start-up."""
     import importlib.util
 
-    from gpt2.config import ConfigError
-    from gpt2.run_logging import wandb_mode
+    from gpt2.config.schema import ConfigError
+    from gpt2.observe.run_logging import wandb_mode
 
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
     monkeypatch.setenv("WANDB_MODE", "disabled")

@@ -1,4 +1,4 @@
-"""gpt2.perf_model against hand calculations for a 7B GPT (32 layers, d=4096, 32 heads), B=128 sequences
+"""gpt2.planning.perf_model against hand calculations for a 7B GPT (32 layers, d=4096, 32 heads), B=128 sequences
 of L=4096 tokens, 16-bit weights/grads/activations, fp32 AdamW states, flash attention, no dropout, 8 GPUs.
 
 Every expected number is spelled out below from the formulas, not from the module's helpers.
@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import pytest
 
-from gpt2.config import MODEL_PRESETS, ModelConfig
-from gpt2.model import GPT
-from gpt2.perf_model import (
+from gpt2.config.schema import MODEL_PRESETS, ModelConfig
+from gpt2.model.flops import param_count
+from gpt2.model.gpt import GPT
+from gpt2.planning.perf_model import (
     Layout,
     Workload,
     bus_factor,
     comm_time,
     layer_activation_bytes,
     memory_per_gpu,
-    param_count,
     stage_params,
     step_communication,
 )
@@ -165,7 +165,7 @@ def test_unfused_attention_reproduces_korthikanti():
 def test_bad_layouts_rejected():
     with pytest.raises(ValueError, match="divisible"):
         Workload(batch=100, seq_len=8).micro_batch(Layout(dp=8))
-    with pytest.raises(ValueError, match="--tp-size 3 does not divide n_head"):  # gpt2.layout's rule and message
+    with pytest.raises(ValueError, match="--tp-size 3 does not divide n_head"):  # gpt2.config.layout's rule and message
         stage_params(CFG_7B, Layout(tp=3))
-    with pytest.raises(ValueError, match="--sequence-parallel shards the sequence"):  # gpt2.config's
+    with pytest.raises(ValueError, match="--sequence-parallel shards the sequence"):  # gpt2.config.schema's
         Layout(sequence_parallel=True)

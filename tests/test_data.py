@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from gpt2.config import ConfigError, DataConfig
-from gpt2.data import BatchLoader, DataError, build_data, resolve_splits
-from gpt2.tokenizer import hub_reachable, load_tokenizer
+from gpt2.config.schema import ConfigError, DataConfig
+from gpt2.data.loader import BatchLoader, DataError, build_data, resolve_splits
+from gpt2.data.tokenizer import hub_reachable, load_tokenizer
 from parallel.dims import ParallelDims
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -233,7 +233,7 @@ def test_multiprocess_tokenisation_and_cache_reuse(tmp_path, tiny_tokenizer, mon
     def no_tokenising(*args, **kwargs):
         raise AssertionError("tokenised again although the cache should hit")
 
-    monkeypatch.setattr("gpt2.data._build_cache", no_tokenising)
+    monkeypatch.setattr("gpt2.data.loader._build_cache", no_tokenising)
     start = time.perf_counter()
     second = build(cfg, seq_len=32)  # the cache key does not depend on seq_len
     assert second.cache_hit and time.perf_counter() - start < 5
@@ -300,8 +300,8 @@ def test_truncated_token_cache_is_rebuilt_with_a_warning(tmp_path, tiny_tokenize
 _NO_DATASETS_LOAD = textwrap.dedent("""
     import json, sys
     sys.modules["datasets"] = None  # any `import datasets` now raises ImportError
-    from gpt2.config import DataConfig
-    from gpt2.data import DataError, build_data
+    from gpt2.config.schema import DataConfig
+    from gpt2.data.loader import DataError, build_data
     cfg = DataConfig(data_path=sys.argv[1], tokenizer=sys.argv[2], cache_dir=sys.argv[3], num_proc=1)
     try:
         b = build_data(cfg, seq_len=16, batch_size=2, model_vocab_size=50257, dp_rank=0, dp_size=1, seed=0,

@@ -21,10 +21,10 @@ import train
 from benchmarks.parity_matrix import matrix, plan
 from benchmarks.parity_verdict import config_key
 from benchmarks.train_sweep import MODES
-from gpt2.config import ConfigError, parse_args
-from gpt2.ds_config import build_ds_config
-from gpt2.layout import RunLayout, check_deepcompile_runs_here
-from gpt2.run_logging import wandb_identity
+from gpt2.config.layout import RunLayout, check_deepcompile_runs_here
+from gpt2.config.schema import ConfigError, parse_args
+from gpt2.engines.ds_config import build_ds_config
+from gpt2.observe.run_logging import wandb_identity
 
 DC = ["--mode", "hybrid", "--compile", "--compiler", "deepcompile"]
 
@@ -146,7 +146,7 @@ def test_deepcompile_evaluates_without_inductors_alignment_assert(deepcompile: b
     DeepCompile only; training, and every other engine, keep it."""
     from types import SimpleNamespace
 
-    from gpt2.engine_deepspeed import DeepSpeedEngine
+    from gpt2.engines.deepspeed_engine import DeepSpeedEngine
 
     asserts_seen: list[bool] = []
 
@@ -171,7 +171,7 @@ def test_deepcompile_evaluates_without_inductors_alignment_assert(deepcompile: b
 def test_deepspeed_builds_its_op_with_an_arch_list_it_can_parse(monkeypatch):
     """The H100 image sets TORCH_CUDA_ARCH_LIST with `9.0a`, which DeepSpeed's JIT builder cannot parse (the
     first GPU run of DeepCompile failed so); inside the context the suffixes are gone, after it the list is back."""
-    from gpt2.engine_deepspeed import arch_list_deepspeed_can_parse
+    from gpt2.engines.deepspeed_engine import arch_list_deepspeed_can_parse
 
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a 10.0a+PTX")
     with arch_list_deepspeed_can_parse():
@@ -192,7 +192,7 @@ def test_deepcompile_scheduler_gets_the_recursion_depth_of_a_long_graph() -> Non
     import torch.fx as fx
     from deepspeed.compile.list_schedule import get_node_requirements
 
-    from gpt2.engine_deepspeed import DEEPCOMPILE_RECURSION_LIMIT, DeepSpeedEngine
+    from gpt2.engines.deepspeed_engine import DEEPCOMPILE_RECURSION_LIMIT, DeepSpeedEngine
 
     graph = fx.Graph()
     node = graph.placeholder("x")
@@ -218,8 +218,8 @@ def test_throughput_warmup_leaves_out_deepcompiles_compiles(caplog) -> None:
     starts after it; an explicit shorter warm-up is kept (parity runs ask for 0) and warned about."""
     from deepspeed.compile.init_z3 import WARMUP
 
-    from gpt2.config import DEEPCOMPILE_RECOMPILE_STEP, THROUGHPUT_WARMUP_STEPS
-    from gpt2.trainer import _warn_about_settings
+    from gpt2.config.schema import DEEPCOMPILE_RECOMPILE_STEP, THROUGHPUT_WARMUP_STEPS
+    from gpt2.train.loop import _warn_about_settings
 
     assert DEEPCOMPILE_RECOMPILE_STEP == WARMUP
     assert parse_args(DC).train.throughput_warmup_steps == WARMUP + 1

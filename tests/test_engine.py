@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpt2.compiling import INDUCTOR_SETTINGS, compile_forwards, compile_model, compile_whole
-from gpt2.config import MODEL_PRESETS, ModelConfig, parse_args
-from gpt2.engine import lr_at
-from gpt2.guard import step_if_finite
-from gpt2.model import GPT
+from gpt2.config.schema import MODEL_PRESETS, ModelConfig, parse_args
+from gpt2.engines.base import lr_at
+from gpt2.engines.guard import step_if_finite
+from gpt2.model.gpt import GPT
+from gpt2.runtime.compiling import INDUCTOR_SETTINGS, compile_forwards, compile_model, compile_whole
 
 
 @pytest.mark.parametrize(("grad", "applied"), [(1.0, True), (float("inf"), False), (float("nan"), False)])

@@ -1,4 +1,4 @@
-"""gpt2.export refuses to overwrite: an existing non-empty output folder is an error before any loading."""
+"""gpt2.train.export refuses to overwrite: an existing non-empty output folder is an error before any loading."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-import gpt2.export as export
+import gpt2.train.export as export
 
 
 def _no_loading(step_dir: Path) -> None:

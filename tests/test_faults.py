@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from gpt2.checkpoint import FAULT_ENV, SAVE_STAGES
+from gpt2.train.checkpoint import FAULT_ENV, SAVE_STAGES
 from tests.train_runs import (
     ROOT,
     TINY_ARGS,

@@ -25,7 +25,7 @@ from fused_kernels.attention import (
     sdpa_attention,
     sdpa_backend_used,
 )
-from gpt2.config import AttnChoice
+from gpt2.config.schema import AttnChoice
 from tests.train_runs import REFERENCE_ARGS, REFERENCE_BATCH, run_train, step_values, summary
 
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
@@ -277,9 +277,9 @@ def test_forced_kernels_on_gpu_match_the_reference(name):
 def test_attention_shape_is_the_ranks_local_heads():
     """Under TP (± sequence parallelism) each rank's attention sees n_head / tp heads and the whole sequence; q/k/v
     arrive in the autocast dtype (CPU runs are fp32)."""
-    from gpt2.config import parse_args
-    from gpt2.layout import RunLayout
-    from gpt2.parallelize import attention_shape
+    from gpt2.config.layout import RunLayout
+    from gpt2.config.schema import parse_args
+    from gpt2.runtime.parallelize import attention_shape
 
     args = ["--model", "gpt2-large", "--batch-size", "8", "--seq-len", "1024", "--dropout", "0.1"]
     layout = RunLayout.resolve(parse_args(args + ["--mode", "baseline", "--tp-size", "4", "--sequence-parallel"]),

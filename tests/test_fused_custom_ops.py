@@ -23,8 +23,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from fused_kernels import get_ops
 from fused_kernels.custom_ops import bias_gelu_ops
-from gpt2.config import ModelConfig
-from gpt2.model import GPT
+from gpt2.config.schema import ModelConfig
+from gpt2.model.gpt import GPT
 from tests._fused_helpers import DEVICE, GPU, assert_close
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -77,8 +77,8 @@ def test_the_wrapper_runs_the_two_linears_outside_bf16_autocast() -> None:
 def test_the_model_uses_a_backends_whole_mlp_only_where_its_linears_are_plain_modules(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """get_ops hands out a backend's whole-MLP op only when asked; the model's MLP calls it when present."""
-    from gpt2.config import ModelConfig
-    from gpt2.model import MLP
+    from gpt2.config.schema import ModelConfig
+    from gpt2.model.gpt import MLP
 
     calls = []
 
@@ -111,9 +111,9 @@ def test_the_model_uses_a_backends_whole_mlp_only_where_its_linears_are_plain_mo
     (["--mode", "hybrid", "--tp-size", "2", "--compile"], False),  # sharded Linears
 ])
 def test_the_whole_mlp_op_is_allowed_only_for_whole_linears_in_compiled_runs(argv: list[str], allowed: bool) -> None:
-    """One decision (gpt2.layout.whole_mlp_allowed) for the start-up check and the model build."""
-    from gpt2.config import parse_args
-    from gpt2.layout import RunLayout, whole_mlp_allowed
+    """One decision (gpt2.config.layout.whole_mlp_allowed) for the start-up check and the model build."""
+    from gpt2.config.layout import RunLayout, whole_mlp_allowed
+    from gpt2.config.schema import parse_args
 
     cfg = parse_args(argv)
     assert whole_mlp_allowed(cfg) is allowed

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from fused_kernels import get_ops
-from gpt2.config import ModelConfig
-from gpt2.model import GPT
+from gpt2.config.schema import ModelConfig
+from gpt2.model.gpt import GPT
 from tests._fused_helpers import GPU
 
 STEPS = 20

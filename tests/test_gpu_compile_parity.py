@@ -2,7 +2,7 @@
 
 1. A whole-model compile of a GPT-2 of width 1280 (GPT-2 Large's) with two blocks: with Inductor's defaults
    (torch 2.11, H100, bf16) the step-0 loss was 11.041 against eager's 11.081 and the tied embedding's gradient
-   26% off; with `gpt2.compiling`'s settings the loss agrees to ~1e-5 and every gradient to ~0.5% (bf16 rounding
+   26% off; with `gpt2.runtime.compiling`'s settings the loss agrees to ~1e-5 and every gradient to ~0.5% (bf16 rounding
    of a differently fused graph). Tolerances: 2e-3 on the loss, 3% on each parameter's gradient (relative
    Frobenius norm), 0.02 on the loss after 6 AdamW steps.
 2. ZeRO-3 (world size 1) with --compile: DeepSpeed's memory-efficient linear lost its weight gradients in the
@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from benchmarks.common import torchrun
-from gpt2.compiling import compile_whole
-from gpt2.config import ModelConfig
-from gpt2.model import GPT
+from gpt2.config.schema import ModelConfig
+from gpt2.model.gpt import GPT
+from gpt2.runtime.compiling import compile_whole
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,15 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpt2.config import MODEL_PRESETS, ModelConfig
-from gpt2.metrics import (
-    ThroughputMeter,
-    device_peak_tflops,
-    flops_per_token,
-    hardware_flops_per_token,
-    model_params_for_flops,
-)
-from gpt2.model import GPT
+from gpt2.config.schema import MODEL_PRESETS, ModelConfig
+from gpt2.model.flops import flops_per_token, hardware_flops_per_token, model_params_for_flops
+from gpt2.model.gpt import GPT
+from gpt2.observe.metrics import ThroughputMeter, device_peak_tflops
 
 
 def test_gpt2_large_flops_per_token_by_hand() -> None:

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from gpt2.config import ModelConfig
-from gpt2.hf_weights import hf_config_for, hf_to_ours, ours_to_hf
-from gpt2.model import GPT
+from gpt2.config.schema import ModelConfig
+from gpt2.model.gpt import GPT
+from gpt2.model.hf_weights import hf_config_for, hf_to_ours, ours_to_hf
 
 TINY = dict(n_layer=2, n_head=4, n_embd=64, n_positions=64)
 

@@ -1,4 +1,5 @@
-"""The non-finite guard (gpt2/guard.py): faults injected into real training (`GPT2_TEST_NONFINITE=KIND@STEPS[/RANK]`,
+"""The non-finite guard (gpt2/engines/guard.py): faults injected into real training
+(`GPT2_TEST_NONFINITE=KIND@STEPS[/RANK]`,
 test-only) and what each must leave behind. `loss` makes a step's loss NaN with finite gradients (the case an
 unguarded optimizer applies silently); `grad` keeps the loss finite and makes the gradients infinite.
 
@@ -29,12 +30,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt2.config import ConfigError, parse_args
-from gpt2.data import build_data
-from gpt2.distributed import init_distributed
-from gpt2.ds_config import build_ds_config
-from gpt2.engine import TorchEngine, build_engine, lr_at
-from gpt2.guard import (
+from gpt2.config.layout import RunLayout
+from gpt2.config.schema import ConfigError, parse_args
+from gpt2.data.loader import build_data
+from gpt2.engines.base import lr_at
+from gpt2.engines.build import build_engine
+from gpt2.engines.ds_config import build_ds_config
+from gpt2.engines.guard import (
     EXIT_NONFINITE,
     FAULT_ENV,
     GuardReading,
@@ -42,8 +44,9 @@ from gpt2.guard import (
     NonFiniteGuard,
     install_fault_injection,
 )
-from gpt2.layout import RunLayout
-from gpt2.trainer import train_step
+from gpt2.engines.torch_engine import TorchEngine
+from gpt2.runtime.distributed import init_distributed
+from gpt2.train.loop import train_step
 from tests.train_runs import ROOT, TINY_ARGS, read_records, train_command, train_env
 
 ARGS = TINY_ARGS + ["--data", "synthetic", "--max-steps", "10", "--seed", "7", "--eval-batches", "1",

@@ -25,10 +25,10 @@ from benchmarks.parity_verdict import (
     read_verdicts,
     tolerance,
 )
-from gpt2.config import parse_args
-from gpt2.data import build_data
-from gpt2.distributed import LAUNCHER_VARS
-from gpt2.metrics import host_cpu
+from gpt2.config.schema import parse_args
+from gpt2.data.loader import build_data
+from gpt2.observe.metrics import host_cpu
+from gpt2.runtime.distributed import LAUNCHER_VARS
 from tests.test_data import tiny_tokenizer, wiki_lines, write  # noqa: F401 (tiny_tokenizer: a fixture)
 from tests.train_runs import ROOT, SHARED_DATA, train_env
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import train
-from gpt2 import metrics, trainer
-from gpt2.metrics import MemoryStats, PeakMemory
+from gpt2.observe import metrics
+from gpt2.observe.metrics import MemoryStats, PeakMemory
+from gpt2.train import loop
 from tests.train_runs import TINY_ARGS
 
 
@@ -42,7 +43,7 @@ def _train_with_counter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, high_in
     reads 7 GiB (8 reserved) only during `high_in` ("step 2" or "the final evaluation") and 1 GiB otherwise, as if
     reset after it. Returns {logged step: peak allocated} and the summary."""
     phase = {"now": ""}
-    real_train_step, real_evaluate = trainer.train_step, trainer._evaluate
+    real_train_step, real_evaluate = loop.train_step, loop._evaluate
     steps = itertools.count(1)
 
     def train_step(*args: Any, **kwargs: Any) -> Any:
@@ -53,8 +54,8 @@ def _train_with_counter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, high_in
         phase["now"] = "the final evaluation"
         return real_evaluate(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "train_step", train_step)
-    monkeypatch.setattr(trainer, "_evaluate", evaluate)
+    monkeypatch.setattr(loop, "train_step", train_step)
+    monkeypatch.setattr(loop, "_evaluate", evaluate)
     monkeypatch.setattr(metrics, "memory_stats", lambda device: MemoryStats(7.0, 8.0, 0) if phase["now"] == high_in
                         else MemoryStats(1.0, 2.0, 0))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -85,7 +86,7 @@ def test_records_say_what_a_run_holds_after_a_step(tmp_path: Path, monkeypatch: 
     """`mem/allocated_after_step_gib` is read after the step: not before the first one (5 GiB: weights only), not
     inside one (9 GiB: activations live), but after each (3 GiB)."""
     phase = {"now": "before"}
-    real_train_step = trainer.train_step
+    real_train_step = loop.train_step
 
     def train_step(*args: Any, **kwargs: Any) -> Any:
         phase["now"] = "inside"
@@ -94,8 +95,8 @@ def test_records_say_what_a_run_holds_after_a_step(tmp_path: Path, monkeypatch: 
         finally:
             phase["now"] = "after"
 
-    monkeypatch.setattr(trainer, "train_step", train_step)
-    monkeypatch.setattr(trainer, "allocated_gib", lambda device: {"before": 5.0, "inside": 9.0, "after": 3.0}[
+    monkeypatch.setattr(loop, "train_step", train_step)
+    monkeypatch.setattr(loop, "allocated_gib", lambda device: {"before": 5.0, "inside": 9.0, "after": 3.0}[
         phase["now"]])
     _, summary = _train_with_counter(tmp_path, monkeypatch, "step 2")
     records = [json.loads(line) for line in (tmp_path / "runs" / "peak" / "metrics.jsonl").read_text().splitlines()]

@@ -1,4 +1,5 @@
-"""gpt2.planner: predicted peak memory against GPU measurements, hand-computed terms, ZeRO-3 holds, --plan / --search.
+"""gpt2.planning.planner: predicted peak memory against GPU measurements, hand-computed terms, ZeRO-3 holds, --plan /
+--search.
 
 Measured peaks (GPT-2 Large, seq 1024, 4 x H200, torch AdamW fused, SDPA, no activation checkpointing;
 DDP: bf16 autocast over fp32 weights, --compile per block; ZeRO-3: DeepSpeed bf16, eager or with compiled blocks,
@@ -13,8 +14,8 @@ import re
 import pytest
 
 import train
-from gpt2.config import parse_args
-from gpt2.planner import (
+from gpt2.config.schema import parse_args
+from gpt2.planning.planner import (
     GIB,
     DeepSpeedSettings,
     Hardware,

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 
-from gpt2.preemption import EXIT_PREEMPTED
+from gpt2.train.preemption import EXIT_PREEMPTED
 from tests.preempt_runs import (
     NEVER_ENDS,
     PREEMPT_ARGS,

@@ -21,7 +21,7 @@ from tests.train_runs import ROOT
 
 ENTRY_POINT = """
 import atexit, ctypes, logging, os, sys
-from gpt2.distributed import run_as_process
+from gpt2.runtime.distributed import run_as_process
 
 def main() -> int:
     atexit.register(os.abort)  # finalization would crash the process
@@ -50,7 +50,7 @@ def test_a_returned_status_is_the_exit_status_with_output_flushed_and_no_finaliz
 def test_train_main_in_process_puts_back_the_signal_handlers_it_replaced(tmp_path: Path, capsys) -> None:
     """A test or a notebook calling train.main must not be left with SIGTERM ignored (only flagged) afterwards."""
     import train
-    from gpt2.preemption import PREEMPT_SIGNALS
+    from gpt2.train.preemption import PREEMPT_SIGNALS
 
     before = {sig: signal.getsignal(sig) for sig in PREEMPT_SIGNALS}
     # fails at the data, after the watcher is installed
@@ -60,7 +60,7 @@ def test_train_main_in_process_puts_back_the_signal_handlers_it_replaced(tmp_pat
 
 
 def test_a_second_console_set_up_closes_the_first_run_s_console_log(tmp_path: Path) -> None:
-    from gpt2.run_logging import log, setup_console
+    from gpt2.observe.run_logging import log, setup_console
 
     (tmp_path / "a").mkdir()
     setup_console(tmp_path / "a", is_main=True)

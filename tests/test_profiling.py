@@ -1,4 +1,4 @@
-"""`--profile`'s step summary (gpt2.profiling): device busy share, launches, collective calls, hooks."""
+"""`--profile`'s step summary (gpt2.observe.profiling): device busy share, launches, collective calls, hooks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from gpt2.profiling import PROFILED_STEPS, SUMMARY_FIELDS, StepProfiler, busy_us, count_module_hooks, summarise
+from gpt2.observe.profiling import PROFILED_STEPS, SUMMARY_FIELDS, StepProfiler, busy_us, count_module_hooks, summarise
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""ParallelDims: the rank grid and its process groups, every layout validation error (gpt2.layout), and the
+"""ParallelDims: the rank grid and its process groups, every layout validation error (gpt2.config.layout), and the
 DeepSpeed mpu adapter."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gpt2.config import MODEL_PRESETS, ConfigError, ModelConfig
-from gpt2.layout import check_sequence_split, check_tp_divides_model, check_tp_divides_world
-from gpt2.model import GPT
+from gpt2.config.layout import check_sequence_split, check_tp_divides_model, check_tp_divides_world
+from gpt2.config.schema import MODEL_PRESETS, ConfigError, ModelConfig
+from gpt2.model.gpt import GPT
 from parallel.dims import ParallelDims
 from parallel.mpu import ModelParallelUnit
 from parallel.tp_plan import apply_tensor_parallel

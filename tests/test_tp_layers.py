@@ -280,8 +280,8 @@ def check_cross_entropy(dims: ParallelDims) -> None:
 
 
 def check_lm_head(dims: ParallelDims) -> None:
-    """The tied head (sharing the vocab-parallel embedding's Parameter) against gpt2.model.LMHead."""
-    from gpt2.model import LMHead
+    """The tied head (sharing the vocab-parallel embedding's Parameter) against gpt2.model.gpt.LMHead."""
+    from gpt2.model.gpt import LMHead
 
     g, r, n = dims.tp_group, dims.tp_rank, dims.tp_size
     V_pad, V = 8 * n, 8 * n - 3

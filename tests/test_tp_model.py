@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from fused_kernels import REFERENCE_OPS, KernelOps, get_ops
-from gpt2.config import ModelConfig
-from gpt2.model import GPT
+from gpt2.config.schema import ModelConfig
+from gpt2.model.gpt import GPT
 from parallel.comm import CommStats
 from parallel.dims import ParallelDims
 from parallel.grads import allreduce_sequence_parallel_grads, clip_grad_norm_, register_sequence_parallel_grad_hooks

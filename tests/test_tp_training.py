@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt2.config import DataConfig
-from gpt2.data import build_data
+from gpt2.config.schema import DataConfig
+from gpt2.data.loader import build_data
 from tests.train_runs import (
     REFERENCE_ARGS,
     REFERENCE_BATCH,
@@ -97,7 +97,7 @@ def test_tp_checkpoints_export_and_init(single_reference: ReferenceRun, runs: Pa
     """TP checkpoints (DDP files per TP rank, ZeRO-3 files per mp rank) -> the single-device weights; the HF
     export gives transformers logits equal to our model's; --init-from it into TP=2 starts at transformers' loss."""
 
-    from gpt2.export import consolidated_state_dict, export_hf
+    from gpt2.train.export import consolidated_state_dict, export_hf
 
     _, single_sd = consolidated_state_dict(single_reference.checkpoint)
     for name in TP_RUNS:

@@ -24,7 +24,7 @@ STEPS, LR, CLIP = 3, 0.5, 0.5
 
 
 def run_zero3_checks(dims: ParallelDims) -> None:
-    from gpt2.engine_deepspeed import _import_deepspeed
+    from gpt2.engines.deepspeed_engine import _import_deepspeed
 
     deepspeed = _import_deepspeed(torch.device("cpu"))
     ref = build()

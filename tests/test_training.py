@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gpt2.config import parse_args
-from gpt2.engine import lr_at
+from gpt2.config.schema import parse_args
+from gpt2.engines.base import lr_at
 from tests.train_runs import (
     SHARED_DATA,
     TINY_ARGS,

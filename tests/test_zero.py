@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt2.config import ConfigError, RunConfig, parse_args
-from gpt2.ds_config import build_ds_config as build_layout_ds_config
-from gpt2.layout import RunLayout
+from gpt2.config.layout import RunLayout
+from gpt2.config.schema import ConfigError, RunConfig, parse_args
+from gpt2.engines.ds_config import build_ds_config as build_layout_ds_config
 from tests.train_runs import (
     REFERENCE_STEPS,
     TINY_ARGS,
@@ -73,7 +73,8 @@ def test_zero3_matches_single(single_reference: ReferenceRun, runs: Path) -> Non
     assert (s["mode"], s["world_size"], s["dp_size"], s["grad_accum"]) == ("hybrid", 2, 2, 2)
     assert s["mem/peak_allocated_gib"] > 0 and s["val_loss"] is not None
     # fp32 weights: DeepSpeed's optimizer updates them in place instead of a cloned fp32 master (the training above
-    # matching single's is the proof that sharing is correct; gpt2.engine_deepspeed.zero3_master_shares_fp32_weights)
+    # matching single's is the proof that sharing is correct;
+    # gpt2.engines.deepspeed_engine.zero3_master_shares_fp32_weights)
     shared = re.search(r"ZeRO-3: the fp32 master shares (\d+) of (\d+) weight partitions",
                        (runs / "zero3" / "console.log").read_text())
     assert shared and shared[1] == shared[2] != "0"  # every group: with and without weight decay
@@ -112,7 +113,7 @@ def test_zero3_checkpoint_exports_and_inits(single_reference: ReferenceRun, runs
     """ZeRO-3 shards -> one fp32 state dict (zero_to_fp32) -> HF folder whose logits equal our model's,
     and which --init-from loads under ZeRO-3 as under single."""
 
-    from gpt2.export import consolidated_state_dict, export_hf
+    from gpt2.train.export import consolidated_state_dict, export_hf
 
     cfg, zero_sd = consolidated_state_dict(runs / "ck-zero3" / "step-000010")
     _, single_sd = consolidated_state_dict(single_reference.checkpoint)
@@ -152,8 +153,8 @@ def test_ds_config_takes_cli_values_and_rejects_disagreement(tmp_path: Path) -> 
     assert ds["torch_autocast"]["enabled"] and ds["torch_autocast"]["dtype"] == "bfloat16"
     assert not ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
     safe = ds["torch_autocast"]["lower_precision_safe_modules"]
-    assert {"gpt2.model.Linear", "parallel.layers.ColumnParallelLinear", "parallel.layers.RowParallelLinear"} == set(
-        safe)
+    assert set(safe) == {"gpt2.model.gpt.Linear", "parallel.layers.ColumnParallelLinear",
+                         "parallel.layers.RowParallelLinear"}
     for name in safe:  # DeepSpeed imports them by these names
         module, _, cls = name.rpartition(".")
         assert issubclass(getattr(importlib.import_module(module), cls), torch.nn.Module)
@@ -191,7 +192,7 @@ def test_ds_config_takes_cli_values_and_rejects_disagreement(tmp_path: Path) -> 
 
 def test_weight_decay_groups_use_full_shapes_of_partitioned_params() -> None:
     """Under ZeRO-3 a parameter's data is an empty 1-D partition; its real shape is ds_shape."""
-    from gpt2.parallelize import param_groups
+    from gpt2.runtime.parallelize import param_groups
 
     matrix, bias = torch.nn.Parameter(torch.empty(0)), torch.nn.Parameter(torch.empty(0))
     matrix.ds_shape, bias.ds_shape = torch.Size([8, 4]), torch.Size([8])
@@ -205,7 +206,7 @@ def test_weight_decay_groups_use_full_shapes_of_partitioned_params() -> None:
 def test_zero3_resume_follows_the_new_schedule(runs: Path, tmp_path: Path) -> None:
     """Resuming the 10-step ZeRO-3 run's step-5 checkpoint with --max-steps 20: DeepSpeed restores our LR scheduler,
     then every step's LR, the first resumed one included, is the 20-step schedule's."""
-    from gpt2.engine import lr_at
+    from gpt2.engines.base import lr_at
 
     args = [a if a != "10" else "20" for a in ARGS] + ["--mode", "hybrid", "--batch-size", "1", "--grad-accum", "2"]
     run_train(args + ["--run-name", "zero3-longer", "--resume", str(runs / "ck-zero3" / "step-000005")], tmp_path,
@@ -242,8 +243,8 @@ class _Payload:
 def test_deepspeed_pickles_are_never_loaded_unverified(runs: Path, tmp_path: Path, monkeypatch) -> None:
     """DeepSpeed's loaders unpickle with weights_only=False: a replaced shard is refused by the manifest check
     before any unpickling, and a hybrid checkpoint without a manifest is refused unless explicitly trusted."""
-    from gpt2.checkpoint import TRUST_ENV, CheckpointError, verify_checkpoint
-    from gpt2.export import consolidated_state_dict
+    from gpt2.train.checkpoint import TRUST_ENV, CheckpointError, verify_checkpoint
+    from gpt2.train.export import consolidated_state_dict
 
     folder = tmp_path / "evil" / "step-000005"
     shutil.copytree(runs / "ck-zero3" / "step-000005", folder)
@@ -272,7 +273,7 @@ def test_deepspeed_nvtx_ranges_follow_the_flag(enabled: bool, monkeypatch) -> No
     from deepspeed.accelerator import get_accelerator
     from deepspeed.utils.nvtx import instrument_w_nvtx
 
-    from gpt2.engine_deepspeed import set_deepspeed_nvtx
+    from gpt2.engines.deepspeed_engine import set_deepspeed_nvtx
 
     pushed: list[str] = []
     monkeypatch.setattr(get_accelerator(), "range_push", lambda msg, **_: pushed.append(msg))

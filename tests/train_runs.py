@@ -143,7 +143,7 @@ def assert_hf_export_matches(cfg, state_dict: dict, hf_dir: Path):
     import torch
     from transformers import GPT2LMHeadModel
 
-    from gpt2.model import GPT
+    from gpt2.model.gpt import GPT
 
     ours = GPT(cfg).eval()
     ours.load_state_dict(state_dict)

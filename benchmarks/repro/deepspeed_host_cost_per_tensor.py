@@ -8,7 +8,7 @@ spends per parameter tensor per step. GPT-2 Large has 436 parameter tensors, so 
 time per step that engine's per-tensor work costs at GPT-2 Large (torch's own included; on a GPU, the device's work
 can overlap it, so the wall time added depends on the batch). For ZeRO-3 this is the per-parameter Python path that
 issue 15's profiles name (gradient bucketing, partition and free, gathers, per-parameter norms): the persistence
-threshold is 0, as the harness sets it (gpt2/ds_config.py), so every tensor is partitioned and gathered although
+threshold is 0, as the harness sets it (gpt2/engines/ds_config.py), so every tensor is partitioned and gathered although
 these are tiny.
 
     python -m benchmarks.repro.deepspeed_host_cost_per_tensor                   # GPU if present, else CPU (gloo)
@@ -36,9 +36,9 @@ import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.common import ROOT, free_port, report_table, time_ms  # noqa: E402
-from gpt2.config import ParallelConfig  # noqa: E402
-from gpt2.distributed import run_as_process  # noqa: E402
-from gpt2.planner import persistence_threshold_default  # noqa: E402
+from gpt2.config.schema import ParallelConfig  # noqa: E402
+from gpt2.planning.planner import persistence_threshold_default  # noqa: E402
+from gpt2.runtime.distributed import run_as_process  # noqa: E402
 
 ENGINES = ("torch", "ddp", "zero1", "zero2", "zero3")
 GPT2_LARGE_TENSORS = 436  # 36 blocks x 12 (4 Linear weights + 4 biases, 2 LayerNorms x 2) + wte, wpe, ln_f x 2

@@ -18,7 +18,7 @@ What it shows (DeepSpeed 0.19.8):
   a str; `torch.device("cuda", 0) == "cuda:0"` is False, so it clones.
 At N ranks each of these copies is 1/N of the model per rank (ZeRO-1/2/3 partition them), the reduce bucket is not.
 This is DeepSpeed as shipped; the harness runs ZeRO-3's sharing test with a torch.device
-(`gpt2.engine_deepspeed.zero3_master_shares_fp32_weights`), so its ZeRO-3 keeps 4 copies.
+(`gpt2.engines.deepspeed_engine.zero3_master_shares_fp32_weights`), so its ZeRO-3 keeps 4 copies.
 
     python -m benchmarks.repro.deepspeed_master_weight_copies              # GPU if present, else CPU (gloo)
     python -m benchmarks.repro.deepspeed_master_weight_copies --out /tmp/copies
@@ -45,7 +45,7 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks.common import report_table  # noqa: E402
 from benchmarks.repro.deepspeed_host_cost_per_tensor import MICRO_BATCH, init_single_process  # noqa: E402
 from benchmarks.repro.deepspeed_host_cost_per_tensor import ds_config as host_cost_ds_config  # noqa: E402
-from gpt2.distributed import run_as_process  # noqa: E402
+from gpt2.runtime.distributed import run_as_process  # noqa: E402
 
 ENGINES = ("torch", "zero1", "zero2", "zero3")
 # the attributes of DeepSpeed's ZeRO optimizers (stage3.py, stage_1_and_2.py) that hold model-sized buffers
@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def ds_config(stage: int) -> dict[str, Any]:
     """The host-cost repro's config (ds_configs/zero{stage}.json as the 4-GPU runs use it) with DeepSpeed's
-    torch_autocast (fp32 weights), as gpt2.ds_config writes it for `--zero-precision autocast`."""
+    torch_autocast (fp32 weights), as gpt2.engines.ds_config writes it for `--zero-precision autocast`."""
     return {**host_cost_ds_config(stage), "torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
 
 

@@ -1,13 +1,13 @@
 """Repro: Inductor computes a wrong training forward for a GPT-2 of width 1280 compiled as one graph.
 
-The harness's GPT (`gpt2.model.GPT`, 2 blocks, d=1280, 20 heads, tied embedding; nothing else of the harness)
+The harness's GPT (`gpt2.model.gpt.GPT`, 2 blocks, d=1280, 20 heads, tied embedding; nothing else of the harness)
 under bf16 autocast, batch 8 x 1024 random tokens: the loss and the tied embedding's gradient of
 `torch.compile(model)` against the same weights run eagerly, with Inductor's defaults and with
 `loop_ordering_after_fusion` off. Seen on one H100, torch 2.11.0+cu130: the defaults give a step-0 loss of 11.041
 against 11.081 and a 26% error in the embedding's gradient; `aot_eager` is exact, and so is Inductor with
 `loop_ordering_after_fusion=False` or `inplace_buffers=False`; width 768, or one block, is exact. A compact
 nanoGPT-style model of the same shape did not reproduce it (H200), so the graph's exact form matters.
-The harness turns loop re-ordering off for every compile (gpt2/compiling.py).
+The harness turns loop re-ordering off for every compile (gpt2/runtime/compiling.py).
 
     python benchmarks/repro/inductor_loop_ordering_inplace.py     # exit 1 while the bug is present
 """
@@ -19,8 +19,8 @@ import torch
 import torch._inductor.config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from gpt2.config import ModelConfig  # noqa: E402
-from gpt2.model import GPT  # noqa: E402
+from gpt2.config.schema import ModelConfig  # noqa: E402
+from gpt2.model.gpt import GPT  # noqa: E402
 
 
 def loss_and_grad(model: GPT, fn, idx: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The `cuda` backend. On Hopper (sm_90), in the runs `gpt2.layout.RunLayout.whole_mlp` allows, the whole MLP is
+"""The `cuda` backend. On Hopper (sm_90), in the runs `gpt2.config.layout.RunLayout.whole_mlp` allows, the whole MLP is
 one op on the wgmma GEMM's fused epilogues (`fused_kernels.cuda.mlp`; measured: benchmarks/results/single_gpu).
 Elsewhere the MLP up-projection's epilogue is our CUDA C++ bias+GELU kernel:
 

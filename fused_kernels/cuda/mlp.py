@@ -8,7 +8,7 @@ are cuBLAS. One op, not two Linears, because GELU's backward fuses into the *dow
 against eager's separate ops: benchmarks/results/gemm/h100-2026-11-26.
 
 sm_90 only (wgmma, TMA); the kernels are bf16, so the op runs under bf16 autocast, and the caller keeps the two
-Linears elsewhere (`linear_pair`). Used only where `gpt2.layout.RunLayout.whole_mlp` allows.
+Linears elsewhere (`linear_pair`). Used only where `gpt2.config.layout.RunLayout.whole_mlp` allows.
 """
 
 from __future__ import annotations

@@ -18,12 +18,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fused_kernels import KernelOps, reference
+from fused_kernels import KernelOps, KernelUnavailableError, reference
 from fused_kernels.triton.bias_gelu import bias_gelu
 from fused_kernels.triton.cross_entropy import lm_cross_entropy
 from fused_kernels.triton.gelu import bias_gelu_fwd_kernel
 from fused_kernels.triton.layernorm import add_layernorm
-from fused_kernels.triton.runtime import check_available
+from fused_kernels.triton.runtime import is_interpreted
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool) -> torch.Tensor:
@@ -31,6 +31,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gel
     if not gelu or bias is None:
         return reference.linear(x, weight, bias, gelu)
     return bias_gelu(F.linear(x, weight), bias)  # F.linear follows autocast; bias follows its output dtype
+
+
+def check_available(kernel: object) -> None:
+    """Raise KernelUnavailableError unless `kernel` can run: interpreted, or compiled with a CUDA GPU present."""
+    if is_interpreted(kernel):
+        return
+    if not torch.cuda.is_available():
+        raise KernelUnavailableError(
+            "--fused-kernels triton needs a CUDA GPU, or TRITON_INTERPRET=1 set before the kernels are imported "
+            "to run them (slowly) on the CPU; use --fused-kernels none otherwise")
+    _smoke_test()
+
+
+def _smoke_test() -> None:
+    """Compile and run one small kernel so a broken Triton/driver install fails at start-up, not mid-run."""
+    x = torch.randn(4, 64, device="cuda")
+    try:
+        add_layernorm(x, x, torch.ones(64, device="cuda"), torch.zeros(64, device="cuda"), 1e-5)
+        torch.cuda.synchronize()
+    except Exception as e:  # any compiler / driver failure
+        raise KernelUnavailableError(f"--fused-kernels triton: the Triton kernels failed to compile or run: {e}") from e
 
 
 def triton_ops(*, whole_mlp: bool) -> KernelOps:

@@ -71,8 +71,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpt2.config import DataConfig
-from gpt2.tokenizer import (
+from gpt2.config.schema import DataConfig
+from gpt2.data.tokenizer import (
     DataError,
     eot_token_id,
     hub_cache_only,
@@ -459,20 +459,3 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, model_vocab_si
                    f"batches | cache {'hit' if cache_hit else 'built'}")
     return DataBundle(train=train, val=val, vocab_size=vocab, description=description, cache_hit=cache_hit)
 
-
-def main(argv: list[str] | None = None) -> None:
-    """Pre-build the token cache with train.py's flags: `python -m gpt2.data --data-path ... --seq-len ...`."""
-    from gpt2.config import ConfigError, parse_args
-
-    try:
-        cfg = parse_args(argv)
-        bundle = build_data(cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
-                            model_vocab_size=cfg.model.vocab_size, dp_rank=0, dp_size=1, seed=cfg.train.seed,
-                            is_main=True, barrier=lambda: None)
-    except ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
-    print(bundle.description)
-
-
-if __name__ == "__main__":
-    main()

@@ -20,7 +20,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from gpt2.distributed import DistContext
+from gpt2.runtime.distributed import DistContext
 
 EXIT_PREEMPTED = 75
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)

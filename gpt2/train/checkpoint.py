@@ -10,7 +10,7 @@ Layout of `--save-dir`::
       model.pt              single/baseline: model state dict (rank 0; DDP replicas are identical)
       optimizer.pt          single/baseline: AdamW, LR scheduler and GradScaler states (rank 0)
       model-tp00.pt ...     baseline with --tp-size > 1: the same two files per TP rank, in the TP layout
-      optimizer-tp00.pt ... (written by data-parallel rank 0 of each TP rank; `gpt2.export` gathers them)
+      optimizer-tp00.pt ... (written by data-parallel rank 0 of each TP rank; `gpt2.train.export` gathers them)
       zero/                 hybrid: DeepSpeed's sharded checkpoint (engine.save_checkpoint, tag "zero"; with
                             TP its files carry the TP rank as DeepSpeed's `mp_rank_XX`)
     step-000020.tmp/        a save in progress, or one a crash interrupted: never read, removed by the next save
@@ -33,7 +33,8 @@ and data order (batch size, accumulation, seq len, seed); to change the layout, 
 --init-from them.
 
 `Checkpointer.save(step)` may be called at any step boundary; the loop calls it when `Checkpointer.due(step)` and at
-a preemption, but never after a step whose update the non-finite guard skipped (`gpt2.guard`; a due save waits for
+a preemption, but never after a step whose update the non-finite guard skipped (`gpt2.engines.guard`; a due save waits
+for
 the next applied step). So every checkpoint holds only finite updates and ends outside a run of bad steps, and the
 newest good checkpoint is the one just written, which --keep-last never deletes. Every function here that touches
 the process group is collective.
@@ -75,16 +76,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gpt2.config import CheckpointConfig, ConfigError, RunConfig
-from gpt2.data import BatchLoader
-from gpt2.distributed import DistContext
-from gpt2.layout import RunLayout
-from gpt2.run_logging import log
+from gpt2.config.layout import RunLayout
+from gpt2.config.schema import CheckpointConfig, ConfigError, RunConfig
+from gpt2.data.loader import BatchLoader
+from gpt2.observe.run_logging import log
+from gpt2.runtime.distributed import DistContext
 
 LATEST = "latest"
 PENDING = "latest.pending"
 META = "meta.json"
-CHECKPOINT_TAG = "zero"  # DeepSpeed's sub-folder inside one of our step folders
 MANIFEST = "manifest.json"
 TRUST_ENV = "GPT2_TRUST_UNVERIFIED_CHECKPOINT"
 FAULT_ENV = "GPT2_TEST_KILL_AT"
@@ -173,7 +173,7 @@ def check_compatible(meta: dict[str, Any], layout: RunLayout, where: Path) -> No
         raise CheckpointError(
             f"checkpoint {where} does not match this run: " + "; ".join(diffs)
             + ". Resume with the same model, mode and parallel layout, or export its weights "
-            f"(python -m gpt2.export {where} OUT) and start a new run with --init-from OUT")
+            f"(python -m gpt2.train.export {where} OUT) and start a new run with --init-from OUT")
 
 
 def resolve_resume(ckpt: CheckpointConfig) -> Path | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from gpt2.config import MODEL_PRESETS, ConfigError, ModelConfig
+from gpt2.config.schema import MODEL_PRESETS, ConfigError, ModelConfig
 
 # HF Conv1D weights that are [in, out] and need a transpose
 _CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

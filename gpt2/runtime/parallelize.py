@@ -7,7 +7,7 @@
 
 The TP plan shards the existing full weights, so a TP model computes the single-device model's function from the
 same seed. Under ZeRO-3 without TP the model is built inside `deepspeed.zero.Init` (`zero3`): each module is
-partitioned over the data-parallel group as soon as its constructor returns (see `gpt2.engine_deepspeed`).
+partitioned over the data-parallel group as soon as its constructor returns (see `gpt2.engines.deepspeed_engine`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import torch.nn as nn
 
 from fused_kernels import get_ops
 from fused_kernels.attention import AttentionChoice, AttentionShape, resolve_attention
-from gpt2.compiling import compile_forwards, compile_model
-from gpt2.layout import RunLayout
-from gpt2.model import GPT, Block
-from gpt2.run_logging import log
+from gpt2.config.layout import RunLayout
+from gpt2.model.gpt import GPT, Block
+from gpt2.observe.run_logging import log
+from gpt2.runtime.compiling import compile_forwards, compile_model
 from parallel.comm import CommStats
 from parallel.dims import ParallelDims
 from parallel.mpu import ModelParallelUnit
@@ -56,10 +56,10 @@ def build_model(layout: RunLayout, device: torch.device, dims: ParallelDims,
         context = deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=ModelParallelUnit(dims))
     with context:
         model = GPT(cfg.model, ops=ops, attention=attention.fn)
-    model.attention_choice = attention  # for the run summary (gpt2.trainer.build_summary)
+    model.attention_choice = attention  # for the run summary (gpt2.train.loop.build_summary)
     model.mlp_op = ops.mlp is not None  # the summary's `whole_mlp_op`: each MLP one fused op (fused_kernels.cuda.mlp)
     if cfg.train.init_from:
-        from gpt2.hf_weights import load_hf_state_dict
+        from gpt2.model.hf_weights import load_hf_state_dict
 
         if zero3 is None:
             model.load_state_dict(load_hf_state_dict(cfg.train.init_from, cfg.model))

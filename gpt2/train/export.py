@@ -1,6 +1,6 @@
 """Export a checkpoint of any mode as a Hugging Face GPT-2 folder (config.json + model.safetensors), fp32.
 
-    python -m gpt2.export ckpts/step-001000 exported/          # or the save dir: its `latest` checkpoint
+    python -m gpt2.train.export ckpts/step-001000 exported/          # or the save dir: its `latest` checkpoint
     python train.py --init-from exported/ ...                  # continue from it in any mode
     GPT2LMHeadModel.from_pretrained("exported/")               # or use it with transformers
 
@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-from gpt2.checkpoint import CHECKPOINT_TAG, LATEST, CheckpointError, read_meta, state_file, verify_checkpoint
-from gpt2.config import ModelConfig
-from gpt2.hf_weights import hf_config_for, ours_to_hf
+from gpt2.config.schema import ModelConfig
+from gpt2.engines.base import CHECKPOINT_TAG
+from gpt2.model.hf_weights import hf_config_for, ours_to_hf
+from gpt2.train.checkpoint import LATEST, CheckpointError, read_meta, state_file, verify_checkpoint
 from parallel.tp_plan import param_shard, unshard_tensor
 
 
@@ -104,14 +105,14 @@ def export_hf(checkpoint: Path, out_dir: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gpt2.export", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m gpt2.train.export", description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", type=Path, help="a step-XXXXXX folder or a --save-dir (its latest checkpoint)")
     p.add_argument("out_dir", type=Path, help="output folder (Hugging Face layout)")
     args = p.parse_args(argv)
     try:
         out = export_hf(args.checkpoint, args.out_dir)
     except (CheckpointError, ExportTargetError) as err:
-        print(f"gpt2.export: error: {err}", file=sys.stderr)
+        print(f"gpt2.train.export: error: {err}", file=sys.stderr)
         return 2
     print(f"exported {_step_dir(args.checkpoint)} -> {out}")
     return 0

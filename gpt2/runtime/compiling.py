@@ -1,6 +1,6 @@
 """Every `torch.compile` of the harness, and the Inductor settings each one needs to train the right function.
 
-Three ways a model is compiled (`--compile-scope`, resolved in `gpt2.config`):
+Three ways a model is compiled (`--compile-scope`, resolved in `gpt2.config.schema`):
 - `compile_whole`: the whole (DDP-wrapped) model as one graph cut at DDP buckets (scope `model`);
 - `compile_model`: each block, the final LayerNorm and the LM head + loss in place (scope `blocks`);
 - `compile_forwards`: the same parts' forwards only, module hooks left eager (ZeRO-3 with per-block gathers).
@@ -26,7 +26,7 @@ import torch._dynamo
 import torch._inductor.config
 import torch.nn as nn
 
-from gpt2.model import GPT, LMHead
+from gpt2.model.gpt import GPT, LMHead
 
 INDUCTOR_SETTINGS: dict[str, Any] = {"loop_ordering_after_fusion": False}
 

@@ -13,8 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gpt2.config import ConfigError, RunConfig
-from gpt2.layout import RunLayout
+from gpt2.config.layout import RunLayout
+from gpt2.config.schema import ConfigError, RunConfig
 from parallel.dims import ParallelDims
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

@@ -15,7 +15,7 @@ score, softmax and dropout tensors are never stored; only the fp32 log-sum-exp (
 is, so the default here replaces 5*a*s^2*b by 4*a*s*b. Without dropout the two 1-byte masks
 (2*s*b*h) disappear. Symbols: s sequence, b micro-batch, h width, a heads, t TP size, V vocab.
 
-    from gpt2.perf_model import Layout, Workload, step_communication, comm_time, memory_per_gpu
+    from gpt2.planning.perf_model import Layout, Workload, step_communication, comm_time, memory_per_gpu
     ops = step_communication(cfg, Workload(batch=128, seq_len=1024), Layout(dp=4, tp=2, zero_stage=3))
     seconds = comm_time(ops, {"dp": 80e9, "tp": 350e9, "pp": 40e9})
 """
@@ -26,8 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from gpt2.config import ModelConfig, check_sequence_parallel
-from gpt2.layout import check_tp_divides_model
+from gpt2.config.layout import check_tp_divides_model
+from gpt2.config.schema import ModelConfig, check_sequence_parallel
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv"]
 Group = Literal["dp", "tp", "pp"]
@@ -100,17 +100,6 @@ class Precision:
 
 MIXED_PRECISION = Precision()  # 16-bit weights and grads, fp32 master + moments: ZeRO's 2 + 2 + 12
 AMP_FP32_WEIGHTS = Precision(param_bytes=4, grad_bytes=4, optimizer_bytes=8)  # torch.autocast: fp32 weights
-
-
-def layer_params(d: int) -> int:
-    """One block: QKV 3d^2+3d, attn-out d^2+d, MLP up 4d^2+4d, down 4d^2+d, two LayerNorms 4d."""
-    return 12 * d * d + 13 * d
-
-
-def param_count(cfg: ModelConfig) -> int:
-    """All parameters, the tied LM head counted once (equals GPT.num_params())."""
-    d = cfg.n_embd
-    return cfg.n_layer * layer_params(d) + cfg.padded_vocab_size * d + cfg.n_positions * d + 2 * d
 
 
 def _check_layout(cfg: ModelConfig, layout: Layout) -> None:

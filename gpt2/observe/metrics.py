@@ -18,8 +18,6 @@ from pathlib import Path
 
 import torch
 
-from gpt2.config import ModelConfig
-
 _log = logging.getLogger("gpt2")
 
 # Dense bf16 tensor-core peak, TFLOP/s per GPU (no sparsity), from the vendors' datasheets, keyed by
@@ -58,58 +56,6 @@ def device_product(name: str) -> tuple[str, str | None]:
 def peak_tflops_for_name(name: str) -> float | None:
     """The table's dense bf16 peak for a CUDA device name; None if the product/variant is not in the table."""
     return PEAK_BF16_TFLOPS.get(device_product(name))
-
-
-def non_embedding_block_params(cfg: ModelConfig) -> int:
-    """Parameters of one transformer block: 12 d^2 + 13 d (QKV, out-proj, MLP up/down, 2 LayerNorms)."""
-    d = cfg.n_embd
-    return 12 * d * d + 13 * d
-
-
-def model_params_for_flops(cfg: ModelConfig) -> int:
-    """N in the FLOPs formula: all blocks + final LayerNorm + the (tied) token embedding, unpadded.
-
-    The tied token embedding is counted once, because it is the LM-head matmul (V x d per token,
-    forward and backward). Position embeddings are excluded: a lookup does no matmul FLOPs.
-    Vocab padding rows are excluded: they are not part of the model's function.
-    """
-    return cfg.n_layer * non_embedding_block_params(cfg) + 2 * cfg.n_embd + cfg.vocab_size * cfg.n_embd
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward), PaLM / nanoGPT convention:
-
-        6 N + 12 L d T
-
-    N from `model_params_for_flops` (matmul weights incl. the tied LM head, 2 FLOPs per
-    multiply-add, x3 for forward + backward), and 12 L d T for the attention score and value
-    matmuls (QK^T and AV over the full T x T square; causal masking is not discounted).
-    """
-    return 6.0 * model_params_for_flops(cfg) + 12.0 * cfg.n_layer * cfg.n_embd * seq_len
-
-
-def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, activation_checkpointing: bool) -> float:
-    """FLOPs the hardware executes per token: model FLOPs, plus one more forward of the blocks when checkpointing.
-
-    `GPT.forward` recomputes only the transformer blocks in backward; the embedding lookup, final LayerNorm
-    and LM head run once. So the extra work is the blocks' forward alone:
-
-        2 N_blocks + 4 L d T,   N_blocks = L (12 d^2 + 13 d)
-
-    2 N_blocks: 2 FLOPs per multiply-add over the block weights. 4 L d T: the forward half of the 12 L d T
-    attention term (QK^T and AV, 2 T d FLOPs each per token and layer; backward is twice that, hence 12).
-    This is below the whole-model x 4/3, because the tied LM head (V d in N) is not re-run.
-    It counts a full re-run of each block. Eager (uncompiled) blocks run less: non-reentrant checkpoint stops
-    once the last saved tensor is rebuilt, skipping the MLP down-projection (CPU FlopCounterMode: 8 d^2, not
-    12 d^2, linear FLOPs per layer re-run), so there HFU is an upper bound.
-    Under tensor parallelism each rank recomputes its 1/tp share of the same blocks, so dividing this
-    per-token total by all GPUs (as MFU does) stays consistent.
-    """
-    base = flops_per_token(cfg, seq_len)
-    if not activation_checkpointing:
-        return base
-    recompute = 2.0 * cfg.n_layer * non_embedding_block_params(cfg) + 4.0 * cfg.n_layer * cfg.n_embd * seq_len
-    return base + recompute
 
 
 def host_cpu() -> str:

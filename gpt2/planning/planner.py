@@ -1,5 +1,5 @@
 """Memory and communication planner: what one GPU holds and sends per step for a run's layout, and
-which layouts fit a cluster, ranked by predicted step time. Built on `gpt2.perf_model`.
+which layouts fit a cluster, ranked by predicted step time. Built on `gpt2.planning.perf_model`.
 
     python train.py --plan --model gpt2-large --mode hybrid --batch-size 8 --seq-len 1024 --gpus 4
     python train.py --plan --search --gpus 64 --n-layer 32 --n-embd 4096 --n-head 32 --global-batch-size 512
@@ -54,11 +54,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gpt2.config import MODEL_PRESETS, ConfigError, ModelConfig, RunConfig
-from gpt2.ds_config import persistence_threshold_default
-from gpt2.layout import RunLayout, check_tp_divides_world, ds_config_file, sequence_splits, tp_divides_model
-from gpt2.metrics import hardware_flops_per_token
-from gpt2.perf_model import (
+from gpt2.config.layout import RunLayout, check_tp_divides_world, ds_config_file, sequence_splits, tp_divides_model
+from gpt2.config.schema import MODEL_PRESETS, ConfigError, ModelConfig, RunConfig
+from gpt2.engines.ds_config import persistence_threshold_default
+from gpt2.model.flops import hardware_flops_per_token
+from gpt2.observe.run_logging import run_label
+from gpt2.planning.perf_model import (
     AMP_FP32_WEIGHTS,
     FP32_BYTES,
     MIXED_PRECISION,
@@ -71,7 +72,6 @@ from gpt2.perf_model import (
     stage_params,
     step_communication,
 )
-from gpt2.run_logging import run_label
 from parallel.dims import dp_size_of, tp_divides_world
 
 GIB = 1024**3
@@ -466,7 +466,7 @@ def compare_with_run(plan: Plan, summary: dict[str, Any], tp_bytes_per_step: dic
     """Predicted next to measured, for the summary record. Memory is compared on CUDA only (CPU reports RSS).
 
     `tp_bytes_per_step` / `dp_bytes_per_step`: measured payload per step by collective kind
-    (`gpt2.metrics.TrainingCommMeter.per_step`); DP is measured only with --comm-log (DeepSpeed's comms logger).
+    (`gpt2.observe.metrics.TrainingCommMeter.per_step`); DP is measured only with --comm-log (DeepSpeed's comms logger).
     """
     out = plan.record()
     measured = summary.get("mem/peak_allocated_gib")

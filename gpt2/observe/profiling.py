@@ -22,7 +22,7 @@ from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from gpt2.run_logging import log
+from gpt2.observe.run_logging import log
 
 ACTIVE_STEPS = 3
 PROFILED_STEPS = 1 + ACTIVE_STEPS  # the schedule's warm-up step and its active steps

@@ -2,7 +2,7 @@
 
 The command line is the single source of truth. `parse_args()` turns argv into a `RunConfig`,
 and `validate()` rejects bad input with an error that names the fix, before any heavy work. What also needs the
-launch (world size, device) is decided once by `gpt2.layout.RunLayout`; the parsed config is never mutated.
+launch (world size, device) is decided once by `gpt2.config.layout.RunLayout`; the parsed config is never mutated.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    max_bad_steps: int = 3  # consecutive non-finite steps (each skipped) that stop the run (gpt2.guard)
+    max_bad_steps: int = 3  # consecutive non-finite steps (each skipped) that stop the run (gpt2.engines.guard)
     precision: Precision = "bf16"
     seed: int = 1337
     activation_checkpointing: bool = False
@@ -150,7 +150,7 @@ class TrainConfig:
 
 @dataclass
 class PlanConfig:
-    """`--plan`: print the memory/communication plan (gpt2.planner) and exit; with `--search`, rank layouts."""
+    """`--plan`: print the memory/communication plan (gpt2.planning.planner) and exit; with `--search`, rank layouts."""
 
     plan: bool = False
     search: bool = False
@@ -314,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--peak-tflops", type=_positive_float,
                    help="device peak dense TFLOP/s for MFU (overrides the table)")
 
-    g = p.add_argument_group("planning (gpt2.planner; no GPU, data or launcher needed)")
+    g = p.add_argument_group("planning (gpt2.planning.planner; no GPU, data or launcher needed)")
     g.add_argument("--plan", action="store_true", help="print predicted memory and communication per GPU, then exit")
     g.add_argument("--search", action="store_true", help="with --plan: rank the layouts that fit by step time")
     g.add_argument("--gpus", "--world-size", type=_positive_int, help="GPUs to plan for (default: $WORLD_SIZE or 1)")
@@ -356,7 +356,8 @@ def compile_label(enabled: bool, compile_scope: str, compiler: str = "torch") ->
 
 def check_deepcompile(args: argparse.Namespace) -> None:
     """`--compiler deepcompile`: the combinations DeepSpeed's DeepCompile (0.19.8) cannot run, or this harness
-    has not wired, each an error naming the fix. The CUDA and torch-version needs are `gpt2.layout`'s (device)."""
+    has not wired, each an error naming the fix. The CUDA and torch-version needs are `gpt2.config.layout`'s
+    (device)."""
     if args.compiler != "deepcompile":
         return
     if not args.compile:
@@ -369,8 +370,8 @@ def check_deepcompile(args: argparse.Namespace) -> None:
                           f"use --zero-stage 3, or --compiler torch with --zero-stage {args.zero_stage}")
     if args.tp_size > 1:
         raise ConfigError("--compiler deepcompile is not wired with our tensor parallelism (a TP model is not built "
-                          "under zero.Init, and Dynamo cannot capture the vocab-parallel head, gpt2.compiling); use "
-                          "--tp-size 1, or --compiler torch")
+                          "under zero.Init, and Dynamo cannot capture the vocab-parallel head, "
+                          "gpt2.runtime.compiling); use --tp-size 1, or --compiler torch")
     if args.zero3_fetch is not None:
         raise ConfigError("--compiler deepcompile removes ZeRO-3's gather hooks and gathers each parameter inside "
                           "the compiled graph, so there is no fetch unit to choose; drop --zero3-fetch")

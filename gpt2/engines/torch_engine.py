@@ -5,10 +5,11 @@
   parallelism inside when --tp-size > 1.
 - The DeepSpeed engine (`--mode hybrid`) implements the same interface.
 
-Build order (torchtitan's, `gpt2.parallelize`): full model on the target device from the seed -> weights from
+Build order (torchtitan's, `gpt2.runtime.parallelize`): full model on the target device from the seed -> weights from
 --init-from -> tensor parallelism (each rank keeps its shards) -> activation checkpointing -> torch.compile per
-block -> data-parallel wrapper over the DP group (-> a whole-model compile) -> optimizer. `build_engine(layout,
-ctx)` picks the engine of the run's mode.
+block -> data-parallel wrapper over the DP group (-> a whole-model compile) -> optimizer.
+`gpt2.engines.build.build_engine`
+picks the engine of the run's mode.
 
 DDP + TP: each TP rank's shards have their own DDP replicas (DDP over `dims.dp_group`), so a sharded
 weight's gradient is averaged over DP only; replicated parameters get the same gradient on every TP rank
@@ -20,67 +21,24 @@ uses the TP-aware global norm (`parallel.grads`).
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from fused_kernels import KernelUnavailableError, get_ops
-from fused_kernels.attention import check_device, get_attention
-from gpt2.compiling import compile_whole
-from gpt2.config import ConfigError, RunConfig, TrainConfig
-from gpt2.distributed import DistContext
-from gpt2.guard import NonFiniteGuard, step_if_finite
-from gpt2.layout import RunLayout, whole_mlp_allowed
-from gpt2.parallelize import build_model, parallelize, param_groups, tp_comm_stats
+from gpt2.config.layout import RunLayout
+from gpt2.engines.base import evaluate_batches, lr_at
+from gpt2.engines.guard import NonFiniteGuard, step_if_finite
+from gpt2.runtime.compiling import compile_whole
+from gpt2.runtime.distributed import DistContext
+from gpt2.runtime.parallelize import build_model, parallelize, param_groups, tp_comm_stats
 from parallel.grads import allreduce_sequence_parallel_grads, clip_grad_norm_
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to lr over warmup_steps, then cosine decay to min_lr at max_steps (0-based step)."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    decay_steps = max(1, cfg.max_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
-
-
-def check_backends(cfg: RunConfig) -> None:
-    """A fused-kernel or attention backend that cannot run here is a ConfigError now, not a failure later."""
-    try:
-        get_ops(cfg.train.fused_kernels, whole_mlp=whole_mlp_allowed(cfg))  # builds what the run will use
-        get_attention(cfg.train.attn)
-        on_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
-        check_device(cfg.train.attn, "cuda" if on_cuda else "cpu")
-    except KernelUnavailableError as err:
-        raise ConfigError(str(err)) from err
-
-
-@torch.no_grad()
-def evaluate_batches(
-    forward: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
-    ctx: DistContext,
-) -> tuple[float, float]:
-    """Token-weighted mean loss and top-1 accuracy of `forward` over `batches`, summed over the DP group."""
-    totals = torch.zeros(3, device=ctx.device, dtype=torch.float64)  # loss*tokens, correct, tokens
-    for x, y in batches:
-        x, y = x.to(ctx.device), y.to(ctx.device)
-        loss, correct = forward(x, y)
-        totals[0] += loss.double() * y.numel()
-        totals[1] += correct.double()
-        totals[2] += y.numel()
-    if ctx.distributed:
-        dist.all_reduce(totals, group=ctx.dims.dp_group)
-    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
 
 
 class TorchEngine:
     """Single-device or DDP training with autocast, GradScaler (fp16), clipping, fused AdamW and the non-finite
-    guard (`gpt2.guard`): a step whose global gradient norm is not finite updates nothing."""
+    guard (`gpt2.engines.guard`): a step whose global gradient norm is not finite updates nothing."""
 
     def __init__(self, layout: RunLayout, ctx: DistContext):
         self.cfg = cfg = layout.cfg
@@ -160,12 +118,3 @@ class TorchEngine:
         result = evaluate_batches(forward, batches, self.ctx)
         self.model.train()
         return result
-
-
-def build_engine(layout: RunLayout, ctx: DistContext) -> TorchEngine:
-    """The engine of the run's mode: TorchEngine (single, baseline) or DeepSpeedEngine (hybrid)."""
-    if layout.mode == "hybrid":
-        from gpt2.engine_deepspeed import DeepSpeedEngine
-
-        return DeepSpeedEngine(layout, ctx)
-    return TorchEngine(layout, ctx)

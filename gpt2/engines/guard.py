@@ -5,7 +5,7 @@ per step.
 One rule decides every skip, in every engine and on every rank: **a step whose global gradient norm is not finite
 updates nothing** (parameters, optimizer moments and step counts stay as they were). TorchEngine hands the flag to
 the fused AdamW as GradScaler's `found_inf` (read on the device); DeepSpeed ZeRO-1/2/3 skips such a step itself
-(its overflow check; `gpt2.ds_config` keeps it on). A non-finite loss is folded into that rule by `gate`: before
+(its overflow check; `gpt2.engines.ds_config` keeps it on). A non-finite loss is folded into that rule by `gate`: before
 each backward the loss is multiplied by 1 (bit-identical), or by NaN when it is not finite, so every gradient and
 therefore the global norm turn NaN; the data-parallel gradient reduction carries that to every rank, so all ranks
 skip the same steps without an extra collective.
@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from gpt2.distributed import DistContext
-from gpt2.run_logging import log
+from gpt2.observe.run_logging import log
+from gpt2.runtime.distributed import DistContext
 
 if TYPE_CHECKING:
-    from gpt2.layout import RunLayout
+    from gpt2.config.layout import RunLayout
 
 EXIT_NONFINITE = 65  # sysexits' EX_DATAERR: the numbers went bad; distinct from 2 (configuration) and 75 (preempted)
 FAULT_ENV = "GPT2_TEST_NONFINITE"

@@ -9,20 +9,12 @@ before any work; the planner reads its ZeRO settings).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpt2.config import ConfigError
+from gpt2.config.schema import ConfigError
 
 if TYPE_CHECKING:
-    from gpt2.layout import RunLayout
-
-DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
-
-
-def default_ds_config_path(zero_stage: int) -> Path:
-    return DS_CONFIG_DIR / f"zero{zero_stage}.json"
-
+    from gpt2.config.layout import RunLayout
 
 def persistence_threshold_default(zero3_fetch: str) -> int:
     """ZeRO-3's `stage3_param_persistence_threshold` where the DeepSpeed JSON leaves it out. Per-block gathers: 0,
@@ -46,7 +38,8 @@ def _harness_values(layout: RunLayout) -> list[tuple[tuple[str, ...], Any, str]]
         (("zero_optimization", "stage"), cfg.parallel.zero_stage, f"--zero-stage is {cfg.parallel.zero_stage}"),
         *[(keys, value, f"--precision is {t.precision} with --zero-precision {cfg.parallel.zero_precision}")
           for keys, value in precision_values(t.precision, cfg.parallel.zero_precision).items()],
-        # the non-finite guard (gpt2.guard) relies on DeepSpeed skipping every step whose global gradient norm is
+        # the non-finite guard (gpt2.engines.guard) relies on DeepSpeed skipping every step whose global gradient norm
+        # is
         # not finite: ZeRO-1/2 over DeepSpeed's bf16 model (--zero-precision deepspeed) skips only with this check
         # on (over fp32 weights, torch_autocast, it checks the norm anyway), and the norm must be computed
         (("bf16", "check_grad_overflow"), True, "the non-finite guard needs DeepSpeed to skip a step whose gradient "
@@ -80,7 +73,7 @@ def precision_values(precision: str, recipe: str) -> dict[tuple[str, ...], Any]:
 def lower_precision_modules() -> list[str]:
     """The modules whose weights ZeRO gathers and reduces in the autocast dtype under torch_autocast: every matmul
     weight (autocast would cast it to 16 bits anyway), not the embeddings or LayerNorms, which compute in fp32."""
-    from gpt2.model import Linear
+    from gpt2.model.gpt import Linear
     from parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     return [f"{cls.__module__}.{cls.__qualname__}" for cls in (Linear, ColumnParallelLinear, RowParallelLinear)]

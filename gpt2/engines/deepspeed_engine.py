@@ -4,11 +4,11 @@
     torchrun --nproc_per_node=4 train.py --mode hybrid --zero-stage 2            # ds_configs/zero2.json
     torchrun --nproc_per_node=4 train.py --mode hybrid --ds-config my.json --zero-stage 3
 
-Same interface as `gpt2.engine.TorchEngine` (forward_backward / optimizer_step / evaluate / lr / module),
+Same interface as `gpt2.engines.torch_engine.TorchEngine` (forward_backward / optimizer_step / evaluate / lr / module),
 so the loop, metrics and logs are shared. Our CLI stays the single source of truth: batch size, gradient
 accumulation, clipping, precision and ZeRO stage are written into the DeepSpeed config, and a JSON file
 that sets one of them to another value is an error naming both. The optimizer (torch AdamW, fused, as in
-TorchEngine) and the LR schedule (LambdaLR over `gpt2.engine.lr_at`) are our objects passed to
+TorchEngine) and the LR schedule (LambdaLR over `gpt2.engines.base.lr_at`) are our objects passed to
 `deepspeed.initialize`, so no DeepSpeed op needs compiling.
 
 `--zero3-fetch block` (default) marks each transformer block a DeepSpeed ZeRO-3 leaf module: its parameters
@@ -20,10 +20,10 @@ DeepSpeed's default per-module hooks.
 
 Under ZeRO-3 the model is built inside `deepspeed.zero.Init`: each module's parameters are partitioned
 over the data-parallel group as soon as its constructor returns, so GPT-2 Large/XL never exist whole on
-one device. Our modules initialise in their constructors (see `gpt2.model`), which zero.Init runs on the
+one device. Our modules initialise in their constructors (see `gpt2.model.gpt`), which zero.Init runs on the
 full tensor before partitioning it: with the same seed the weights equal those of the plain build
 (tests/test_zero.py checks it). bf16/fp16 is DeepSpeed's torch_autocast by default (`--zero-precision autocast`,
-gpt2.ds_config.precision_values): fp32 weights and the forward under torch.autocast, as in single and DDP.
+gpt2.engines.ds_config.precision_values): fp32 weights and the forward under torch.autocast, as in single and DDP.
 With `--zero-precision deepspeed`, zero.Init creates 16-bit parameters, the rounded fp32 ones, and DeepSpeed
 keeps fp32 master copies from there: another function (see the parity results). The tied LM
 head is the same Parameter as `wte.weight`, registered in `LMHead` as well: ZeRO-3 gathers it in both
@@ -46,11 +46,13 @@ build, ZeRO-3 keys, optimizer, clipping and overflow check: by DeepSpeed's code 
 reduces each gradient into ZeRO-3's own partition buffer, and `engine.step()` computes the norm, clips and skips from
 there as without it. On one H100, GPT-2 Large at batch 8 trained 14 steps within 0.0005 of single, both compiles
 included (benchmarks/results/parity/h100-2026-11-26; tests/test_deepcompile.py -m gpu, parity row zero3-deepcompile).
-Its evaluation graphs compile under `gpt2.compiling.deepcompile_eval_settings`.
+Its evaluation graphs compile under `gpt2.runtime.compiling.deepcompile_eval_settings`.
 
-Non-finite guard (`gpt2.guard`): the loss passes through `guard.gate` before `engine.backward`, so a non-finite loss
+Non-finite guard (`gpt2.engines.guard`): the loss passes through `guard.gate` before `engine.backward`, so a non-finite
+loss
 makes the gradients NaN, and DeepSpeed's own check skips every step whose global gradient norm is not finite
-(ZeRO-1/2/3; `gpt2.ds_config` keeps `bf16.check_grad_overflow` and `zero_optimization.compute_grad_norm` on). DeepSpeed
+(ZeRO-1/2/3; `gpt2.engines.ds_config` keeps `bf16.check_grad_overflow` and `zero_optimization.compute_grad_norm` on).
+DeepSpeed
 then leaves the LR schedule where it is; we step it, so that a skipped update uses up its step of the schedule as in
 TorchEngine. DeepSpeed reads its decision on the host inside `engine.step()`; asking it afterwards costs nothing.
 
@@ -72,17 +74,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpt2.checkpoint import CHECKPOINT_TAG
-from gpt2.compiling import apply_inductor_settings, deepcompile_eval_settings
-from gpt2.config import ConfigError
-from gpt2.distributed import DistContext
-from gpt2.ds_config import build_ds_config
-from gpt2.engine import evaluate_batches, lr_at
-from gpt2.guard import NonFiniteGuard
-from gpt2.layout import RunLayout
-from gpt2.model import GPT
-from gpt2.parallelize import build_model, parallelize, param_groups, tp_comm_stats
-from gpt2.run_logging import log
+from gpt2.config.layout import RunLayout
+from gpt2.config.schema import ConfigError
+from gpt2.engines.base import CHECKPOINT_TAG, evaluate_batches, lr_at
+from gpt2.engines.ds_config import build_ds_config
+from gpt2.engines.guard import NonFiniteGuard
+from gpt2.model.gpt import GPT
+from gpt2.observe.run_logging import log
+from gpt2.runtime.compiling import apply_inductor_settings, deepcompile_eval_settings
+from gpt2.runtime.distributed import DistContext
+from gpt2.runtime.parallelize import build_model, parallelize, param_groups, tp_comm_stats
 from parallel.grads import register_sequence_parallel_grad_hooks
 from parallel.mpu import ModelParallelUnit
 
@@ -249,7 +250,7 @@ class DeepSpeedEngine:
         compiles the whole model with Inductor, inserting each parameter's all-gather and release and each
         gradient's reduce-scatter into the graphs; after 5 steps it re-compiles with its prefetch and
         selective-gather passes, scheduled from the profile of those steps (deepspeed/compile/init_z3.py). Our
-        Inductor settings apply as to every other whole-model graph (gpt2.compiling)."""
+        Inductor settings apply as to every other whole-model graph (gpt2.runtime.compiling)."""
         apply_inductor_settings()
         sys.setrecursionlimit(max(sys.getrecursionlimit(), DEEPCOMPILE_RECURSION_LIMIT))
         log.info("DeepCompile: engine.compile(backend='inductor'); its ZeRO-3 passes replace the gather hooks")

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fused_kernels import REFERENCE_OPS, KernelOps
-from gpt2.config import ModelConfig
+from gpt2.config.schema import ModelConfig
 
 INIT_STD = 0.02
 

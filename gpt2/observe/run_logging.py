@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from gpt2.config import ConfigError, RunConfig, compile_label
+from gpt2.config.schema import ConfigError, RunConfig, compile_label
 
 log = logging.getLogger("gpt2")
 

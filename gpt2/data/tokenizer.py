@@ -23,7 +23,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from gpt2.config import ConfigError
+from gpt2.config.schema import ConfigError
 
 EOT_TOKEN = "<|endoftext|>"
 HUB_PROBE_TIMEOUT_S = 3.0

@@ -1,6 +1,6 @@
 """RunLayout: the run's resolved facts, decided once from (parsed config, world size, device).
 
-`gpt2.config` turns argv into a `RunConfig` and checks what needs nothing else. Everything that also depends on
+`gpt2.config.schema` turns argv into a `RunConfig` and checks what needs nothing else. Everything that also depends on
 the launch is decided here, once, and read by the engines, the trainer, the checkpoint meta, the planner and
 `slurm/preflight.py`: the tp x dp sizes, gradient accumulation (from --global-batch-size), the precision that
 actually runs (CPU runs are fp32 whatever --precision says) and its autocast dtype, the compile scope, the ZeRO
@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from gpt2.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, compile_label
-from gpt2.ds_config import default_ds_config_path
+from gpt2.config.schema import ConfigError, ModelConfig, ParallelConfig, RunConfig, compile_label
 from parallel.dims import dp_size_of, tp_divides_world
 
 
@@ -89,6 +88,13 @@ def check_deepcompile_runs_here(device_type: str, torch_version: str = torch.__v
     if (major, minor) < DEEPCOMPILE_MIN_TORCH:
         raise ConfigError(f"--compiler deepcompile needs torch >= 2.6 (DeepSpeed's is_deepcompile_supported), this "
                           f"is torch {torch_version}; upgrade torch or use --compiler torch")
+
+
+DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
+
+
+def default_ds_config_path(zero_stage: int) -> Path:
+    return DS_CONFIG_DIR / f"zero{zero_stage}.json"
 
 
 def ds_config_file(p: ParallelConfig) -> Path:
@@ -178,14 +184,16 @@ class RunLayout:
     # ------------------------------------------------------------ compile, TP comm counting
     @property
     def compile_scope(self) -> str:
-        """"off", "blocks", "model" (--compile-scope as resolved by gpt2.config) or "deepcompile" (DeepSpeed
-        compiles the whole model in `gpt2.engine_deepspeed`; nothing is compiled before `deepspeed.initialize`)."""
+        """"off", "blocks", "model" (--compile-scope as resolved by gpt2.config.schema) or "deepcompile" (DeepSpeed
+        compiles the whole model in `gpt2.engines.deepspeed_engine`; nothing is compiled before
+        `deepspeed.initialize`)."""
         t = self.cfg.train
         return compile_label(t.compile, t.compile_scope, t.compiler)
 
     @property
     def deepcompile(self) -> bool:
-        """ZeRO-3 under DeepSpeed's DeepCompile (--compile --compiler deepcompile; gpt2.config allows it only there):
+        """ZeRO-3 under DeepSpeed's DeepCompile (--compile --compiler deepcompile; gpt2.config.schema allows it only
+        there):
         the ds config's compile.deepcompile, and `engine.compile()` after `deepspeed.initialize`."""
         return self.compile_scope == "deepcompile"
 

@@ -1,26 +1,28 @@
 """The training loop, shared by every mode: `train_step` (micro-steps + optimizer step), the non-finite guard's
-reads (`gpt2.guard`), `step_record` (the logged metrics), a recorder (JSONL/wandb + progress bar on the main rank,
+reads (`gpt2.engines.guard`), `step_record` (the logged metrics), a recorder (JSONL/wandb + progress bar on the main
+rank,
 `NullRecorder` elsewhere), eval, and `build_summary`."""
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from fused_kernels.attention import AttentionChoice
-from gpt2.checkpoint import Checkpointer
-from gpt2.config import DEEPCOMPILE_RECOMPILE_STEP, RunConfig, TrainConfig
-from gpt2.data import DataBundle
-from gpt2.distributed import DistContext
-from gpt2.guard import GuardReading, NonFiniteGuard, install_fault_injection
-from gpt2.layout import RunLayout
-from gpt2.metrics import (
+from gpt2.config.layout import RunLayout
+from gpt2.config.schema import DEEPCOMPILE_RECOMPILE_STEP, RunConfig, TrainConfig
+from gpt2.data.loader import DataBundle
+from gpt2.engines.base import Engine
+from gpt2.engines.guard import GuardReading, install_fault_injection
+from gpt2.model.flops import flops_per_token, hardware_flops_per_token, model_params_for_flops
+from gpt2.observe.metrics import (
     MemoryStats,
     PeakMemory,
     StepTimer,
@@ -28,28 +30,18 @@ from gpt2.metrics import (
     TrainingCommMeter,
     allocated_gib,
     device_peak_tflops,
-    flops_per_token,
-    hardware_flops_per_token,
     host_cpu,
-    model_params_for_flops,
 )
-from gpt2.planner import compare_with_run, format_plan, plan_for_run
-from gpt2.preemption import Preempted, PreemptionWatcher
-from gpt2.profiling import PROFILED_STEPS, StepProfiler
-from gpt2.run_logging import MetricsLogger, log
+from gpt2.observe.profiling import PROFILED_STEPS, StepProfiler
+from gpt2.observe.run_logging import MetricsLogger, log
+from gpt2.runtime.distributed import DistContext
+from gpt2.train.checkpoint import Checkpointer
+from gpt2.train.preemption import Preempted, PreemptionWatcher
 
-
-class Engine(Protocol):
-    guard: NonFiniteGuard
-    module: torch.nn.Module
-
-    def forward_backward(
-        self, x: torch.Tensor, y: torch.Tensor, last_micro_step: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def optimizer_step(self) -> torch.Tensor: ...
-    def evaluate(self, batches) -> tuple[float, float]: ...
-    @property
-    def lr(self) -> float: ...
+# What train.py adds to the summary from the plan it made before the run (gpt2.planning.planner.compare_with_run,
+# bound to that plan): called with the summary and the measured TP and DP payload per step by collective kind. The
+# loop takes it as a function so that it never imports the planner.
+SummaryComparison = Callable[[dict[str, Any], dict[str, float] | None, dict[str, float] | None], dict[str, Any]]
 
 
 def _dp_mean(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
@@ -69,7 +61,8 @@ def _world_max(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
 
 def _memory_record(ctx: DistContext, memory: PeakMemory, *, after_step: bool) -> dict[str, float | None]:
     """Peak memory per device as of the last reading and, read right after a step, `mem/allocated_after_step_gib`:
-    what each device holds then, the part of the peak a mode keeps for the whole run (gpt2.metrics.allocated_gib;
+    what each device holds then, the part of the peak a mode keeps for the whole run
+    (gpt2.observe.metrics.allocated_gib;
     None where the platform cannot say, the same on every rank). Max over all ranks, in one collective."""
     mem = memory.peak
     held = allocated_gib(ctx.device) if after_step else None
@@ -210,11 +203,12 @@ def _preempted(step: int, preemption: PreemptionWatcher, checkpointer: Checkpoin
 def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: DataBundle,
                  logger: MetricsLogger | None, start_step: int = 0,
                  checkpointer: Checkpointer | None = None,
-                 preemption: PreemptionWatcher | None = None) -> dict[str, Any]:
+                 preemption: PreemptionWatcher | None = None,
+                 compare: SummaryComparison | None = None) -> dict[str, Any]:
     """Train from `start_step` to max_steps; returns the summary record (identical on every rank but for
     `--profile`'s figures, which only rank 0 has).
 
-    After every optimizer step the non-finite guard counts it on the device (`gpt2.guard`); the loop reads the
+    After every optimizer step the non-finite guard counts it on the device (`gpt2.engines.guard`); the loop reads the
     guard where it reads numbers anyway (log steps, saves, every --max-bad-steps steps, a preemption) and raises
     NonFiniteError on every rank once the run must stop. A checkpoint is saved when `checkpointer.due(step)`, but
     only after an applied update: a save due at a skipped step is made after the next applied one. Then, before the
@@ -232,8 +226,6 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
     log.info("tokens/step %d (dp %d x batch %d x accum %d x seq %d); FLOPs/token %.3e; peak %s TFLOP/s",
              layout.tokens_per_step, layout.dp_size, t.batch_size, layout.grad_accum, t.seq_len,
              meter.flops_per_token, peak)
-    plan = plan_for_run(layout)
-    log.info("%s", format_plan(plan))
 
     # the main rank logs and shows progress (train.py gives it the MetricsLogger); the other ranks record nothing
     recorder = ProgressRecorder(logger, t.max_steps, start_step) if logger is not None else NullRecorder()
@@ -295,8 +287,8 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
                             val=val, skipped_steps=reading.skipped,
                             attention=getattr(engine.module, "attention_choice", None),
                             whole_mlp_op=getattr(engine.module, "mlp_op", False), profile=profiler.summary_fields())
-    # predicted next to measured memory and communication
-    summary.update(compare_with_run(plan, summary, comm.per_step("tp"), comm.per_step("dp")))
+    if compare is not None:  # predicted next to measured memory and communication
+        summary.update(compare(summary, comm.per_step("tp"), comm.per_step("dp")))
     recorder.log_summary(summary)
     mfu = summary["mfu"]
     tok_s = summary["tokens_per_s"]
