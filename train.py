@@ -48,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
             from gpt2.planning.planner import run_plan_cli
 
             return run_plan_cli(cfg)
+        import torch
+
+        from gpt2.torch_support import check_torch_version
+
+        if warning := check_torch_version(torch.__version__):
+            print(f"train.py: warning: {warning}", file=sys.stderr)
         # imported after argument parsing so that `--help` and bad flags answer instantly
         from gpt2.data.loader import build_data
         from gpt2.engines.build import build_engine
