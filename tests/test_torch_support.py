@@ -1,6 +1,6 @@
-"""The start-up check of the torch release (gpt2/torch_support.py): the range is pyproject.toml's, a torch outside
-it is refused before any work with the fix named, and GPT2_ALLOW_UNSUPPORTED_TORCH=1 turns the refusal into a
-warning."""
+"""The start-up check of the torch release (gpt2/runtime/torch_support.py): the range is pyproject.toml's, a torch
+outside it is refused before any work with the fix named, and GPT2_ALLOW_UNSUPPORTED_TORCH=1 turns the refusal into
+a warning."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import train
-from gpt2.config import ConfigError
-from gpt2.torch_support import ALLOW_ENV, check_torch_version, supported_torch
+from gpt2.config.schema import ConfigError
+from gpt2.runtime.torch_support import ALLOW_ENV, check_torch_version, supported_torch
 
 
 def test_range_is_pyprojects_and_holds_this_torch() -> None:

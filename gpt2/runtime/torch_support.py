@@ -17,9 +17,9 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from gpt2.config import ConfigError
+from gpt2.config.schema import ConfigError
 
-PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 DISTRIBUTION = "gpt2-hybrid-parallel"
 ALLOW_ENV = "GPT2_ALLOW_UNSUPPORTED_TORCH"  # =1: warn instead of refusing (e.g. to try a nightly)
 
