@@ -17,10 +17,10 @@ import functools
 import sys
 from typing import TYPE_CHECKING
 
-from gpt2.config.schema.schema import ConfigError, parse_args
+from gpt2.config.schema import ConfigError, parse_args
 
 if TYPE_CHECKING:
-    from gpt2.config.schema.layout import RunLayout
+    from gpt2.config.layout import RunLayout
 
 
 def check_before_work(layout: RunLayout) -> None:
@@ -36,7 +36,7 @@ def check_before_work(layout: RunLayout) -> None:
 
         build_ds_config(layout)
     if cfg.train.init_from:  # its architecture must be this run's
-        from gpt2.model.gpt.hf_weights import check_init_from
+        from gpt2.model.hf_weights import check_init_from
 
         check_init_from(cfg.train.init_from, cfg.model)
 
@@ -55,10 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         if warning := check_torch_version(torch.__version__):
             print(f"train.py: warning: {warning}", file=sys.stderr)
         # imported after argument parsing so that `--help` and bad flags answer instantly
-        from gpt2.data.loader.loader import build_data
+        from gpt2.data.loader import build_data
         from gpt2.engines.build import build_engine
         from gpt2.engines.guard import EXIT_NONFINITE, NonFiniteError
-        from gpt2.model.gpt.flops import model_params_for_flops
+        from gpt2.model.flops import model_params_for_flops
         from gpt2.observe.run_logging import MetricsLogger, log, make_run_dir, setup_console
         from gpt2.planning.planner import compare_with_run, format_plan, plan_for_run
         from gpt2.runtime.distributed import init_distributed, shutdown_distributed
