@@ -17,7 +17,8 @@ import functools
 import sys
 from typing import TYPE_CHECKING
 
-from gpt2.config.schema import ConfigError, parse_args
+from gpt2.config.cli import parse_args
+from gpt2.config.schema import ConfigError
 
 if TYPE_CHECKING:
     from gpt2.config.layout import RunLayout

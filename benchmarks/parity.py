@@ -58,8 +58,8 @@ from benchmarks.parity_verdict import (
     max_abs_dloss,
     tolerance,
 )
+from gpt2.config.cli import parse_args as parse_train_args
 from gpt2.config.schema import MODEL_PRESETS, ConfigError, DataConfig
-from gpt2.config.schema import parse_args as parse_train_args
 from gpt2.runtime.distributed import LAUNCHER_VARS
 
 SHARED_DATA = ROOT.parent / "shared" / "data"

@@ -16,8 +16,9 @@ import torch
 
 from benchmarks.common import ROOT, torchrun
 from benchmarks.parity_verdict import config_key
+from gpt2.config.cli import build_parser, parse_args
 from gpt2.config.layout import check_deepcompile_runs_here
-from gpt2.config.schema import ConfigError, build_parser, parse_args
+from gpt2.config.schema import ConfigError
 from gpt2.engines.build import check_backends
 from parallel.dims import dp_size_of, tp_divides_world
 

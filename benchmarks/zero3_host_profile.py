@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from gpt2.config.schema import parse_args as parse_train_args
+from gpt2.config.cli import parse_args as parse_train_args
 from gpt2.data.loader import build_data
 from gpt2.engines.build import build_engine
 from gpt2.runtime.distributed import init_distributed, run_as_process, shutdown_distributed

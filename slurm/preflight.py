@@ -17,8 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpt2.config.cli import parse_args
 from gpt2.config.layout import RunLayout  # noqa: E402
-from gpt2.config.schema import ConfigError, parse_args  # noqa: E402
+from gpt2.config.schema import ConfigError
 
 
 def check(nodes: int, nproc_per_node: int, train_argv: list[str], visible_gpus: int | None) -> str:

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpt2.config.cli import parse_args
 from gpt2.config.layout import RunLayout
-from gpt2.config.schema import parse_args
 from gpt2.train.checkpoint import CheckpointError, build_meta, check_compatible
 from tests.train_runs import (
     TINY_ARGS,
@@ -208,7 +208,7 @@ def test_resume_with_other_grad_accum_is_refused(tmp_path: Path) -> None:
 def test_resume_follows_the_new_schedule_when_max_steps_grows(single: Path, tmp_path: Path) -> None:
     """Resuming the 8-step run's step-4 checkpoint with --max-steps 16: every step's LR, the first resumed one
     included, is the 16-step schedule's (gpt2.engines.base.lr_at), not the checkpoint's stale 8-step value."""
-    from gpt2.config.schema import parse_args
+    from gpt2.config.cli import parse_args
     from gpt2.engines.base import lr_at
 
     args = [a if a != "8" else "16" for a in COMMON] + ["--batch-size", "4"]

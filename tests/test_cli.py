@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 import train
+from gpt2.config.cli import parse_args
 from gpt2.config.layout import RunLayout, check_tp_divides_model, check_tp_divides_world
-from gpt2.config.schema import ConfigError, ModelConfig, parse_args
+from gpt2.config.schema import ConfigError, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,8 +21,9 @@ import train
 from benchmarks.parity_matrix import matrix, plan
 from benchmarks.parity_verdict import config_key
 from benchmarks.train_sweep import MODES
+from gpt2.config.cli import parse_args
 from gpt2.config.layout import RunLayout, check_deepcompile_runs_here
-from gpt2.config.schema import ConfigError, parse_args
+from gpt2.config.schema import ConfigError
 from gpt2.engines.ds_config import build_ds_config
 from gpt2.observe.run_logging import wandb_identity
 

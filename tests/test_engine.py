@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpt2.config.schema import MODEL_PRESETS, ModelConfig, parse_args
+from gpt2.config.cli import parse_args
+from gpt2.config.schema import MODEL_PRESETS, ModelConfig
 from gpt2.engines.base import lr_at
 from gpt2.engines.guard import step_if_finite
 from gpt2.model.gpt import GPT

@@ -277,8 +277,8 @@ def test_forced_kernels_on_gpu_match_the_reference(name):
 def test_attention_shape_is_the_ranks_local_heads():
     """Under TP (± sequence parallelism) each rank's attention sees n_head / tp heads and the whole sequence; q/k/v
     arrive in the autocast dtype (CPU runs are fp32)."""
+    from gpt2.config.cli import parse_args
     from gpt2.config.layout import RunLayout
-    from gpt2.config.schema import parse_args
     from gpt2.runtime.parallelize import attention_shape
 
     args = ["--model", "gpt2-large", "--batch-size", "8", "--seq-len", "1024", "--dropout", "0.1"]

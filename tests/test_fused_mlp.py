@@ -112,8 +112,8 @@ def test_the_model_uses_a_backends_whole_mlp_only_where_its_linears_are_plain_mo
 ])
 def test_the_whole_mlp_op_is_allowed_only_for_whole_linears_in_compiled_runs(argv: list[str], allowed: bool) -> None:
     """One decision (gpt2.config.layout.whole_mlp_allowed) for the start-up check and the model build."""
+    from gpt2.config.cli import parse_args
     from gpt2.config.layout import RunLayout, whole_mlp_allowed
-    from gpt2.config.schema import parse_args
 
     cfg = parse_args(argv)
     assert whole_mlp_allowed(cfg) is allowed

@@ -30,8 +30,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpt2.config.cli import parse_args
 from gpt2.config.layout import RunLayout
-from gpt2.config.schema import ConfigError, parse_args
+from gpt2.config.schema import ConfigError
 from gpt2.data.loader import build_data
 from gpt2.engines.base import lr_at
 from gpt2.engines.build import build_engine

@@ -25,7 +25,7 @@ from benchmarks.parity_verdict import (
     read_verdicts,
     tolerance,
 )
-from gpt2.config.schema import parse_args
+from gpt2.config.cli import parse_args
 from gpt2.data.loader import build_data
 from gpt2.observe.metrics import host_cpu
 from gpt2.runtime.distributed import LAUNCHER_VARS

@@ -14,7 +14,7 @@ import re
 import pytest
 
 import train
-from gpt2.config.schema import parse_args
+from gpt2.config.cli import parse_args
 from gpt2.planning.planner import (
     GIB,
     DeepSpeedSettings,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from gpt2.config.schema import build_parser
+from gpt2.config.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 

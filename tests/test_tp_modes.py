@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt2.train.checkpoint import state_file
+from gpt2.engines.base import state_file
 from parallel.tp_plan import param_shard
 from tests.train_runs import (
     REFERENCE_ARGS,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpt2.config.schema import parse_args
+from gpt2.config.cli import parse_args
 from gpt2.engines.base import lr_at
 from tests.train_runs import (
     SHARED_DATA,

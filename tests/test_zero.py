@@ -24,8 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpt2.config.cli import parse_args
 from gpt2.config.layout import RunLayout
-from gpt2.config.schema import ConfigError, RunConfig, parse_args
+from gpt2.config.schema import ConfigError, RunConfig
 from gpt2.engines.ds_config import build_ds_config as build_layout_ds_config
 from tests.train_runs import (
     REFERENCE_STEPS,

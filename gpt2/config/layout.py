@@ -119,8 +119,7 @@ def whole_mlp_allowed(cfg: RunConfig) -> bool:
     """A fused-kernel backend may run each MLP as one op reading both Linears' weights (`fused_kernels.KernelOps.mlp`):
     only where the Linears stay whole modules (no TP shards, no ZeRO-3 partitions) and in compiled runs, where that
     op measured faster (eager: 0.988x; benchmarks/results/single_gpu)."""
-    zero3 = cfg.train.mode == "hybrid" and cfg.parallel.zero_stage == 3
-    return cfg.parallel.tp_size == 1 and not zero3 and cfg.train.compile
+    return cfg.parallel.tp_size == 1 and cfg.zero_stage != 3 and cfg.train.compile
 
 
 @dataclass(frozen=True)
@@ -211,7 +210,7 @@ class RunLayout:
     @property
     def zero_stage(self) -> int | None:
         """The DeepSpeed ZeRO stage; None unless --mode hybrid."""
-        return self.cfg.parallel.zero_stage if self.mode == "hybrid" else None
+        return self.cfg.zero_stage
 
     @property
     def zero3_blocks(self) -> bool:

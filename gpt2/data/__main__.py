@@ -3,7 +3,8 @@ machine with `datasets` and the network, to copy its `--cache-dir` to one withou
 
 from __future__ import annotations
 
-from gpt2.config.schema import ConfigError, parse_args
+from gpt2.config.cli import parse_args
+from gpt2.config.schema import ConfigError
 from gpt2.data.loader import build_data
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -34,6 +35,24 @@ class Engine(Protocol):
     def evaluate(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]: ...
     @property
     def lr(self) -> float: ...
+    def save_state(self, folder: Path, step: int) -> None:
+        """Write model, optimizer and schedule state into a checkpoint's step folder (collective)."""
+    def load_state(self, folder: Path) -> int | None:
+        """Restore what `save_state` wrote, the LR recomputed from this run's schedule (collective); returns the
+        step the state records, where it records one, for the caller to check against its own."""
+
+
+def state_file(folder: Path, name: str, tp_rank: int, tp_size: int) -> Path:
+    """`model` / `optimizer` state of single/baseline checkpoints: one file, or one per TP rank (TP layout)."""
+    return folder / (f"{name}.pt" if tp_size == 1 else f"{name}-tp{tp_rank:02d}.pt")
+
+
+def resync_lr(scheduler: torch.optim.lr_scheduler.LambdaLR, lr: float) -> None:
+    """Recompute a restored step's LR from this run's schedule: a checkpoint holds the LR its own schedule gave,
+    which is stale when a resume changes --max-steps, --lr, --min-lr or --warmup-steps."""
+    scheduler.base_lrs = [lr] * len(scheduler.base_lrs)  # every param group trains at --lr (x the schedule)
+    scheduler.last_epoch -= 1
+    scheduler.step()  # LambdaLR: lr = base_lr x lambda(last_epoch), set on the optimizer and as get_last_lr()
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import torch
 
-from fused_kernels import KernelUnavailableError, get_ops
+from fused_kernels import KernelUnavailableError
 from fused_kernels.attention import check_device, get_attention
-from gpt2.config.layout import RunLayout, whole_mlp_allowed
+from gpt2.config.layout import RunLayout
 from gpt2.config.schema import ConfigError, RunConfig
 from gpt2.engines.base import Engine
 from gpt2.engines.deepspeed_engine import DeepSpeedEngine
 from gpt2.engines.torch_engine import TorchEngine
 from gpt2.runtime.distributed import DistContext
+from gpt2.runtime.parallelize import kernel_ops
 
 
 def check_backends(cfg: RunConfig) -> None:
     """A fused-kernel or attention backend that cannot run here is a ConfigError now, not a failure later."""
     try:
-        get_ops(cfg.train.fused_kernels, whole_mlp=whole_mlp_allowed(cfg))  # builds what the run will use
+        kernel_ops(cfg)  # builds what the run will use
         get_attention(cfg.train.attn)
         on_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
         check_device(cfg.train.attn, "cuda" if on_cuda else "cpu")

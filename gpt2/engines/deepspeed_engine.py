@@ -76,7 +76,7 @@ import torch.distributed as dist
 
 from gpt2.config.layout import RunLayout
 from gpt2.config.schema import ConfigError
-from gpt2.engines.base import CHECKPOINT_TAG, evaluate_batches, lr_at
+from gpt2.engines.base import CHECKPOINT_TAG, evaluate_batches, lr_at, resync_lr
 from gpt2.engines.ds_config import build_ds_config
 from gpt2.engines.guard import NonFiniteGuard
 from gpt2.model.gpt import GPT
@@ -293,14 +293,16 @@ class DeepSpeedEngine:
         self.engine.train()
         return result
 
-    def save_sharded(self, folder: Path, client_state: dict[str, Any]) -> None:
-        """DeepSpeed's sharded checkpoint into folder/zero (collective: every rank calls it)."""
-        self.engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG, client_state=client_state, save_latest=False)
+    def save_state(self, folder: Path, step: int) -> None:
+        """DeepSpeed's sharded checkpoint into folder/zero, the step in its client state (collective: every rank
+        writes its shards)."""
+        self.engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG, client_state={"step": step}, save_latest=False)
 
-    def load_sharded(self, folder: Path) -> dict[str, Any]:
-        """Load model, optimizer and scheduler shards; returns the client state."""
+    def load_state(self, folder: Path) -> int | None:
+        """Load model, optimizer and scheduler shards; returns the step the client state records."""
         path, client_state = self.engine.load_checkpoint(
             str(folder), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
             raise ConfigError(f"DeepSpeed could not load the checkpoint in {folder / CHECKPOINT_TAG}")
-        return client_state
+        resync_lr(self.scheduler, self.cfg.train.lr)
+        return client_state.get("step")

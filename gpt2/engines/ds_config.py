@@ -105,7 +105,7 @@ def build_ds_config(layout: RunLayout) -> dict[str, Any]:
             raise ConfigError(f"{path} sets {'.'.join(keys)}={json.dumps(node[keys[-1]])} but {flag}; "
                               "make them agree or drop the key from the file (the command line sets it)")
         node[keys[-1]] = ours
-    if cfg.parallel.zero_stage == 3:
+    if layout.zero_stage == 3:
         zero = ds["zero_optimization"]
         # DeepCompile (--zero3-fetch stays at its default, block): 0 as well, every parameter partitioned by zero.Init;
         # DeepCompile then marks every parameter non-persistent anyway (deepspeed/compile/init_z3.py, `ds_persist`)

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gpt2.config.layout import RunLayout
-from gpt2.engines.base import evaluate_batches, lr_at
+from gpt2.engines.base import evaluate_batches, lr_at, resync_lr, state_file
 from gpt2.engines.guard import NonFiniteGuard, step_if_finite
 from gpt2.runtime.compiling import compile_whole
 from gpt2.runtime.distributed import DistContext
@@ -118,3 +119,25 @@ class TorchEngine:
         result = evaluate_batches(forward, batches, self.ctx)
         self.model.train()
         return result
+
+    def save_state(self, folder: Path, step: int) -> None:
+        """Model and optimizer/scheduler/scaler state, from data-parallel rank 0 of each TP rank: DDP replicas are
+        identical, each TP rank holds different shards (the files are `weights_only` loadable)."""
+        tp_rank, tp_size = self.ctx.dims.tp_rank, self.ctx.dims.tp_size
+        if self.ctx.dims.dp_rank == 0:
+            torch.save(self.module.state_dict(), state_file(folder, "model", tp_rank, tp_size))
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                        "scaler": self.scaler.state_dict()}, state_file(folder, "optimizer", tp_rank, tp_size))
+
+    def load_state(self, folder: Path) -> int | None:
+        """Every rank reads its TP rank's files; the files record no step (meta.json does)."""
+        dims, device = self.ctx.dims, self.ctx.device
+        self.module.load_state_dict(torch.load(state_file(folder, "model", dims.tp_rank, dims.tp_size),
+                                               map_location=device, weights_only=True))
+        state = torch.load(state_file(folder, "optimizer", dims.tp_rank, dims.tp_size), map_location=device,
+                           weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        resync_lr(self.scheduler, self.cfg.train.lr)
+        return None

@@ -89,7 +89,7 @@ class Workload:
 
 
 @dataclass(frozen=True)
-class Precision:
+class StateBytes:
     """Bytes per element of each kind of state."""
 
     param_bytes: int = 2  # weights the forward and backward read
@@ -98,8 +98,8 @@ class Precision:
     activation_bytes: int = 2
 
 
-MIXED_PRECISION = Precision()  # 16-bit weights and grads, fp32 master + moments: ZeRO's 2 + 2 + 12
-AMP_FP32_WEIGHTS = Precision(param_bytes=4, grad_bytes=4, optimizer_bytes=8)  # torch.autocast: fp32 weights
+MIXED_PRECISION = StateBytes()  # 16-bit weights and grads, fp32 master + moments: ZeRO's 2 + 2 + 12
+AMP_FP32_WEIGHTS = StateBytes(param_bytes=4, grad_bytes=4, optimizer_bytes=8)  # torch.autocast: fp32 weights
 
 
 def _check_layout(cfg: ModelConfig, layout: Layout) -> None:
@@ -150,7 +150,7 @@ def step_communication(
     cfg: ModelConfig,
     work: Workload,
     layout: Layout,
-    precision: Precision = MIXED_PRECISION,
+    precision: StateBytes = MIXED_PRECISION,
     stage: int = 0,
 ) -> list[CommOp]:
     """Collectives one GPU of pipeline `stage` takes part in during one optimizer step.
@@ -270,7 +270,7 @@ def memory_per_gpu(
     cfg: ModelConfig,
     work: Workload,
     layout: Layout,
-    precision: Precision = MIXED_PRECISION,
+    precision: StateBytes = MIXED_PRECISION,
     flash: bool = True,
     stage: int | None = None,
 ) -> MemoryBreakdown:

@@ -65,7 +65,7 @@ from gpt2.planning.perf_model import (
     MIXED_PRECISION,
     CommOp,
     Layout,
-    Precision,
+    StateBytes,
     Workload,
     layer_activation_bytes,
     memory_per_gpu,
@@ -145,15 +145,15 @@ class Setup:
 
 @dataclass(frozen=True)
 class Numerics:
-    states: Precision  # bytes per parameter of weights, gradients, optimizer states; activation element size
+    states: StateBytes  # bytes per parameter of weights, gradients, optimizer states; activation element size
     residual_bytes: int  # residual stream (LayerNorm inputs)
     autocast_copies: bool  # autocast saves a 16-bit copy of each weight for backward
-    comm: Precision  # bytes per element of the weights and gradients ZeRO/DDP communicate
+    comm: StateBytes  # bytes per element of the weights and gradients ZeRO/DDP communicate
 
 
 def numerics(s: Setup) -> Numerics:
     if s.precision == "fp32":
-        fp32 = Precision(param_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4)
+        fp32 = StateBytes(param_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4)
         return Numerics(fp32, 4, False, fp32)
     if s.mode == "hybrid" and s.zero_precision == "deepspeed":  # a 16-bit model, fp32 master weights and moments
         return Numerics(MIXED_PRECISION, 2, False, MIXED_PRECISION)
@@ -174,7 +174,7 @@ def setup_from_config(cfg: RunConfig, world_size: int) -> Setup:
     return Setup(
         model=cfg.model, model_name="custom" if custom else t.model, seq_len=t.seq_len, micro_batch=t.batch_size,
         world_size=world_size,
-        mode=t.mode, zero_stage=p.zero_stage if t.mode == "hybrid" else 0, tp=p.tp_size,
+        mode=t.mode, zero_stage=cfg.zero_stage or 0, tp=p.tp_size,
         sequence_parallel=p.sequence_parallel, tp_overlap=p.tp_overlap,
         activation_checkpointing=t.activation_checkpointing, grad_accum=t.grad_accum, precision=t.precision,
         compile=t.compile, fused_loss=t.fused_kernels == "triton", deepspeed=ds, zero_precision=p.zero_precision)
@@ -317,7 +317,7 @@ def predict_communication(s: Setup) -> list[CommOp]:
     """Collectives one GPU takes part in per optimizer step: perf_model's, plus our TP implementation's extras."""
     num = numerics(s)
     ops = step_communication(s.model, s.workload, s.layout, num.comm)
-    if s.mode == "hybrid" and s.zero_stage == 3 and s.dp > 1:
+    if s.zero_stage == 3 and s.dp > 1:  # zero_stage is 0 unless hybrid (Setup)
         ops = zero3_gathers(s, ops, num.comm.param_bytes)
     if s.tp > 1:
         t, m, tokens = s.tp, s.grad_accum, s.micro_batch * s.seq_len

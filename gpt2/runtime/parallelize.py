@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fused_kernels import get_ops
+from fused_kernels import KernelOps, get_ops
 from fused_kernels.attention import AttentionChoice, AttentionShape, resolve_attention
-from gpt2.config.layout import RunLayout
+from gpt2.config.layout import RunLayout, whole_mlp_allowed
+from gpt2.config.schema import RunConfig, compile_label
 from gpt2.model.gpt import GPT, Block
 from gpt2.observe.run_logging import log
 from gpt2.runtime.compiling import compile_forwards, compile_model
@@ -37,6 +38,15 @@ def tp_comm_stats(layout: RunLayout) -> CommStats | None:
     return CommStats() if layout.counts_tp_comm else None
 
 
+def kernel_ops(cfg: RunConfig) -> KernelOps:
+    """The fused-kernel ops the model runs. The start-up check (`gpt2.engines.build.check_backends`) builds them
+    through this function too, so it checks exactly what the model will use."""
+    compiled = compile_label(cfg.train.compile, cfg.train.compile_scope, cfg.train.compiler)
+    # where the whole model is one Inductor graph, Inductor's own LM-head cross-entropy is used (faster there)
+    return get_ops(cfg.train.fused_kernels, inductor_head=compiled in ("model", "deepcompile"),
+                   whole_mlp=whole_mlp_allowed(cfg))
+
+
 def build_model(layout: RunLayout, device: torch.device, dims: ParallelDims,
                 zero3: tuple[Any, dict] | None = None) -> GPT:
     """This rank's full GPT-2 from the seed (identical on every rank), then the --init-from weights.
@@ -45,8 +55,7 @@ def build_model(layout: RunLayout, device: torch.device, dims: ParallelDims,
     the seed draws the same values as the plain build (fp32), and --init-from is copied in one parameter at a time
     (rank 0 writes the full tensor, DeepSpeed re-partitions it)."""
     cfg = layout.cfg
-    ops = get_ops(cfg.train.fused_kernels, inductor_head=cfg.train.compile and cfg.train.compile_scope == "model",
-                  whole_mlp=layout.whole_mlp)
+    ops = kernel_ops(cfg)
     attention = choose_attention(layout, device)
     torch.manual_seed(cfg.train.seed)
     if zero3 is None:

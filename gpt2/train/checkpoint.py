@@ -79,6 +79,7 @@ import torch.distributed as dist
 from gpt2.config.layout import RunLayout
 from gpt2.config.schema import CheckpointConfig, ConfigError, RunConfig
 from gpt2.data.loader import BatchLoader
+from gpt2.engines.base import Engine
 from gpt2.observe.run_logging import log
 from gpt2.runtime.distributed import DistContext
 
@@ -329,11 +330,6 @@ def _rank_file(folder: Path, rank: int) -> Path:
     return folder / f"rank-{rank:05d}.pt"
 
 
-def state_file(folder: Path, name: str, tp_rank: int, tp_size: int) -> Path:
-    """`model` / `optimizer` state of single/baseline checkpoints: one file, or one per TP rank (TP layout)."""
-    return folder / (f"{name}.pt" if tp_size == 1 else f"{name}-tp{tp_rank:02d}.pt")
-
-
 # ------------------------------------------------------------------------------------------------
 # file-system helpers
 
@@ -392,15 +388,11 @@ def _on_rank0(ctx: DistContext, fn: Callable[[], None]) -> None:
         raise CheckpointError(error)
 
 
-def _is_deepspeed(engine: Any) -> bool:
-    return hasattr(engine, "save_sharded")
-
-
 # ------------------------------------------------------------------------------------------------
 # save and load
 
 
-def save_checkpoint(layout: RunLayout, ctx: DistContext, engine: Any, train_loader: BatchLoader, step: int,
+def save_checkpoint(layout: RunLayout, ctx: DistContext, engine: Engine, train_loader: BatchLoader, step: int,
                     keep_last: int | None = None) -> Path:
     """Write <save_dir>/step-XXXXXX atomically and point `latest` at it (collective)."""
     save_dir = Path(layout.cfg.checkpoint.save_dir)
@@ -424,13 +416,7 @@ def save_checkpoint(layout: RunLayout, ctx: DistContext, engine: Any, train_load
     torch.save({"rng": _rng_state(ctx.device), "data": train_loader.state_dict(), "step": step},
                _rank_file(tmp, ctx.rank))
     _fault_point("rank-state-written", step)
-    if _is_deepspeed(engine):
-        engine.save_sharded(tmp, client_state={"step": step})
-    elif ctx.dims.dp_rank == 0:  # DDP replicas are identical; each TP rank holds different shards
-        tp_rank, tp_size = ctx.dims.tp_rank, ctx.dims.tp_size
-        torch.save(engine.module.state_dict(), state_file(tmp, "model", tp_rank, tp_size))
-        torch.save({"optimizer": engine.optimizer.state_dict(), "scheduler": engine.scheduler.state_dict(),
-                    "scaler": engine.scaler.state_dict()}, state_file(tmp, "optimizer", tp_rank, tp_size))
+    engine.save_state(tmp, step)
     _fault_point("model-state-written", step)
     ctx.barrier()
 
@@ -473,7 +459,7 @@ class ResumePoint:
         return int(self.meta["step"])
 
 
-def load_checkpoint(resume: ResumePoint, layout: RunLayout, ctx: DistContext, engine: Any,
+def load_checkpoint(resume: ResumePoint, layout: RunLayout, ctx: DistContext, engine: Engine,
                     train_loader: BatchLoader) -> int:
     """Restore everything saved in the resume point's folder (collective); returns the step to continue after."""
     step_dir, step = resume.folder, resume.step
@@ -482,34 +468,13 @@ def load_checkpoint(resume: ResumePoint, layout: RunLayout, ctx: DistContext, en
     if not rank_path.is_file():
         raise CheckpointError(f"{step_dir} has no {rank_path.name}: the checkpoint is incomplete")
     rank_state = torch.load(rank_path, map_location="cpu", weights_only=True)
-    if _is_deepspeed(engine):
-        client_state = engine.load_sharded(step_dir)
-        if client_state.get("step") != step:
-            raise CheckpointError(f"{step_dir}: DeepSpeed state is from step {client_state.get('step')}, "
-                                  f"meta.json says {step}")
-    else:
-        tp_rank, tp_size = ctx.dims.tp_rank, ctx.dims.tp_size
-        model_state = torch.load(state_file(step_dir, "model", tp_rank, tp_size), map_location=ctx.device,
-                                 weights_only=True)
-        engine.module.load_state_dict(model_state)
-        opt_state = torch.load(state_file(step_dir, "optimizer", tp_rank, tp_size), map_location=ctx.device,
-                               weights_only=True)
-        engine.optimizer.load_state_dict(opt_state["optimizer"])
-        engine.scheduler.load_state_dict(opt_state["scheduler"])
-        engine.scaler.load_state_dict(opt_state["scaler"])
-    _resync_lr(engine.scheduler, layout.cfg.train.lr)
+    recorded = engine.load_state(step_dir)
+    if recorded is not None and recorded != step:
+        raise CheckpointError(f"{step_dir}: the engine's state is from step {recorded}, meta.json says {step}")
     train_loader.load_state_dict(rank_state["data"])
     _set_rng_state(rank_state["rng"], ctx.device)
     log.info("checkpoint: resumed from %s (step %d)", step_dir, step)
     return step
-
-
-def _resync_lr(scheduler: torch.optim.lr_scheduler.LambdaLR, lr: float) -> None:
-    """Recompute the restored step's LR from this run's schedule: the checkpoint holds the LR its own schedule
-    gave, which is stale when a resume changes --max-steps, --lr, --min-lr or --warmup-steps."""
-    scheduler.base_lrs = [lr] * len(scheduler.base_lrs)  # every param group trains at --lr (x the schedule)
-    scheduler.last_epoch -= 1
-    scheduler.step()  # LambdaLR: lr = base_lr x lambda(last_epoch), set on the optimizer and as get_last_lr()
 
 
 def _save_due(cfg: RunConfig, step: int) -> bool:
@@ -554,7 +519,7 @@ class Checkpointer:
     """Saves at --save-interval steps and at the end of training (when `due`); `save(step)` works at any step
     boundary."""
 
-    def __init__(self, layout: RunLayout, ctx: DistContext, engine: Any, train_loader: BatchLoader):
+    def __init__(self, layout: RunLayout, ctx: DistContext, engine: Engine, train_loader: BatchLoader):
         self.layout, self.cfg, self.ctx, self.engine, self.train_loader = layout, layout.cfg, ctx, engine, train_loader
 
     def due(self, step: int) -> bool:

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from gpt2.config.schema import ModelConfig
-from gpt2.engines.base import CHECKPOINT_TAG
+from gpt2.engines.base import CHECKPOINT_TAG, state_file
 from gpt2.model.hf_weights import hf_config_for, ours_to_hf
-from gpt2.train.checkpoint import LATEST, CheckpointError, read_meta, state_file, verify_checkpoint
+from gpt2.train.checkpoint import LATEST, CheckpointError, read_meta, verify_checkpoint
 from parallel.tp_plan import param_shard, unshard_tensor
 
 

@@ -1,0 +1,258 @@
+"""train.py's command line, built from the config schema (`gpt2.config.schema`: each flag's default, help, parser
+and group are written once, on its field), and the checks that need nothing but the parsed config.
+
+`parse_args()` turns argv into a `RunConfig` and rejects bad input with an error that names the fix, before any
+heavy work. `python -m gpt2.config.cli` prints the flags page (docs/flags.md) from the same parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+from gpt2.config.schema import (
+    DEEPCOMPILE_RECOMPILE_STEP,
+    GROUPS,
+    KERNELS,
+    MODEL_PRESETS,
+    THROUGHPUT_WARMUP_STEPS,
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    Flag,
+    LogConfig,
+    ModelConfig,
+    ParallelConfig,
+    PlanConfig,
+    RunConfig,
+    TrainConfig,
+    check_sequence_parallel,
+    compile_label,
+    flag_of,
+)
+
+# RunConfig's sections, in the order the parser reads their fields
+SECTIONS: dict[str, type] = {"train": TrainConfig, "model": ModelConfig, "data": DataConfig,
+                             "parallel": ParallelConfig, "checkpoint": CheckpointConfig, "log": LogConfig,
+                             "plan": PlanConfig}
+HELP_WIDTH = 100  # the flags page's width (docs/flags.md), whatever the terminal's
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default where it has one; a flag whose parser default is None says in its help what applies
+    without it (`Flag.default_text`, or the field's default for a given-only flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        negated_switch = action.nargs == 0 and action.default is True  # a --no-... flag: its help says it all
+        return action.help if action.default is None or negated_switch else super()._get_help_string(action)
+
+
+def _value_parser(hint: Any) -> tuple[Any, tuple[Any, ...] | None]:
+    """(parser of one value, choices) from a field's type: a Literal gives its values, `X | None` and list[X` X."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Literal:
+        return type(args[0]), tuple(args)
+    if args:  # X | None, list[X], Literal[...] | None
+        return _value_parser(args[0])
+    return hint, None
+
+
+def _add_flag(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, flag: Flag) -> None:
+    names = flag.names or (f"--{f.name.replace('_', '-')}",)
+    help_text = flag.help
+    if flag.given_only or flag.default_text:
+        help_text += f" (default: {flag.default_text if flag.default_text else f.default})"
+    if hint is bool:  # a switch: on when given, or off when given for a field that is on by default
+        group.add_argument(*names, dest=f.name, action="store_false" if f.default else "store_true", help=help_text)
+        return
+    parse, choices = _value_parser(hint)
+    default = None if flag.given_only else (
+        f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+    group.add_argument(*names, dest=f.name, type=flag.parse or parse, choices=flag.choices or choices,
+                       nargs=flag.nargs, metavar=flag.metavar, default=default, help=help_text)
+
+
+def build_parser(width: int | None = None) -> argparse.ArgumentParser:
+    """train.py's parser: one argument per schema field that has a flag, in the schema's groups."""
+    p = argparse.ArgumentParser(
+        prog="train.py",
+        description="Train GPT-2 with single-device, DDP or DeepSpeed ZeRO-3 (+ tensor parallel).",
+        formatter_class=lambda prog: _HelpFormatter(prog, width=width),
+    )
+    groups = {name: p.add_argument_group(name) for name in GROUPS}
+    for section in SECTIONS.values():
+        hints = typing.get_type_hints(section)
+        for f in dataclasses.fields(section):
+            if (flag := flag_of(f)) is not None:
+                _add_flag(groups[flag.group], f, hints[f.name], flag)
+    groups[KERNELS].add_argument("--use-fused-kernel", action="store_true", help="alias of --fused-kernels cuda")
+    # the `deepspeed` launcher appends --local_rank=N; the LOCAL_RANK environment variable is what we read
+    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    return p
+
+
+def _section(cls: type, args: argparse.Namespace, **derived: Any) -> Any:
+    """A config section from the parsed flags: a flag left out (None for a given-only flag) keeps the field's
+    default; `derived` are the values this module decides from several flags."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+              if flag_of(f) is not None and getattr(args, f.name) is not None}
+    return cls(**{**values, **derived})
+
+
+def throughput_warmup_default(deepcompile: bool) -> int:
+    """Steps excluded from tokens/s and MFU when --throughput-warmup-steps is not given: under DeepCompile, every
+    step up to its re-compile (DEEPCOMPILE_RECOMPILE_STEP), which are compile and profiling time."""
+    return DEEPCOMPILE_RECOMPILE_STEP + 1 if deepcompile else THROUGHPUT_WARMUP_STEPS
+
+
+def resolve_compile_scope(requested: str, mode: str, tp_size: int, compiler: str = "torch") -> str:
+    """`auto`: one whole-model graph for single/DDP without TP (4xH200, GPT-2 Large: +21% tokens/s at batch 8
+    over per-block graphs, benchmarks/results/train/), per-block graphs elsewhere (ZeRO hooks, TP collectives).
+    DeepCompile always compiles the whole model (`engine.compile()`): `model`; it has no per-block scope."""
+    if compiler == "deepcompile":
+        if requested == "blocks":
+            raise ConfigError("--compiler deepcompile compiles the whole model as one graph (DeepSpeed's "
+                              "engine.compile()); drop --compile-scope blocks or use --compiler torch")
+        return "model"
+    if requested != "auto":
+        return requested
+    return "model" if mode in ("single", "baseline") and tp_size == 1 else "blocks"
+
+
+def check_deepcompile(args: argparse.Namespace) -> None:
+    """`--compiler deepcompile`: the combinations DeepSpeed's DeepCompile (0.19.8) cannot run, or this harness
+    has not wired, each an error naming the fix. The CUDA and torch-version needs are `gpt2.config.layout`'s
+    (device)."""
+    if args.compiler != "deepcompile":
+        return
+    if not args.compile:
+        raise ConfigError("--compiler deepcompile says how --compile compiles; add --compile")
+    if args.mode != "hybrid":
+        raise ConfigError("--compiler deepcompile is DeepSpeed's ZeRO compiler: use --mode hybrid (ZeRO-3), or "
+                          "--compiler torch")
+    if (args.zero_stage or ParallelConfig.zero_stage) != 3:
+        raise ConfigError(f"--compiler deepcompile is wired for ZeRO-3 only (DeepSpeed's ZeRO-1/2 passes are not); "
+                          f"use --zero-stage 3, or --compiler torch with --zero-stage {args.zero_stage}")
+    if args.tp_size > 1:
+        raise ConfigError("--compiler deepcompile is not wired with our tensor parallelism (a TP model is not built "
+                          "under zero.Init, and Dynamo cannot capture the vocab-parallel head, "
+                          "gpt2.runtime.compiling); use --tp-size 1, or --compiler torch")
+    if args.zero3_fetch is not None:
+        raise ConfigError("--compiler deepcompile removes ZeRO-3's gather hooks and gathers each parameter inside "
+                          "the compiled graph, so there is no fetch unit to choose; drop --zero3-fetch")
+    if args.comm_log:
+        raise ConfigError("--comm-log reads DeepSpeed's comms logger, which DeepCompile's collectives (issued by its "
+                          "C++ op on the process group) bypass; drop --comm-log or use --compiler torch")
+
+
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    check_deepcompile(args)
+    if args.use_fused_kernel and args.fused_kernels not in ("none", "cuda"):
+        raise ConfigError("--use-fused-kernel means --fused-kernels cuda; drop one of the two flags")
+    if args.grad_accum is not None and args.global_batch_size is not None:
+        raise ConfigError("--global-batch-size sets the accumulation steps itself; drop --grad-accum "
+                          f"{args.grad_accum} or --global-batch-size {args.global_batch_size}")
+    zero_flags = [flag for flag, value in (("--zero-stage", args.zero_stage), ("--zero3-fetch", args.zero3_fetch),
+                                           ("--zero-precision", args.zero_precision),
+                                           ("--deepspeed-nvtx", args.deepspeed_nvtx or None)) if value is not None]
+    if zero_flags and args.mode != "hybrid":
+        raise ConfigError(f"{' / '.join(zero_flags)}: DeepSpeed ZeRO settings, used only by --mode hybrid; "
+                          f"drop {'it' if len(zero_flags) == 1 else 'them'} or use --mode hybrid")
+    if len(args.busbw_gbs) > 2:
+        raise ConfigError(f"--busbw-gbs takes one or two values (within a node, across nodes), got "
+                          f"{len(args.busbw_gbs)}")
+    if args.search and not args.plan:
+        raise ConfigError("--search ranks layouts for --plan; add --plan")
+    deepcompile = compile_label(args.compile, "model", args.compiler) == "deepcompile"
+    train = _section(
+        TrainConfig, args,
+        throughput_warmup_steps=(args.throughput_warmup_steps if args.throughput_warmup_steps is not None else
+                                 throughput_warmup_default(deepcompile)),
+        compile_scope=resolve_compile_scope(args.compile_scope or "auto", args.mode, args.tp_size, args.compiler),
+        fused_kernels="cuda" if args.use_fused_kernel else args.fused_kernels)
+    return RunConfig(train=train, model=_section(ModelConfig, args, **{
+                         key: value for key, value in MODEL_PRESETS[args.model].items()
+                         if getattr(args, key, None) is None}),
+                     data=_section(DataConfig, args), parallel=_section(ParallelConfig, args),
+                     log=_section(LogConfig, args), checkpoint=_section(CheckpointConfig, args),
+                     plan=_section(PlanConfig, args))
+
+
+def validate(cfg: RunConfig) -> None:
+    """Checks that need no process group, no data and no GPU."""
+    m, t = cfg.model, cfg.train
+    if m.n_embd % m.n_head:
+        raise ConfigError(f"--n-embd {m.n_embd} is not divisible by --n-head {m.n_head}; "
+                          f"pick a head count that divides {m.n_embd}")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"--dropout must be in [0, 1), got {m.dropout}")
+    if t.seq_len > m.n_positions:
+        raise ConfigError(f"--seq-len {t.seq_len} exceeds the model's {m.n_positions} positions "
+                          f"({t.model}); use --seq-len <= {m.n_positions}")
+    if not 0.0 <= t.min_lr <= t.lr:
+        raise ConfigError(f"--min-lr must be in [0, --lr {t.lr}], got {t.min_lr}")
+    if t.weight_decay < 0:
+        raise ConfigError(f"--weight-decay must be >= 0, got {t.weight_decay}")
+    if not 0 <= t.seed < 2**32:
+        raise ConfigError(f"--seed must be in [0, 2**32) (numpy's seed range), got {t.seed}")
+    if t.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", t.device):
+        raise ConfigError(f"--device {t.device!r} is not a device this harness runs on; use cpu or cuda")
+    if t.grad_clip < 0:
+        raise ConfigError(f"--grad-clip must be >= 0 (0 disables), got {t.grad_clip}")
+    if cfg.data.data == "synthetic" and cfg.data.data_path:
+        raise ConfigError("--data synthetic ignores --data-path; drop one of the two")
+    if t.mode != "hybrid" and cfg.parallel.ds_config:
+        raise ConfigError("--ds-config only applies to --mode hybrid")
+    if t.mode != "hybrid" and cfg.parallel.comm_log:
+        raise ConfigError("--comm-log only applies to --mode hybrid (DeepSpeed's comms logger)")
+    if t.compile and cfg.zero_stage == 3 and cfg.parallel.zero3_fetch == "module":
+        raise ConfigError("--compile with ZeRO-3 needs --zero3-fetch block (per-module gather hooks inside a block "
+                          "break graph capture); drop --zero3-fetch module or --compile")
+    if (t.compile and t.compile_scope == "model" and t.compiler == "torch"
+            and (t.mode == "hybrid" or cfg.parallel.tp_size > 1)):
+        raise ConfigError("--compile-scope model (one graph cut at DDP buckets) is for single/baseline without TP; "
+                          "use --compile-scope blocks (or auto)")
+    if t.precision == "fp16" and t.mode != "hybrid" and cfg.parallel.tp_size > 1:
+        # GradScaler finds inf/NaN per rank; TP ranks hold different shards and could skip different steps
+        raise ConfigError("--precision fp16 with --tp-size > 1 needs a GradScaler synchronised over the TP "
+                          "group, which --mode baseline lacks; use --precision bf16, or --mode hybrid")
+    check_sequence_parallel(cfg.parallel.tp_size, cfg.parallel.sequence_parallel)
+    if cfg.checkpoint.resume == "auto" and not cfg.checkpoint.save_dir:
+        raise ConfigError("--resume auto looks for the latest checkpoint in --save-dir; pass --save-dir "
+                          "or --resume <checkpoint folder>")
+    if (cfg.checkpoint.save_interval or cfg.checkpoint.keep_last) and not cfg.checkpoint.save_dir:
+        raise ConfigError("--save-interval / --keep-last need --save-dir")
+    _check_output_paths(cfg)
+
+
+def _check_output_paths(cfg: RunConfig) -> None:
+    """Folders the run will create must be creatable: a file in the way fails now, not after training."""
+    name = cfg.log.run_name
+    if name is not None and (not name or Path(name).name != name or name in (".", "..")):
+        raise ConfigError(f"--run-name {name!r} must be a plain folder name (no '/'); --out-dir sets the parent")
+    for flag, folder in (("--out-dir", cfg.log.out_dir), ("--save-dir", cfg.checkpoint.save_dir),
+                         ("--cache-dir", cfg.data.cache_dir)):
+        if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
+            raise ConfigError(f"{flag} {folder} is a file, not a folder; pass a folder path")
+
+
+def parse_args(argv: list[str] | None = None) -> RunConfig:
+    cfg = config_from_args(build_parser().parse_args(argv))
+    validate(cfg)
+    return cfg
+
+
+def flags_page() -> str:
+    """docs/flags.md's generated part: `train.py --help` at a fixed width (tests/test_readme.py checks it)."""
+    return build_parser(width=HELP_WIDTH).format_help()
+
+
+if __name__ == "__main__":
+    sys.stdout.write(flags_page())
