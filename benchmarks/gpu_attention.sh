@@ -43,7 +43,7 @@ esac
 } > "$OUT/attn_env.txt" 2>&1
 cat "$OUT/attn_env.txt"
 
-stage tests 90 attn_tests.txt "$PYTHON" -m pytest -q -p no:cacheprovider -rs -s tests/test_fused_attention.py \
+stage tests 90 attn_tests.txt "$PYTHON" -m pytest -q -p no:cacheprovider -rs -s tests/unit/test_fused_attention.py \
   -k "gpu or compile"
 stage attn 50 attn_bench.txt "$PYTHON" -m benchmarks.attention_backends --out "$OUT"
 stage train 45 attn_train.txt "$PYTHON" train.py --model gpt2-tiny --data synthetic --max-steps 8 --batch-size 8 \

@@ -37,7 +37,7 @@ source benchmarks/stages.sh  # stage NAME LIMIT_S LOG CMD...
 stage build 80 kernels_build.txt "$PYTHON" -c \
   'import time; t = time.time(); from fused_kernels.cuda import load_extension; load_extension(); print(f"built in {time.time() - t:.0f}s")'
 stage tests 120 kernels_tests.txt "$PYTHON" -m pytest -q -p no:cacheprovider --durations=15 \
-  tests/test_fused_triton.py tests/test_fused_cuda.py tests/test_fused_attention.py tests/test_fused_training.py
+  tests/unit/test_fused_triton.py tests/unit/test_fused_cuda.py tests/unit/test_fused_attention.py tests/unit/test_fused_training.py
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
 stage bench 100 kernels_bench.txt "$PYTHON" -m benchmarks.kernels --out "$OUT" $BENCH_ARGS
 echo "=== done in ${SECONDS}s; results in $OUT"

@@ -36,7 +36,7 @@ if [ "$TESTS" = 1 ] && [ "$ngpu" -ge 2 ]; then
   last2="$((ngpu - 2)),$((ngpu - 1))"
   (
     CUDA_VISIBLE_DEVICES=$last2 timeout "$LIMIT" "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider \
-      tests/test_gpu_tp_compile.py tests/test_preemption.py > "$OUT/gpu_tests.log" 2>&1
+      tests/gpu/test_gpu_tp_compile.py tests/integration/test_preemption.py > "$OUT/gpu_tests.log" 2>&1
     echo "pytest rc=$?" >> "$OUT/gpu_tests.log"
     for check in "2 groups 2" "2 layers 2" "2 model 2"; do
       read -r n name tp <<< "$check"

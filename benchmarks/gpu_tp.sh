@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tensor parallelism on GPUs: the CPU/gloo correctness checks of tests/test_tp_*.py over NCCL, then the
+# Tensor parallelism on GPUs: the CPU/gloo correctness checks of tests/unit/test_tp_*.py over NCCL, then the
 # overlap / sequence-parallel step-time benchmark. Needs 4 GPUs (the 2-GPU checks use the first two).
 #   OUT=benchmarks/results/tp bash benchmarks/gpu_tp.sh
 # Every check prints "OK: ..." or a traceback; the script ends with a pass/fail summary and exit code 1

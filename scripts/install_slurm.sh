@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install a one-node Slurm (Debian's slurmctld, slurmd, slurm-client, munge) for tests/test_slurm.py.
+# Install a one-node Slurm (Debian's slurmctld, slurmd, slurm-client, munge) for tests/integration/test_slurm.py.
 # Needs root and apt-get; does nothing when slurmctld, slurmd, sbatch and munged are already installed.
 # Exit 0: installed (or already there); 3: cannot install here (not root / no apt-get), the tests skip.
 set -euo pipefail

@@ -18,7 +18,7 @@
 #                         summary.json, config.json, console.log
 #   attempt-N.task-T.log  stdout/stderr of srun task T (one launcher per node, with all its ranks' output)
 #
-# Preemption, the signal chain (tested end to end by tests/test_slurm.py):
+# Preemption, the signal chain (tested end to end by tests/integration/test_slurm.py):
 #   1. `#SBATCH --signal=B:USR1@120` makes Slurm send SIGUSR1 to this batch shell only, 120 s before the
 #      time limit (by hand: `scancel --signal=USR1 --batch JOBID`).
 #   2. The trap below runs `scancel --signal=USR1 $SLURM_JOB_ID`: without --batch/--full that signals every

@@ -32,14 +32,14 @@ CHECK_NAMES = ("groups", "layers", "model")  # --check choices (torchrun entry)
 def named_check(name: str) -> Check:
     """The check function a --check name runs (imported here: the test modules import this one)."""
     if name == "groups":
-        from tests.test_tp_dims import run_group_checks
+        from tests.unit.test_tp_dims import run_group_checks
 
         return run_group_checks
     if name == "layers":
-        from tests.test_tp_layers import run_layer_checks
+        from tests.unit.test_tp_layers import run_layer_checks
 
         return run_layer_checks
-    from tests.test_tp_model import run_model_checks
+    from tests.unit.test_tp_model import run_model_checks
 
     return run_model_checks
 

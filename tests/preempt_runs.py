@@ -1,6 +1,7 @@
 """Interrupt a running train.py and compare what it saved and what a resume gives with an uninterrupted run.
 
-Shared by tests/test_preemption.py (plain processes) and tests/test_slurm.py (Slurm jobs). The learning rate is
+Shared by tests/integration/test_preemption.py (plain processes) and tests/integration/test_slurm.py (Slurm jobs). The
+learning rate is
 constant (no warm-up, --min-lr = --lr) so that losses do not depend on --max-steps: an interrupted run with a
 huge --max-steps, its resume to step S + k and a reference run to a fixed step agree step by step.
 """

@@ -250,7 +250,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
 
 
 def flags_page() -> str:
-    """docs/flags.md's generated part: `train.py --help` at a fixed width (tests/test_readme.py checks it)."""
+    """docs/flags.md's generated part: `train.py --help` at a fixed width (tests/unit/test_readme.py checks it)."""
     return build_parser(width=HELP_WIDTH).format_help()
 
 

@@ -22,7 +22,8 @@ Under ZeRO-3 the model is built inside `deepspeed.zero.Init`: each module's para
 over the data-parallel group as soon as its constructor returns, so GPT-2 Large/XL never exist whole on
 one device. Our modules initialise in their constructors (see `gpt2.model.gpt`), which zero.Init runs on the
 full tensor before partitioning it: with the same seed the weights equal those of the plain build
-(tests/test_zero.py checks it). bf16/fp16 is DeepSpeed's torch_autocast by default (`--zero-precision autocast`,
+(tests/integration/test_zero.py checks it). bf16/fp16 is DeepSpeed's torch_autocast by default (`--zero-precision
+autocast`,
 gpt2.engines.ds_config.precision_values): fp32 weights and the forward under torch.autocast, as in single and DDP.
 With `--zero-precision deepspeed`, zero.Init creates 16-bit parameters, the rounded fp32 ones, and DeepSpeed
 keeps fp32 master copies from there: another function (see the parity results). The tied LM
@@ -45,7 +46,8 @@ graphs, prefetched and selectively kept gathered after 5 profiled steps. Nothing
 build, ZeRO-3 keys, optimizer, clipping and overflow check: by DeepSpeed's code (deepspeed/compile/init_z3.py) its op
 reduces each gradient into ZeRO-3's own partition buffer, and `engine.step()` computes the norm, clips and skips from
 there as without it. On one H100, GPT-2 Large at batch 8 trained 14 steps within 0.0005 of single, both compiles
-included (benchmarks/results/parity/h100-2026-11-26; tests/test_deepcompile.py -m gpu, parity row zero3-deepcompile).
+included (benchmarks/results/parity/h100-2026-11-26; tests/unit/test_deepcompile.py -m gpu, parity row
+zero3-deepcompile).
 Its evaluation graphs compile under `gpt2.runtime.compiling.deepcompile_eval_settings`.
 
 Non-finite guard (`gpt2.engines.guard`): the loss passes through `guard.gate` before `engine.backward`, so a non-finite

@@ -24,7 +24,8 @@ next applied one, so `latest`, and the newest checkpoint that --keep-last keeps,
 
 Fault injection (tests only): `GPT2_TEST_NONFINITE=KIND@STEPS[/RANK],...` (e.g. `loss@3,grad@6-8/1`) makes the
 training loss of those steps non-finite (`loss`: a NaN value, finite gradients) or its gradients infinite (`grad`:
-a finite value), on every rank or only on RANK. `install_fault_injection` reads it; tests/test_nonfinite.py uses it.
+a finite value), on every rank or only on RANK. `install_fault_injection` reads it; tests/integration/test_nonfinite.py
+uses it.
 """
 
 from __future__ import annotations

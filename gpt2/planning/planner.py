@@ -7,7 +7,7 @@ which layouts fit a cluster, ranked by predicted step time. Built on `gpt2.plann
 Peak allocated memory per GPU is the larger of two moments. Backward start (the loss's backward runs
 while every block's saved tensors are alive): model states + saved activations + loss buffers + weight
 copies + workspace. Optimizer step: model states + the fp32 gradient copy DeepSpeed makes for the step.
-The terms, and why (GPT-2 Large, seq 1024, on 4 x H200, is the calibration case in tests/test_planner.py):
+The terms, and why (GPT-2 Large, seq 1024, on 4 x H200, is the calibration case in tests/unit/test_planner.py):
 
 - States (ZeRO paper): torch.autocast runs (single, DDP) keep fp32 weights (4 B), fp32 gradients (4 B,
   DDP's buckets are the .grad views) and AdamW's two fp32 moments (8 B) per parameter; so does DeepSpeed's

@@ -51,7 +51,8 @@ Fault injection (tests only): with `GPT2_TEST_KILL_AT=STAGE@STEP` in the environ
 process when the save of step STEP reaches STAGE (one of `SAVE_STAGES`; `@STEP` may be left out: every save).
 With several ranks, each rank that reaches STAGE kills itself: every rank at rank-state-written and
 model-state-written, rank 0 alone at the others (they run in rank 0's prepare and commit); the launcher stops the
-rest. tests/test_faults.py kills real single-process runs at every stage and resumes them; tests/fault_chain.py
+rest. tests/integration/test_faults.py kills real single-process runs at every stage and resumes them;
+tests/fault_chain.py
 does it for 2 ranks (DDP, ZeRO-3), one launch per stage.
 """
 

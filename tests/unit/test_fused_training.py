@@ -76,7 +76,7 @@ def test_triton_training_matches_none_cpu():
 
 def test_triton_training_under_compile_matches_none_cpu():
     """--compile with --fused-kernels triton, Inductor's default backend: the kernels are custom ops inside the one
-    compiled graph (tests/test_fused_custom_ops.py asserts there is no graph break)."""
+    compiled graph (tests/unit/test_fused_custom_ops.py asserts there is no graph break)."""
     cfg = ModelConfig(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=512)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     _assert_follows("triton", device, None, cfg, B=2, T=16, lr=3e-3, tol=1e-4, compiled=True)

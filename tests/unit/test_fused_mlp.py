@@ -1,5 +1,5 @@
 """The whole-MLP op of the cuda backend (`fused_kernels.cuda.mlp`) without a GPU: its two kernels (tested against
-fp64 on an H100 by tests/test_gemm_mlp_epilogue.py -m gpu) are swapped for PyTorch versions of the same maths, so
+fp64 on an H100 by tests/unit/test_gemm_mlp_epilogue.py -m gpu) are swapped for PyTorch versions of the same maths, so
 what is checked here is everything around them: the op's registration (schema, fake, autograd), its backward
 formula against autograd of the two Linears, and when the model uses it."""
 

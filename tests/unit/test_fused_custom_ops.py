@@ -27,7 +27,7 @@ from gpt2.config.schema import ModelConfig
 from gpt2.model.gpt import GPT
 from tests._fused_helpers import DEVICE, GPU, assert_close
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _loss_and_grads(model: GPT, forward, idx: torch.Tensor, targets: torch.Tensor):

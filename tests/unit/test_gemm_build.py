@@ -13,7 +13,7 @@ import torch
 
 from fused_kernels.cuda.mlp import hopper
 
-GEMM_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "gemm"
+GEMM_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "gemm"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")

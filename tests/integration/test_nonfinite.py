@@ -14,7 +14,8 @@ Each fault tried and the outcome asserted:
   and --lr; no checkpoint after step 5 exists and --keep-last kept step 5, whose weights are finite.
 - the same faults on rank 1 only of a 2-rank ZeRO-3 run (2 gloo ranks): rank 0's own numbers are finite, yet both
   ranks skip the same steps (DeepSpeed's skip, our gate and schedule step), keep the single run's losses and
-  gradient norms (tests/test_zero.py's tolerances) and stop together with exit 65; the save dir ends as the single
+  gradient norms (tests/integration/test_zero.py's tolerances) and stop together with exit 65; the save dir ends as the
+  single
   run's.
 - a DeepSpeed config that turns off the checks the guard relies on is refused.
 """
@@ -175,7 +176,7 @@ def test_zero3_ranks_skip_and_stop_together_on_one_rank_s_fault(single, tmp_path
     ours, theirs = _steps(tmp_path / "zero3"), _steps(root / "single")
     assert sorted(ours) == sorted(theirs)
     for n, record in ours.items():
-        for key, rel in (("loss", 1e-5), ("grad_norm", 2e-4)):  # tests/test_zero.py's tolerances
+        for key, rel in (("loss", 1e-5), ("grad_norm", 2e-4)):  # tests/integration/test_zero.py's tolerances
             want = theirs[n][key]
             assert record[key] is None if want is None else record[key] == pytest.approx(want, rel=rel), (n, key)
         assert record["skipped_steps"] == theirs[n]["skipped_steps"] and record["lr"] == theirs[n]["lr"], n

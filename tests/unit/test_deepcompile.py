@@ -132,7 +132,7 @@ def test_zero3_deepcompile_trains_singles_function(tmp_path) -> None:
     bf16, 8 steps: the compiled graph from step 1, the prefetch/selective-gather re-compile after 5) matches single's
     loss and gradient norm on every step within the bounds of ZeRO-3 --compile (0.02, 5%)."""
     pytest.importorskip("deepspeed")
-    from tests.test_gpu_compile_parity import _max_deltas, _run
+    from tests.gpu.test_gpu_compile_parity import _max_deltas, _run
 
     steps = ("--max-steps", "8")
     single = _run(tmp_path, "single", *steps, mode="single")

@@ -1,7 +1,7 @@
 """Checkpoint/resume for single and baseline (DDP), export to Hugging Face, and every bad-checkpoint case.
 
 Resume exactness: N steps + resume + M steps give bit-identical losses to N + M uninterrupted steps
-(CPU, fp32). ZeRO-3 resume and export are in tests/test_zero.py.
+(CPU, fp32). ZeRO-3 resume and export are in tests/integration/test_zero.py.
 """
 
 from __future__ import annotations

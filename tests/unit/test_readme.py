@@ -8,7 +8,7 @@ from pathlib import Path
 
 from gpt2.config.cli import build_parser, flags_page
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FLAGS_PAGE = ROOT / "docs" / "flags.md"
 GENERATED = re.compile(r"<!-- generated: python -m gpt2.config.cli -->\n```text\n(.*?)```\n<!-- end generated -->",
                        re.S)

@@ -29,7 +29,7 @@ from gpt2.model.gpt import GPT
 from gpt2.runtime.compiling import compile_whole
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _train(model: GPT, forward, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -56,7 +56,7 @@ def test_compile_forwards_leaves_hooks_outside_and_room_for_a_graph_per_block() 
 @pytest.mark.parametrize("compile_fn", [compile_forwards, compile_model, compile_whole])
 def test_every_compile_applies_the_inductor_settings(compile_fn) -> None:
     """Each compile path turns off loop re-ordering after fusion, which mis-compiled GPT-2 Large's whole-model
-    training graph on the GPU (the GPU regression is tests/test_gpu_compile_parity.py)."""
+    training graph on the GPU (the GPU regression is tests/gpu/test_gpu_compile_parity.py)."""
     import torch._inductor.config
 
     with torch._inductor.config.patch(loop_ordering_after_fusion=True), torch._dynamo.config.patch(recompile_limit=8):

@@ -19,8 +19,8 @@ dir ends with `latest` and the newest checkpoint only: no `.tmp`, `.deleting` or
   or a prune), each followed by `--resume auto` -> every step any launch logged equals the uninterrupted run's
   (bit-identical), and the run finishes with `latest` and its last checkpoint only.
 
-The same with 2 gloo ranks under torchrun, DDP and ZeRO-3, in tests/test_faults_ddp.py and
-tests/test_faults_zero3.py (tests/fault_chain.py): every one of the 12 stages and 20 random kills (the whole
+The same with 2 gloo ranks under torchrun, DDP and ZeRO-3, in tests/integration/test_faults_ddp.py and
+tests/integration/test_faults_zero3.py (tests/fault_chain.py): every one of the 12 stages and 20 random kills (the whole
 job, or one rank) chained in one run, each launch resuming from the newest complete checkpoint (the stage
 outcomes above) within 1e-6 of the uninterrupted run. The commit stages (from meta-written on) run on rank 0
 alone; at tmp-created rank 0 dies, at rank-state-written and model-state-written every rank does.
@@ -109,6 +109,7 @@ def test_a_kill_before_the_rename_after_resuming_from_a_pending_checkpoint_resum
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_twenty_kills_at_random_instants_then_resume_auto_each_time(tmp_path: Path) -> None:
     """One run SIGKILLed again and again at a random instant (0-0.4 s after its first new step record: inside a
     step, a save or a prune), each time continued with --resume auto, until 20 kills; then it finishes. Every

@@ -1,7 +1,7 @@
 """The MLP up-projection's fused forward (bias + GELU + pre-activation) and backward (GELU' + bias gradient) GEMM
 epilogues: on CPU, the fp64 reference the bench checks against and its PASS/FAIL logic (run end to end with torch
 stand-ins for the kernels); on a Hopper GPU, the kernels match the reference (the nvcc build check of all four
-instantiations is tests/test_gemm_build.py's)."""
+instantiations is tests/unit/test_gemm_build.py's)."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from tests.fault_chain import run_chain
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_kill_at_every_stage_and_20_random_instants_then_resume_auto_continues(tmp_path: Path) -> None:
     launches = run_chain("ddp", tmp_path, n_random=20, seed=17)
     print(" ".join(f"{launch.fault or 'finish'}:{launch.seconds:.1f}s" for launch in launches))

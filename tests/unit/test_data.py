@@ -25,7 +25,7 @@ from gpt2.data.loader import BatchLoader, DataError, build_data, resolve_splits
 from gpt2.data.tokenizer import hub_reachable, load_tokenizer
 from parallel.dims import ParallelDims
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 GPT2_TOKENIZER = SHARED / "gpt2-tokenizer" / "tokenizer.json"
 WIKITEXT2 = SHARED / "wikitext-2"
 needs_shared = pytest.mark.skipif(not GPT2_TOKENIZER.exists() or not WIKITEXT2.exists(),
@@ -315,7 +315,7 @@ _NO_DATASETS_LOAD = textwrap.dedent("""
 
 def load_without_datasets(data_path: Path, tokenizer: Path, cache_dir: Path) -> dict:
     out = subprocess.run([sys.executable, "-c", _NO_DATASETS_LOAD, str(data_path), str(tokenizer), str(cache_dir)],
-                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 

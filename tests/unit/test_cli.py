@@ -16,7 +16,7 @@ from gpt2.config.cli import parse_args
 from gpt2.config.layout import RunLayout, check_tp_divides_model, check_tp_divides_world
 from gpt2.config.schema import ConfigError, ModelConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _error_of(argv: list[str], capsys: pytest.CaptureFixture) -> str:

@@ -29,8 +29,8 @@ from gpt2.config.cli import parse_args
 from gpt2.data.loader import build_data
 from gpt2.observe.metrics import host_cpu
 from gpt2.runtime.distributed import LAUNCHER_VARS
-from tests.test_data import tiny_tokenizer, wiki_lines, write  # noqa: F401 (tiny_tokenizer: a fixture)
 from tests.train_runs import ROOT, SHARED_DATA, train_env
+from tests.unit.test_data import tiny_tokenizer, wiki_lines, write  # noqa: F401 (tiny_tokenizer: a fixture)
 
 TINY = ["--models", "gpt2-tiny", "--seq-len", "32", "--batch-size", "8", "--steps", "6", "--warmup-steps", "2",
         "--eval-batches", "2", "--device", "cpu", "--jobs", "2"]

@@ -17,7 +17,7 @@ from parallel.dims import ParallelDims
 from parallel.grads import register_sequence_parallel_grad_hooks
 from parallel.mpu import ModelParallelUnit
 from tests._tp_harness import spawn
-from tests.test_tp_model import B, batch, build
+from tests.unit.test_tp_model import B, batch, build
 
 pytestmark = pytest.mark.slow
 STEPS, LR, CLIP = 3, 0.5, 0.5

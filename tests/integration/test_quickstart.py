@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 ENV_VARS = ("PYTHON", "VIRTUAL_ENV", "CONDA_PREFIX", "USE_SYSTEM_PYTHON", "PYTHONPATH")  # what picks the env
 MIN_PYTHON = re.search(r'^requires-python = ">=([\d.]+)"$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
@@ -129,6 +129,7 @@ def externally_managed_python() -> str | None:
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_quickstart_from_a_fresh_clone_with_the_system_python(tmp_path: Path) -> None:
     """demo.sh then test.sh on a fresh clone, PATH=/usr/bin:/bin: a new .venv, a few steps, ruff + a test file.
 
@@ -161,5 +162,5 @@ def test_quickstart_from_a_fresh_clone_with_the_system_python(tmp_path: Path) ->
     start = time.perf_counter()
     again = run("bash", "scripts/setup.sh")
     assert "is up to date" in again.stdout and time.perf_counter() - start < 10  # nothing reinstalled
-    tests = run("bash", "scripts/test.sh", "tests/test_readme.py")
+    tests = run("bash", "scripts/test.sh", "tests/unit/test_readme.py")
     assert re.search(r"\d+ passed", tests.stdout), tests.stdout
