@@ -46,6 +46,8 @@ recomputed all-gathers of the overlapped backward), so the TP payload can be com
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import math
 import os
@@ -224,38 +226,48 @@ def zero3_held_params(s: Setup) -> float:
     backward in reverse); parameters under `stage3_param_persistence_threshold` are never partitioned.
     The LM head reuses the tied word embedding, so that one is held from the embedding onwards.
     """
-    cfg, t, ds = s.model, s.tp, s.deepspeed
-    d = cfg.n_embd
-    vocab = ("wte", cfg.padded_vocab_size * d / t)
+    cfg, ds = s.model, s.deepspeed
+    return _zero3_held(cfg.n_layer, cfg.n_embd, cfg.n_positions, cfg.padded_vocab_size, s.tp,
+                       ds.param_persistence_threshold, ds.max_reuse_distance)
+
+
+@functools.cache  # --search plans every layout of one model: a few distinct (tp, settings), many calls
+def _zero3_held(n_layer: int, d: int, n_positions: int, padded_vocab: int, t: int, threshold: int,
+                max_reuse_distance: int) -> float:
+    """`zero3_held_params` in time linear in layers (a scan per module took minutes at 100k layers)."""
+    vocab = ("wte", padded_vocab * d / t)
     blocks = []
-    for i in range(cfg.n_layer):
+    for i in range(n_layer):
         blocks += [(f"{i}.ln_1", 2 * d), (f"{i}.c_attn", (3 * d * d + 3 * d) / t), (f"{i}.attn_proj", d * d / t + d),
                    (f"{i}.ln_2", 2 * d), (f"{i}.c_fc", (4 * d * d + 4 * d) / t), (f"{i}.mlp_proj", 4 * d * d / t + d)]
-    forward = [vocab, ("wpe", cfg.n_positions * d), *blocks, ("ln_f", 2 * d), vocab]
+    forward = [vocab, ("wpe", n_positions * d), *blocks, ("ln_f", 2 * d), vocab]
     trace = forward + forward[::-1]
+    # where each module comes next in the trace, and the elements before each position: the distance to a reuse
+    # is one subtraction
+    before = list(itertools.accumulate((numel for _, numel in trace), initial=0.0))
+    next_use: list[int | None] = [None] * len(trace)
+    seen: dict[str, int] = {}
+    for k in range(len(trace) - 1, -1, -1):
+        next_use[k] = seen.get(trace[k][0])
+        seen[trace[k][0]] = k
     held: dict[str, float] = {}
     for i, (name, numel) in enumerate(forward):
-        if numel < ds.param_persistence_threshold:
+        if numel < threshold:
             continue  # persistent: counted nowhere (a few small vectors)
-        traversed = 0.0
         held.pop(name, None)
-        for other, other_numel in trace[i + 1:]:
-            if traversed >= ds.max_reuse_distance:
-                break
-            if other == name:
-                held[name] = numel
-                break
-            traversed += other_numel
+        j = next_use[i]
+        if j is not None and before[j] - before[i + 1] < max_reuse_distance:
+            held[name] = numel
     return sum(held.values())
 
 
 def zero3_persistent_params(s: Setup) -> float:
     """Elements of the parameters ZeRO-3 never partitions (each under `stage3_param_persistence_threshold`)."""
-    cfg, t = s.model, s.tp
+    cfg, t, threshold = s.model, s.tp, s.deepspeed.param_persistence_threshold
     d = cfg.n_embd
     block = [d, d, 3 * d * d / t, 3 * d / t, d * d / t, d, d, d, 4 * d * d / t, 4 * d / t, 4 * d * d / t, d]
-    sizes = [cfg.padded_vocab_size * d / t, cfg.n_positions * d, d, d] + block * cfg.n_layer
-    return sum(n for n in sizes if n < s.deepspeed.param_persistence_threshold)
+    once = [cfg.padded_vocab_size * d / t, cfg.n_positions * d, d, d]
+    return sum(n for n in once if n < threshold) + cfg.n_layer * sum(n for n in block if n < threshold)
 
 
 def loss_bytes(s: Setup, tokens: int, e: int) -> float:
