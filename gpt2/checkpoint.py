@@ -78,6 +78,7 @@ import torch.distributed as dist
 from gpt2.config import CheckpointConfig, ConfigError, RunConfig
 from gpt2.data import BatchLoader
 from gpt2.distributed import DistContext
+from gpt2.guard import NonFiniteError
 from gpt2.layout import RunLayout
 from gpt2.run_logging import log
 
@@ -400,10 +401,32 @@ def _is_deepspeed(engine: Any) -> bool:
 # save and load
 
 
+def newest_checkpoint(save_dir: Path) -> str:
+    """What `latest` names in `save_dir`, for messages about a save that did not happen."""
+    pointer = save_dir / LATEST
+    return f"{save_dir / pointer.read_text().strip()}" if pointer.is_file() else f"none in {save_dir}"
+
+
+def check_weights_finite(ctx: DistContext, engine: Any, step: int, save_dir: Path) -> None:
+    """Refuse, on every rank, to checkpoint weights that hold a NaN or an infinity, whatever let them through (the
+    guard judges a step by its loss and gradient norm, not by the update: a huge --lr applies a finite gradient as
+    an infinite step). Each rank checks what it holds: its ZeRO-3 partition (`ds_tensor`), else its parameters."""
+    held = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
+    finite = torch.stack([t.isfinite().all() for t in held]).all().float() if held else torch.ones(())
+    finite = finite.to(ctx.device).reshape(1)
+    if ctx.distributed:
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if not finite.item():
+        raise NonFiniteError(f"the weights after step {step} hold non-finite values although its loss and gradient "
+                             f"norm were finite (an update too large: lower --lr or --grad-clip): not saved; newest "
+                             f"checkpoint: {newest_checkpoint(save_dir)}")
+
+
 def save_checkpoint(layout: RunLayout, ctx: DistContext, engine: Any, train_loader: BatchLoader, step: int,
                     keep_last: int | None = None) -> Path:
     """Write <save_dir>/step-XXXXXX atomically and point `latest` at it (collective)."""
     save_dir = Path(layout.cfg.checkpoint.save_dir)
+    check_weights_finite(ctx, engine, step, save_dir)
     final = save_dir / step_dir_name(step)
     tmp = final.with_name(final.name + ".tmp")
 

@@ -188,8 +188,16 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
+def _finite_float(text: str) -> float:
+    """Every float flag: nan and inf parse as floats, and each either trains to NaN or silently turns a check off."""
     value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _finite_float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
@@ -207,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--n-layer", type=_positive_int, help="override the preset's layer count")
     g.add_argument("--n-embd", type=_positive_int, help="override the preset's width")
     g.add_argument("--n-head", type=_positive_int, help="override the preset's head count")
-    g.add_argument("--dropout", type=float, default=0.0)
+    g.add_argument("--dropout", type=_finite_float, default=0.0)
     g.add_argument("--no-pad-vocab", action="store_true", help="keep vocab at 50257 (no padding to 128)")
     g.add_argument("--init-from", help="gpt2 | gpt2-medium | gpt2-large | gpt2-xl | local HF folder")
 
@@ -233,9 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEEPCOMPILE_RECOMPILE_STEP + 1} under --compiler deepcompile, whose second compile "
                         f"comes after step {DEEPCOMPILE_RECOMPILE_STEP})")
     g.add_argument("--lr", type=_positive_float, default=6e-4)
-    g.add_argument("--min-lr", type=float, default=6e-5)
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--grad-clip", type=float, default=1.0, help="0 disables clipping")
+    g.add_argument("--min-lr", type=_finite_float, default=6e-5)
+    g.add_argument("--weight-decay", type=_finite_float, default=0.1)
+    g.add_argument("--grad-clip", type=_finite_float, default=1.0, help="0 disables clipping")
     g.add_argument("--max-bad-steps", type=_positive_int, default=3,
                    help="a step whose loss or gradient norm is not finite is skipped (nothing updated, nothing "
                         "saved); this many in a row stop the run with exit code 65")

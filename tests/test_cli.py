@@ -41,6 +41,29 @@ def test_argparse_rejects(argv: list[str], needle: str, capsys: pytest.CaptureFi
     assert needle in _error_of(argv, capsys)
 
 
+def _float_flags() -> list[str]:
+    """Every flag of train.py whose value parses as a float."""
+    from gpt2.config import build_parser
+
+    flags = []
+    for action in build_parser()._actions:
+        try:
+            parsed = action.type("1.5") if callable(action.type) else None
+        except (ValueError, TypeError):  # int flags
+            continue
+        if isinstance(parsed, float):
+            flags.append(action.option_strings[0])
+    return flags
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_every_float_flag_must_be_finite(value: str, capsys: pytest.CaptureFixture) -> None:
+    flags = _float_flags()
+    assert {"--lr", "--min-lr", "--weight-decay", "--grad-clip", "--dropout", "--busbw-gbs"} <= set(flags)
+    for flag in flags:
+        assert f"argument {flag}: must be a finite number, got {float(value)}" in _error_of([flag, value], capsys)
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
