@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         from gpt2.guard import EXIT_NONFINITE, NonFiniteError
         from gpt2.metrics import model_params_for_flops
         from gpt2.preemption import EXIT_INTERRUPTED, Preempted, PreemptionWatcher
+        from gpt2.profiling import check_profile_window
         from gpt2.run_logging import MetricsLogger, log, make_run_dir, setup_console
         from gpt2.trainer import run_training
 
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         setup_console(None, ctx.is_main)
         # a bad --resume or a colliding --save-dir fails before data, a run folder or a model exist
         resume = prepare_resume(layout, ctx)  # recorded in the new run folder's config.json
+        check_profile_window(cfg.train, resume.step if resume else 0)  # a resumed run profiles its own steps
         # data first: a bad --data-path or tokenizer fails before a run folder or a model exists
         data = build_data(
             cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,

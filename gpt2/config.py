@@ -222,10 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--data", choices=["wikitext", "synthetic"], default="wikitext")
     g.add_argument("--data-path", help="text file(s) or a folder with train/validation files")
-    g.add_argument("--tokenizer", default="gpt2", help="hub name, tokenizer.json or tokenizer folder")
+    g.add_argument("--tokenizer", help=f"hub name, tokenizer.json or tokenizer folder (default {DataConfig.tokenizer})")
     g.add_argument("--max-samples", type=_positive_int, help="cap on training sequences")
-    g.add_argument("--cache-dir", default=".cache/tokens", help="tokenised-stream cache")
-    g.add_argument("--num-proc", type=_positive_int, default=4, help="tokenisation processes")
+    g.add_argument("--cache-dir", help=f"tokenised-stream cache (default {DataConfig.cache_dir})")
+    g.add_argument("--num-proc", type=_positive_int, help=f"tokenisation processes (default {DataConfig.num_proc})")
     g.add_argument("--eval-batches", type=_positive_int, default=20)
 
     g = p.add_argument_group("optimisation")
@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "compiles the whole model as one graph with ZeRO-3's all-gathers and gradient "
                         "reduce-scatters in it (its hooks removed), prefetching and keeping parameters gathered as "
                         "memory allows; same ZeRO-3 settings otherwise")
-    g.add_argument("--ddp-bucket-mb", type=_positive_int, default=100, help="DDP gradient bucket size")
+    g.add_argument("--ddp-bucket-mb", type=_positive_int,
+                   help=f"DDP gradient bucket size (--mode baseline; default {TrainConfig.ddp_bucket_mb})")
     g.add_argument("--eval-interval", type=_non_negative_int, default=0, help="0: evaluate at the end only")
     g.add_argument("--device", help="cpu | cuda (default: cuda when available)")
     g.add_argument("--profile", action="store_true",
@@ -328,10 +329,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpus", "--world-size", type=_positive_int, help="GPUs to plan for (default: $WORLD_SIZE or 1)")
     g.add_argument("--gpu-memory-gib", type=_positive_float,
                    help="memory per GPU (default: the CUDA device's, else 80)")
-    g.add_argument("--busbw-gbs", type=_positive_float, nargs="+", default=[350.0, 40.0], metavar="GB/S",
-                   help="collective bus bandwidth within a node [and across nodes] for --search")
-    g.add_argument("--achievable-tflops", type=_positive_float, default=400.0,
-                   help="sustained TFLOP/s per GPU assumed by --search")
+    g.add_argument("--busbw-gbs", type=_positive_float, nargs="+", metavar="GB/S",
+                   help="collective bus bandwidth within a node [and across nodes] for --search (default "
+                        f"{' '.join(f'{v:g}' for v in PlanConfig().busbw_gbs)})")
+    g.add_argument("--achievable-tflops", type=_positive_float,
+                   help=f"sustained TFLOP/s per GPU assumed by --search (default {PlanConfig.achievable_tflops:g})")
     return p
 
 
@@ -387,8 +389,45 @@ def check_deepcompile(args: argparse.Namespace) -> None:
                           "C++ op on the process group) bypass; drop --comm-log or use --compiler torch")
 
 
+def check_flags_act(args: argparse.Namespace) -> None:
+    """A flag given to a run in which it cannot act is an error naming why (not silently recorded as if used)."""
+    if args.gpus is not None and not args.plan:
+        raise ConfigError(f"--gpus / --world-size {args.gpus}: the GPU count that --plan plans for; a training run's "
+                          "size is its launcher's (torchrun --nproc_per_node=N, deepspeed --num_gpus=N): add --plan "
+                          "or drop it")
+    searching = [flag for flag, value in (("--busbw-gbs", args.busbw_gbs),
+                                          ("--achievable-tflops", args.achievable_tflops)) if value is not None]
+    if searching and not args.search:
+        raise ConfigError(f"{', '.join(searching)}: read only by --plan --search (to rank layouts by step time); "
+                          "add --plan --search or drop them")
+    if args.compile_scope != "auto" and not args.compile:
+        raise ConfigError(f"--compile-scope {args.compile_scope} says what --compile compiles; add --compile or drop "
+                          "it")
+    if args.compiler == "torch" and not args.compile:
+        raise ConfigError("--compiler torch says who compiles under --compile; add --compile or drop it")
+    if args.ddp_bucket_mb is not None and args.mode != "baseline":
+        raise ConfigError(f"--ddp-bucket-mb sizes DDP's gradient buckets, used only by --mode baseline (--mode "
+                          f"{args.mode} has no DDP); drop it")
+    if args.mode == "hybrid" and args.zero3_fetch is not None and (args.zero_stage or 3) != 3:
+        raise ConfigError(f"--zero3-fetch chooses what ZeRO-3 gathers at once; --zero-stage {args.zero_stage} keeps "
+                          "whole parameters on every rank and gathers nothing: drop it or use --zero-stage 3")
+    if args.no_tp_overlap and args.tp_size == 1:
+        raise ConfigError("--no-tp-overlap turns off the overlap of tensor-parallel collectives, and --tp-size 1 has "
+                          "none; drop it or pass --tp-size > 1")
+    tokenising = [flag for flag, value in (("--tokenizer", args.tokenizer), ("--cache-dir", args.cache_dir),
+                                           ("--num-proc", args.num_proc)) if value is not None]
+    if tokenising and args.data == "synthetic":
+        raise ConfigError(f"{', '.join(tokenising)}: --data synthetic draws random token ids and tokenises nothing; "
+                          "drop them or train on text (--data-path)")
+    if args.init_from and args.resume not in (None, "auto"):
+        raise ConfigError(f"--init-from {args.init_from} gives a new run its weights, but --resume {args.resume} "
+                          "loads the checkpoint's over them; drop one (--resume auto with --init-from is fine: a "
+                          "first launch starts from --init-from, a requeued one from its checkpoint)")
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     check_deepcompile(args)
+    check_flags_act(args)
     preset = dict(MODEL_PRESETS[args.model])
     for key in ("n_layer", "n_embd", "n_head"):
         if getattr(args, key) is not None:
@@ -408,7 +447,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         activation_checkpointing=args.activation_checkpointing, compile=args.compile,
         compile_scope=resolve_compile_scope(args.compile_scope, args.mode, args.tp_size, args.compiler or "torch"),
         compiler=args.compiler or TrainConfig.compiler,
-        ddp_bucket_mb=args.ddp_bucket_mb,
+        ddp_bucket_mb=args.ddp_bucket_mb or TrainConfig.ddp_bucket_mb,
         eval_interval=args.eval_interval,
         fused_kernels="cuda" if args.use_fused_kernel else args.fused_kernels,
         attn=args.attn, device=args.device, profile=args.profile,
@@ -419,8 +458,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         raise ConfigError("--global-batch-size sets the accumulation steps itself; drop --grad-accum "
                           f"{args.grad_accum} or --global-batch-size {args.global_batch_size}")
     data = DataConfig(
-        data=args.data, data_path=args.data_path, tokenizer=args.tokenizer,
-        max_samples=args.max_samples, cache_dir=args.cache_dir, num_proc=args.num_proc,
+        data=args.data, data_path=args.data_path, tokenizer=args.tokenizer or DataConfig.tokenizer,
+        max_samples=args.max_samples, cache_dir=args.cache_dir or DataConfig.cache_dir,
+        num_proc=args.num_proc or DataConfig.num_proc,
         eval_batches=args.eval_batches,
     )
     zero_flags = [flag for flag, value in (("--zero-stage", args.zero_stage), ("--zero3-fetch", args.zero3_fetch),
@@ -447,10 +487,11 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     checkpoint = CheckpointConfig(save_dir=args.save_dir, save_interval=args.save_interval, resume=args.resume,
                                   keep_last=args.keep_last)
     plan = PlanConfig(plan=args.plan, search=args.search, gpus=args.gpus, gpu_memory_gib=args.gpu_memory_gib,
-                      busbw_gbs=list(args.busbw_gbs), achievable_tflops=args.achievable_tflops)
-    if len(args.busbw_gbs) > 2:
+                      busbw_gbs=list(args.busbw_gbs or PlanConfig().busbw_gbs),
+                      achievable_tflops=args.achievable_tflops or PlanConfig.achievable_tflops)
+    if len(plan.busbw_gbs) > 2:
         raise ConfigError(f"--busbw-gbs takes one or two values (within a node, across nodes), got "
-                          f"{len(args.busbw_gbs)}")
+                          f"{len(plan.busbw_gbs)}")
     if args.search and not args.plan:
         raise ConfigError("--search ranks layouts for --plan; add --plan")
     return RunConfig(train=train, model=model, data=data, parallel=parallel, log=log, checkpoint=checkpoint,

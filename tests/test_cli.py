@@ -14,6 +14,7 @@ import pytest
 import train
 from gpt2.config import ConfigError, ModelConfig, parse_args
 from gpt2.layout import RunLayout, check_tp_divides_model, check_tp_divides_world
+from tests.train_runs import train_error
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,7 +62,7 @@ def test_every_float_flag_must_be_finite(value: str, capsys: pytest.CaptureFixtu
     flags = _float_flags()
     assert {"--lr", "--min-lr", "--weight-decay", "--grad-clip", "--dropout", "--busbw-gbs"} <= set(flags)
     for flag in flags:
-        assert f"argument {flag}: must be a finite number, got {float(value)}" in _error_of([flag, value], capsys)
+        assert f"argument {flag}: must be a finite number, got {float(value)}" in _error_of([f"{flag}={value}"], capsys)
 
 
 @pytest.mark.parametrize(
@@ -81,7 +82,7 @@ def test_every_float_flag_must_be_finite(value: str, capsys: pytest.CaptureFixtu
         (["--mode", "baseline", "--zero-stage", "3", "--zero3-fetch", "module"], "drop them or use --mode hybrid"),
         (["--zero-precision", "deepspeed"], "--zero-precision: DeepSpeed ZeRO settings, used only by --mode hybrid"),
         (["--deepspeed-nvtx"], "--deepspeed-nvtx: DeepSpeed ZeRO settings, used only by --mode hybrid"),
-        (["--plan", "--busbw-gbs", "1", "2", "3"], "--busbw-gbs takes one or two values"),
+        (["--plan", "--search", "--busbw-gbs", "1", "2", "3"], "--busbw-gbs takes one or two values"),
         (["--data", "synthetic", "--data-path", "x"], "drop one of the two"),
         (["--ds-config", "ds_configs/zero3.json"], "--ds-config only applies to --mode hybrid"),
         (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
@@ -96,6 +97,37 @@ def test_validate_rejects(argv: list[str], needle: str) -> None:
     with pytest.raises(ConfigError, match=None) as exc:
         parse_args(argv)
     assert needle in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--world-size", "4"], "--gpus / --world-size 4: the GPU count that --plan plans for"),
+        (["--gpus", "2", "--mode", "baseline"], "add --plan or drop it"),
+        (["--plan", "--busbw-gbs", "100"], "--busbw-gbs: read only by --plan --search"),
+        (["--achievable-tflops", "300"], "--achievable-tflops: read only by --plan --search"),
+        (["--compile-scope", "blocks"], "--compile-scope blocks says what --compile compiles; add --compile"),
+        (["--compiler", "torch"], "--compiler torch says who compiles under --compile"),
+        (["--ddp-bucket-mb", "25"], "--ddp-bucket-mb sizes DDP's gradient buckets, used only by --mode baseline"),
+        (["--mode", "hybrid", "--zero-stage", "2", "--zero3-fetch", "module"], "--zero-stage 2 keeps whole parameters"),
+        (["--mode", "hybrid", "--zero-stage", "1", "--zero3-fetch", "block"], "drop it or use --zero-stage 3"),
+        (["--no-tp-overlap"], "--tp-size 1 has none"),
+        (["--data", "synthetic", "--tokenizer", "gpt2"], "--tokenizer: --data synthetic draws random token ids"),
+        (["--data", "synthetic", "--cache-dir", "c", "--num-proc", "2"], "--cache-dir, --num-proc: --data synthetic"),
+        (["--init-from", "gpt2", "--resume", "ck/step-000010"], "loads the checkpoint's over them; drop one"),
+    ],
+)
+def test_a_flag_that_cannot_act_is_an_error_naming_why(argv: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        parse_args(argv)
+    assert needle in str(exc.value)
+
+
+def test_profile_needs_the_steps_it_records(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    args = ["--data", "synthetic", "--device", "cpu", "--profile", "--max-steps", "6"]
+    err = train_error(args, capsys, tmp_path / "runs")  # 3 warm-up + 1 profiler warm-up + 3 profiled = 7
+    assert "--profile records steps 5-7 of a run" in err and "raise --max-steps to 7" in err, err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_validate_accepts_the_supported_neighbours() -> None:
