@@ -156,7 +156,15 @@ def read_meta(step_dir: Path) -> dict[str, Any]:
     meta_path = step_dir / META
     if not meta_path.is_file():
         raise CheckpointError(f"{step_dir} has no {META}: it is a partial or foreign checkpoint, not resumable")
-    return json.loads(meta_path.read_text())
+    try:  # read before the manifest check (it says which layout to verify): a damaged one is refused here
+        meta = json.loads(meta_path.read_text())
+        if not (isinstance(meta, dict) and isinstance(meta.get("model"), dict) and isinstance(meta.get("step"), int)
+                and isinstance(meta.get("mode"), str)):
+            raise ValueError("not a checkpoint's meta record")
+    except ValueError as e:
+        raise CheckpointError(f"{meta_path} is damaged ({e}): refusing {step_dir}; resume from another step folder "
+                              "(its save dir holds the older ones unless --keep-last removed them)") from None
+    return meta
 
 
 def check_compatible(meta: dict[str, Any], layout: RunLayout, where: Path) -> None:
@@ -282,7 +290,8 @@ def verify_checkpoint(folder: Path) -> None:
         return
     try:
         listed = json.loads(path.read_text())["files"]
-        assert isinstance(listed, dict)
+        assert isinstance(listed, dict) and all(isinstance(want, dict) and isinstance(want.get("size"), int)
+                                                and isinstance(want.get("sha256"), str) for want in listed.values())
     except (ValueError, KeyError, TypeError, AssertionError):
         raise CheckpointError(f"{path} is not a valid checkpoint manifest: refusing to load {folder}") from None
     for rel, want in listed.items():

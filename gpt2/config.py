@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -552,15 +553,30 @@ def validate(cfg: RunConfig) -> None:
     _check_output_paths(cfg)
 
 
+def check_folder_creatable(what: str, folder: Path, writable: bool = True) -> None:
+    """A folder a run or tool will write must be creatable (and, with `writable`, writable by this user), checked
+    before the work whose results it holds: a file in the way or a read-only parent fails now, not at the end."""
+    path = folder.expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{what} {folder} is a file, not a folder; pass a folder path")
+    nearest = next(p for p in (path, *path.parents) if p.exists())  # the folder, or where creating it starts
+    if not nearest.is_dir():
+        raise ConfigError(f"{what} {folder} cannot be created: {nearest} is a file; pass another folder path")
+    if writable and not os.access(nearest, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {folder} is not writable here ({nearest} is read-only for this user); pass a "
+                          "folder you can write to")
+
+
 def _check_output_paths(cfg: RunConfig) -> None:
-    """Folders the run will create must be creatable: a file in the way fails now, not after training."""
+    """The run's output folders (see check_folder_creatable); --cache-dir may be read-only (a shared cache serves
+    hits; gpt2.data checks a miss), and --plan writes nothing."""
     name = cfg.log.run_name
     if name is not None and (not name or Path(name).name != name or name in (".", "..")):
         raise ConfigError(f"--run-name {name!r} must be a plain folder name (no '/'); --out-dir sets the parent")
     for flag, folder in (("--out-dir", cfg.log.out_dir), ("--save-dir", cfg.checkpoint.save_dir),
                          ("--cache-dir", cfg.data.cache_dir)):
-        if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
-            raise ConfigError(f"{flag} {folder} is a file, not a folder; pass a folder path")
+        if folder is not None:
+            check_folder_creatable(flag, Path(folder), writable=flag != "--cache-dir" and not cfg.plan.plan)
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:

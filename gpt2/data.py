@@ -58,6 +58,7 @@ shuffling.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import hashlib
 import json
@@ -114,11 +115,28 @@ class TextSplit:
 
 
 def _sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """sha256 of a file's bytes, read in chunks (corpora can be hundreds of MB)."""
+    """sha256 of a text file's bytes, read in chunks (corpora can be hundreds of MB), checked to be UTF-8 text in
+    the same pass: the tokeniser (datasets' text builder) would fail on anything else with a long traceback."""
     digest = hashlib.sha256()
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
     with open(path, "rb") as f:
         while block := f.read(chunk):
             digest.update(block)
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as e:
+                raise DataError(f"--data-path: {path} is not UTF-8 text (byte {offset + e.start:,}: {e.reason}); "
+                                "convert it (e.g. iconv -t utf-8) or leave it out") from None
+            if (nul := block.find(b"\0")) >= 0:
+                raise DataError(f"--data-path: {path} is binary, not text (a NUL byte at {offset + nul:,}); pass text "
+                                "files only") from None
+            offset += len(block)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise DataError(f"--data-path: {path} is not UTF-8 text (it ends inside a character); convert it (e.g. "
+                        "iconv -t utf-8) or leave it out") from None
     return digest.hexdigest()
 
 
@@ -137,6 +155,9 @@ def resolve_splits(cfg: DataConfig) -> tuple[TextSplit, TextSplit | None]:
     root = Path(cfg.data_path).expanduser().resolve()
     if not root.exists():
         raise DataError(f"--data-path {cfg.data_path}: no such file or folder")
+    if not (root.is_file() or root.is_dir()):
+        raise DataError(f"--data-path {cfg.data_path}: not a regular file or a folder (a device or a pipe); pass "
+                        "text files or a folder of them")
     if root.is_file():
         files = [root]
     else:
@@ -422,7 +443,11 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, model_vocab_si
         splits = [s for s in (train_split, val_split) if s is not None]
         paths = [_cache_paths(s, key_material, cache_dir) for s in splits]
         if is_main:
-            cache_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                cache_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise DataError(f"--cache-dir {cache_dir}: cannot create it ({e.strerror}); pass a writable "
+                                "--cache-dir") from None
             for split, (bin_path, material) in zip(splits, paths):
                 meta_path = bin_path.with_suffix(".json")
                 if meta_path.exists():
@@ -433,6 +458,10 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, model_vocab_si
                     _log.warning("token cache %s is damaged: %s; rebuilding it", bin_path, problem)
                     meta_path.unlink()  # first, so an interrupted rebuild reads as "no cache" next time
                 cache_hit = False
+                if not os.access(cache_dir, os.W_OK | os.X_OK):  # a read-only cache serves hits only
+                    raise DataError(f"--cache-dir {cache_dir} is not writable and holds no token cache for the "
+                                    f"{split.name} text ({split.label}); pass a writable --cache-dir, or copy in one "
+                                    "built elsewhere (python -m gpt2.data <train.py data flags>)")
                 if old := _other_format_sidecars(cache_dir, split.name):
                     _log.warning("token cache: ignoring %s (another cache format than version %d); building %s "
                                  "(delete the old files)", ", ".join(map(str, old)), CACHE_FORMAT_VERSION, bin_path)

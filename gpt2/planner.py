@@ -50,13 +50,13 @@ import functools
 import itertools
 import json
 import math
-import os
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from gpt2.config import MODEL_PRESETS, ConfigError, ModelConfig, RunConfig
+from gpt2.distributed import env_int
 from gpt2.ds_config import persistence_threshold_default
 from gpt2.layout import RunLayout, check_tp_divides_world, ds_config_file, sequence_splits, tp_divides_model
 from gpt2.metrics import hardware_flops_per_token
@@ -597,14 +597,14 @@ def format_search(base: Setup, global_batch: int, hw: Hardware, ranked: list[Can
 
 
 def planned_world_size(requested: int | None) -> int:
-    return requested if requested is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    return requested if requested is not None else env_int("WORLD_SIZE", 1, minimum=1)
 
 
 def run_plan_cli(cfg: RunConfig) -> int:
     """`train.py --plan [--search]`: print and exit; no process group, data or GPU needed."""
     pc = cfg.plan
-    world = planned_world_size(pc.gpus)
     try:
+        world = planned_world_size(pc.gpus)
         if pc.search:  # it varies the layout itself; the given tp-size must still fit the world
             check_tp_divides_world(world, cfg.parallel.tp_size)
             base = setup_from_config(cfg, world)

@@ -120,6 +120,35 @@ def test_bad_checkpoints_fail_at_start_naming_the_problem(single: Path, tmp_path
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-000004", "step-000008"]  # untouched
 
 
+@pytest.mark.parametrize(("name", "text", "needle"), [
+    ("meta.json", '{"step": 4, "mo', "meta.json is damaged (Unterminated string"),
+    ("meta.json", "[]", "meta.json is damaged (not a checkpoint's meta record)"),
+    ("meta.json", "\udcff", "meta.json is damaged"),
+    ("manifest.json", '{"version": 1, "files": {"model.pt": 5}}', "is not a valid checkpoint manifest"),
+])
+def test_a_damaged_meta_or_manifest_is_one_line_at_resume_and_export(single: Path, tmp_path: Path, capsys, name: str,
+                                                                     text: str, needle: str) -> None:
+    """meta.json is read before the manifest check (it says what to verify): damaged, it is refused, not a
+    traceback; so is a manifest whose entries are not what the save writes."""
+    from gpt2.export import main as export_main
+
+    ck = tmp_path / "ck" / "step-000004"
+    shutil.copytree(single / "ck" / "step-000004", ck)
+    (ck / name).write_bytes(text.encode(errors="surrogateescape"))
+    assert needle in train_error(COMMON + ["--batch-size", "4", "--resume", str(ck)], capsys)
+    assert export_main([str(ck), str(tmp_path / "hf")]) == 2
+    assert needle in capsys.readouterr().err and not (tmp_path / "hf").exists()
+
+
+def test_export_checks_its_output_folder_before_the_gather(single: Path, tmp_path: Path, capsys) -> None:
+    from gpt2.export import main as export_main
+
+    (tmp_path / "f").write_text("a user's file")
+    assert export_main([str(single / "ck"), str(tmp_path / "f" / "hf")]) == 2
+    assert f"output folder {tmp_path / 'f' / 'hf'} cannot be created: {tmp_path / 'f'} is a file" in (
+        capsys.readouterr().err)
+
+
 def test_checkpoint_files_are_verified_before_any_load(single: Path, tmp_path: Path, capsys) -> None:
     """manifest.json (sha256 + size of every file, written last) is checked before anything is loaded: a truncated,
     modified, missing or unlisted file is refused naming it, at resume and at export."""

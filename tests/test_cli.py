@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import gpt2.config
 import train
 from gpt2.config import ConfigError, ModelConfig, parse_args
 from gpt2.layout import RunLayout, check_tp_divides_model, check_tp_divides_world
@@ -128,6 +129,31 @@ def test_profile_needs_the_steps_it_records(tmp_path: Path, capsys: pytest.Captu
     err = train_error(args, capsys, tmp_path / "runs")  # 3 warm-up + 1 profiler warm-up + 3 profiled = 7
     assert "--profile records steps 5-7 of a run" in err and "raise --max-steps to 7" in err, err
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(("var", "value"), [("WORLD_SIZE", "two"), ("WORLD_SIZE", "0"), ("RANK", "-1"),
+                                            ("LOCAL_RANK", "x"), ("GPT2_COLLECTIVE_TIMEOUT_MIN", "0")])
+def test_a_bad_environment_variable_is_named(var: str, value: str, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    monkeypatch.setenv(var, value)
+    err = train_error(["--data", "synthetic"], capsys, tmp_path / "runs")
+    assert f"train.py: error: environment variable {var}={value!r} is not an integer >=" in err, err
+    if var == "WORLD_SIZE":  # --plan reads it too
+        assert train.main(["--plan"]) == 2 and f"{var}={value!r}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--out-dir", "--save-dir"])
+def test_an_output_folder_that_cannot_be_written_fails_at_parse_time(flag: str, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "f").write_text("a user's file")
+    with pytest.raises(ConfigError, match=f"{flag} {tmp_path / 'f' / 'ck'} cannot be created: {tmp_path / 'f'} is a "
+                                          "file"):
+        parse_args([flag, str(tmp_path / "f" / "ck")])
+    # read-only for this user (simulated: the tests run as root, who may write anywhere)
+    monkeypatch.setattr(gpt2.config.os, "access", lambda path, mode: Path(path) != tmp_path)
+    with pytest.raises(ConfigError, match=f"{flag} {tmp_path / 'new'} is not writable here"):
+        parse_args([flag, str(tmp_path / "new")])
+    assert parse_args(["--cache-dir", str(tmp_path / "new")])  # a read-only token cache still serves hits
 
 
 def test_validate_accepts_the_supported_neighbours() -> None:
