@@ -151,10 +151,16 @@ def read_meta(step_dir: Path) -> dict[str, Any]:
     if step_dir.name.endswith(".tmp"):
         raise CheckpointError(f"{step_dir} is a partial checkpoint (a save that did not finish); resume from a "
                               f"complete step-XXXXXX folder or from the save dir (its `latest` pointer)")
+    if step_dir.is_file():
+        raise CheckpointError(f"{step_dir} is a file, not a checkpoint folder; pass the step folder that holds it "
+                              f"({step_dir.parent}) or its save dir")
     if not step_dir.is_dir():
         raise CheckpointError(f"checkpoint {step_dir} does not exist")
     meta_path = step_dir / META
     if not meta_path.is_file():
+        if found := list_checkpoints(step_dir):
+            raise CheckpointError(f"{step_dir} is a save dir without a `{LATEST}` pointer; pass one of its step "
+                                  f"folders (the newest: {found[-1][1]})")
         raise CheckpointError(f"{step_dir} has no {META}: it is a partial or foreign checkpoint, not resumable")
     try:  # read before the manifest check (it says which layout to verify): a damaged one is refused here
         meta = json.loads(meta_path.read_text())

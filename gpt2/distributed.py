@@ -90,6 +90,11 @@ def init_distributed(cfg: RunConfig) -> tuple[RunLayout, DistContext]:
     check_launch(cfg)
     world_size, rank = env_int("WORLD_SIZE", 1, minimum=1), env_int("RANK", 0)
     local_rank = env_int("LOCAL_RANK", 0)
+    if (world_size, rank, local_rank) != (1, 0, 0) and not launched_by_launcher():
+        given = " ".join(f"{v}={os.environ[v]}" for v in LAUNCHER_VARS if v in os.environ)
+        missing = ", ".join(v for v in LAUNCHER_VARS if v not in os.environ)
+        raise ConfigError(f"the environment has {given} but no {missing}: left over from another launch (a launcher "
+                          "sets them all)? unset them for one process, or launch with torchrun")
     timeout = timedelta(minutes=env_int(TIMEOUT_ENV, COLLECTIVE_TIMEOUT_MIN, minimum=1))
     device = pick_device(cfg.train.device, local_rank)
     layout = RunLayout.resolve(cfg, world_size, device)

@@ -140,6 +140,21 @@ def test_a_damaged_meta_or_manifest_is_one_line_at_resume_and_export(single: Pat
     assert needle in capsys.readouterr().err and not (tmp_path / "hf").exists()
 
 
+def test_a_wrong_checkpoint_path_gets_the_right_advice(single: Path, tmp_path: Path, capsys) -> None:
+    """A file inside a checkpoint exists (not "does not exist"); a save dir without `latest` is one (not "foreign")."""
+    from gpt2.export import main as export_main
+
+    model = single / "ck" / "step-000004" / "model.pt"
+    err = train_error(COMMON + ["--batch-size", "4", "--resume", str(model)], capsys)
+    assert f"{model} is a file, not a checkpoint folder; pass the step folder that holds it ({model.parent})" in err
+    ck = tmp_path / "ck"
+    shutil.copytree(single / "ck", ck)
+    (ck / "latest").unlink()
+    assert export_main([str(ck), str(tmp_path / "hf")]) == 2
+    assert (f"{ck} is a save dir without a `latest` pointer; pass one of its step folders (the newest: "
+            f"{ck / 'step-000008'})") in capsys.readouterr().err
+
+
 def test_export_checks_its_output_folder_before_the_gather(single: Path, tmp_path: Path, capsys) -> None:
     from gpt2.export import main as export_main
 

@@ -261,6 +261,47 @@ def test_init_from_mismatch_fails_before_data_and_run_folder(
     assert not out.exists()
 
 
+def test_init_from_a_folder_that_is_not_a_gpt2_export_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    """Not the architecture advice transformers' defaults would give (an empty folder read as GPT-2 small)."""
+    from transformers import BertConfig, GPT2Config
+
+    flags = ["--data-path", str(tmp_path / "missing"), "--init-from"]
+    (tmp_path / "empty").mkdir()
+    err = train_error(flags + [str(tmp_path / "empty")], capsys, tmp_path / "runs")
+    assert "is not a Hugging Face GPT-2 folder: it has no config.json" in err and "--model" not in err, err
+    BertConfig().save_pretrained(tmp_path / "bert")
+    assert "holds a 'bert' model, not GPT-2" in train_error(flags + [str(tmp_path / "bert")], capsys, tmp_path / "runs")
+    GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=256).save_pretrained(tmp_path / "config-only")  # gpt2-tiny
+    err = train_error(flags + [str(tmp_path / "config-only")], capsys, tmp_path / "runs")
+    assert "has a GPT-2 config.json but no weights (model.safetensors" in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_stale_launcher_variables_are_named(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+                                            tmp_path: Path) -> None:
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    err = train_error(["--data", "synthetic"], capsys, tmp_path / "runs")
+    assert "the environment has WORLD_SIZE=2 but no RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT" in err, err
+    assert "launched on" not in err
+
+
+@pytest.mark.parametrize(("device", "flags", "then"), [
+    ("cpu", ["--precision", "bf16"], "then rerun (no --save-dir: nothing was saved)"),  # a CPU run is fp32 anyway
+    ("cuda", ["--save-dir", "ck"], "then resume from the newest checkpoint (--resume auto)"),
+])
+def test_non_finite_advice_names_only_what_this_run_can_change(device: str, flags: list[str], then: str) -> None:
+    import torch
+
+    from gpt2.guard import NonFiniteGuard
+
+    layout = RunLayout.resolve(parse_args(flags), world_size=1, device=device)
+    advice = NonFiniteGuard.for_run(layout, torch.device("cpu")).advice
+    assert ("--precision" in advice) is (device == "cuda") and advice.endswith(then), advice
+
+
 def test_grad_accum_and_global_batch_size_are_exclusive() -> None:
     with pytest.raises(ConfigError, match="drop --grad-accum 2 or --global-batch-size 64"):
         parse_args(["--grad-accum", "2", "--global-batch-size", "64"])
