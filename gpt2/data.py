@@ -21,9 +21,10 @@ Sources (`--data`, `--data-path`):
   * `--data-path FILE`: that file is the training text; its last 5% of tokens are the validation split.
   * `--data-path FOLDER`: text files (.txt, .raw, .tokens) named by role: `train*` -> train,
     `valid*` / `val*` / `dev*` -> validation, `test*` -> validation when there is no valid file.
-    Without a train file, the valid files are the training text and the test files the validation
-    (so `wikitext-2/` with valid.txt + test.txt trains on valid.txt and validates on test.txt). A single
-    role-less set of files is the training text with a 5% tail for validation.
+    Without a train file, role-less files (corpus.txt) are the training text, else the valid files, and the
+    next role validates (so `wikitext-2/` with valid.txt + test.txt trains on valid.txt and validates on
+    test.txt; corpus.txt + test.txt trains on corpus.txt). Role-less files alone are the training text with a 5%
+    tail for validation. Every other file of the folder is named in a warning as not used.
   * `synthetic`: uniform random tokens in [0, model_vocab_size), deterministic per seed (throughput runs).
 Local files go through the `datasets` "text" builder so that they follow the hub data's path.
 
@@ -159,9 +160,11 @@ def resolve_splits(cfg: DataConfig) -> tuple[TextSplit, TextSplit | None]:
         raise DataError(f"--data-path {cfg.data_path}: not a regular file or a folder (a device or a pipe); pass "
                         "text files or a folder of them")
     if root.is_file():
-        files = [root]
+        files, others = [root], []
     else:
-        files = sorted(p for p in root.iterdir() if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+        entries = sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
+        files = [p for p in entries if p.suffix.lower() in TEXT_SUFFIXES]
+        others = [p for p in entries if p not in files]
         if not files:
             raise DataError(f"--data-path {cfg.data_path}: the folder holds no text files ({', '.join(TEXT_SUFFIXES)})")
     if not any(f.stat().st_size for f in files):
@@ -169,13 +172,15 @@ def resolve_splits(cfg: DataConfig) -> tuple[TextSplit, TextSplit | None]:
     by_role: dict[str | None, list[Path]] = {}
     for f in files:
         by_role.setdefault(_role(f), []).append(f)
-    train_files = by_role.get("train") or by_role.get("valid") or by_role.get("test") or by_role.get(None)
-    if by_role.get("train"):
-        val_files = by_role.get("valid") or by_role.get("test")
-    elif by_role.get("valid"):
-        val_files = by_role.get("test")
-    else:
-        val_files = None
+    # the training text: train* files, else the role-less ones, else valid*, else test*; validation: the next role
+    train_files = next(by_role[role] for role in ("train", None, "valid", "test") if by_role.get(role))
+    val_files = next((fs for fs in (by_role.get("valid"), by_role.get("test")) if fs and fs is not train_files), None)
+    why = {None: "no train/valid/test in its name, and train* files are the training text",  # the roles left out
+           "test": "test text is held out when valid* files validate"}
+    ignored = [f"{f.name} ({why[_role(f)]})" for f in files if f not in train_files and f not in (val_files or [])]
+    ignored += [f"{f.name} (not {'/'.join(TEXT_SUFFIXES)})" for f in others]
+    if ignored:
+        _log.warning("--data-path %s: not used: %s", cfg.data_path, "; ".join(ignored))
 
     def split(name: str, fs: list[Path]) -> TextSplit:
         return TextSplit(name, ", ".join(str(f) for f in fs), files=tuple(fs))

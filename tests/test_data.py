@@ -196,6 +196,8 @@ def test_state_dict_resume_continues_exactly():
     (["wiki.train.raw", "wiki.valid.raw", "wiki.test.raw"], ["wiki.train.raw"], ["wiki.valid.raw"]),
     (["train_00.txt", "train_01.txt", "dev.txt", "notes.md"], ["train_00.txt", "train_01.txt"], ["dev.txt"]),
     (["a.txt", "b.txt"], ["a.txt", "b.txt"], None),  # no roles: all train, tail for validation
+    (["corpus.txt", "test.txt"], ["corpus.txt"], ["test.txt"]),  # role-less text trains when there is no train*
+    (["corpus.txt", "valid.txt", "test.txt"], ["corpus.txt"], ["valid.txt"]),
     (["train.txt"], ["train.txt"], None),
 ])
 def test_folder_rules(tmp_path, names, train, val):
@@ -204,6 +206,17 @@ def test_folder_rules(tmp_path, names, train, val):
     tr, va = resolve_splits(DataConfig(data_path=str(tmp_path)))
     assert [f.name for f in tr.files] == train
     assert (va and [f.name for f in va.files]) == val
+
+
+def test_every_file_of_the_folder_is_used_or_named(tmp_path, caplog):
+    for name in ("train.txt", "valid.txt", "test.txt", "notes.txt", "readme.md"):
+        write(tmp_path / name, ["x\n"])
+    with caplog.at_level("WARNING", logger="gpt2"):
+        resolve_splits(DataConfig(data_path=str(tmp_path)))
+    assert caplog.messages == [
+        f"--data-path {tmp_path}: not used: notes.txt (no train/valid/test in its name, and train* files are the "
+        "training text); test.txt (test text is held out when valid* files validate); readme.md (not "
+        ".txt/.raw/.tokens)"]
 
 
 def test_local_folder_stream_matches_reference_and_tail_split(tmp_path, tiny_tokenizer):
