@@ -162,8 +162,8 @@ def resolve_splits(cfg: DataConfig) -> tuple[TextSplit, TextSplit | None]:
     if root.is_file():
         files, others = [root], []
     else:
-        entries = sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
-        files = [p for p in entries if p.suffix.lower() in TEXT_SUFFIXES]
+        entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
+        files = [p for p in entries if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES]
         others = [p for p in entries if p not in files]
         if not files:
             raise DataError(f"--data-path {cfg.data_path}: the folder holds no text files ({', '.join(TEXT_SUFFIXES)})")
@@ -178,7 +178,8 @@ def resolve_splits(cfg: DataConfig) -> tuple[TextSplit, TextSplit | None]:
     why = {None: "no train/valid/test in its name, and train* files are the training text",  # the roles left out
            "test": "test text is held out when valid* files validate"}
     ignored = [f"{f.name} ({why[_role(f)]})" for f in files if f not in train_files and f not in (val_files or [])]
-    ignored += [f"{f.name} (not {'/'.join(TEXT_SUFFIXES)})" for f in others]
+    ignored += [f"{f.name} ({'a folder: not searched' if f.is_dir() else 'not ' + '/'.join(TEXT_SUFFIXES)})"
+                for f in others]
     if ignored:
         _log.warning("--data-path %s: not used: %s", cfg.data_path, "; ".join(ignored))
 

@@ -209,14 +209,14 @@ def test_folder_rules(tmp_path, names, train, val):
 
 
 def test_every_file_of_the_folder_is_used_or_named(tmp_path, caplog):
-    for name in ("train.txt", "valid.txt", "test.txt", "notes.txt", "readme.md"):
+    for name in ("train.txt", "valid.txt", "test.txt", "notes.txt", "readme.md", "more/train_2.txt"):
         write(tmp_path / name, ["x\n"])
     with caplog.at_level("WARNING", logger="gpt2"):
         resolve_splits(DataConfig(data_path=str(tmp_path)))
     assert caplog.messages == [
         f"--data-path {tmp_path}: not used: notes.txt (no train/valid/test in its name, and train* files are the "
-        "training text); test.txt (test text is held out when valid* files validate); readme.md (not "
-        ".txt/.raw/.tokens)"]
+        "training text); test.txt (test text is held out when valid* files validate); more (a folder: not "
+        "searched); readme.md (not .txt/.raw/.tokens)"]
 
 
 def test_local_folder_stream_matches_reference_and_tail_split(tmp_path, tiny_tokenizer):
