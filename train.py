@@ -9,7 +9,8 @@ config -> process groups -> data (sharded by data-parallel rank) -> engine -> lo
 Exit status: 0 trained to --max-steps; 2 bad configuration; 65 stopped after --max-bad-steps consecutive steps with
 a non-finite loss or gradient norm, none applied or saved (gpt2/guard.py; the message says what to change); 75
 preempted by SIGUSR1/SIGTERM after saving a checkpoint (gpt2/preemption.py; rerun with --resume auto); 130 Ctrl-C
-(SIGINT): the same checkpoint at the next step boundary, or at once and without one on a second Ctrl-C.
+(SIGINT): the same checkpoint at the next step boundary, or at once and without one on a second Ctrl-C; 74 a save
+the file system refused (disk full: the message names the step and the newest good checkpoint; gpt2/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_plan_cli(cfg)
         # imported after argument parsing so that `--help` and bad flags answer instantly
-        from gpt2.checkpoint import Checkpointer, load_checkpoint, prepare_resume
+        from gpt2.checkpoint import EXIT_SAVE_FAILED, Checkpointer, SaveError, load_checkpoint, prepare_resume
         from gpt2.data import build_data
         from gpt2.distributed import init_distributed, shutdown_distributed
         from gpt2.engine import build_engine
@@ -114,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         run_training(layout, ctx, engine, data, logger, start_step=start_step, checkpointer=checkpointer,
                      preemption=preemption)
         finished = True
+    except SaveError as err:  # raised on every rank at the same save, like the stops below
+        finished = True
+        log.error("%s; exit %d", err, EXIT_SAVE_FAILED)
+        return EXIT_SAVE_FAILED
     except ConfigError as err:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2

@@ -323,6 +323,15 @@ def predict_memory(s: Setup) -> MemoryPlan:
                       step_transient)
 
 
+def checkpoint_bytes(s: Setup) -> float:
+    """One checkpoint's size, every rank's files together: the weights and optimizer states each GPU holds, each
+    distinct shard once (data-parallel replicas save theirs once; the per-rank RNG files are a few KB). GPT-2 tiny
+    single: 40.03 MB predicted, 40.08 MB written."""
+    mem = predict_memory(s)
+    zero = s.zero_stage if s.mode == "hybrid" else 0
+    return s.tp * (mem.params * (s.dp if zero == 3 else 1) + mem.optimizer * (s.dp if zero >= 1 else 1))
+
+
 # ---------------------------------------------------------------- communication
 
 def predict_communication(s: Setup) -> list[CommOp]:
