@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -188,8 +189,16 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
+def _finite_float(text: str) -> float:
+    """Every float flag: nan and inf parse as floats, and each either trains to NaN or silently turns a check off."""
     value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _finite_float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
@@ -207,17 +216,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--n-layer", type=_positive_int, help="override the preset's layer count")
     g.add_argument("--n-embd", type=_positive_int, help="override the preset's width")
     g.add_argument("--n-head", type=_positive_int, help="override the preset's head count")
-    g.add_argument("--dropout", type=float, default=0.0)
+    g.add_argument("--dropout", type=_finite_float, default=0.0)
     g.add_argument("--no-pad-vocab", action="store_true", help="keep vocab at 50257 (no padding to 128)")
     g.add_argument("--init-from", help="gpt2 | gpt2-medium | gpt2-large | gpt2-xl | local HF folder")
 
     g = p.add_argument_group("data")
     g.add_argument("--data", choices=["wikitext", "synthetic"], default="wikitext")
     g.add_argument("--data-path", help="text file(s) or a folder with train/validation files")
-    g.add_argument("--tokenizer", default="gpt2", help="hub name, tokenizer.json or tokenizer folder")
+    g.add_argument("--tokenizer", help=f"hub name, tokenizer.json or tokenizer folder (default {DataConfig.tokenizer})")
     g.add_argument("--max-samples", type=_positive_int, help="cap on training sequences")
-    g.add_argument("--cache-dir", default=".cache/tokens", help="tokenised-stream cache")
-    g.add_argument("--num-proc", type=_positive_int, default=4, help="tokenisation processes")
+    g.add_argument("--cache-dir", help=f"tokenised-stream cache (default {DataConfig.cache_dir})")
+    g.add_argument("--num-proc", type=_positive_int, help=f"tokenisation processes (default {DataConfig.num_proc})")
     g.add_argument("--eval-batches", type=_positive_int, default=20)
 
     g = p.add_argument_group("optimisation")
@@ -233,9 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEEPCOMPILE_RECOMPILE_STEP + 1} under --compiler deepcompile, whose second compile "
                         f"comes after step {DEEPCOMPILE_RECOMPILE_STEP})")
     g.add_argument("--lr", type=_positive_float, default=6e-4)
-    g.add_argument("--min-lr", type=float, default=6e-5)
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--grad-clip", type=float, default=1.0, help="0 disables clipping")
+    g.add_argument("--min-lr", type=_finite_float, default=6e-5)
+    g.add_argument("--weight-decay", type=_finite_float, default=0.1)
+    g.add_argument("--grad-clip", type=_finite_float, default=1.0, help="0 disables clipping")
     g.add_argument("--max-bad-steps", type=_positive_int, default=3,
                    help="a step whose loss or gradient norm is not finite is skipped (nothing updated, nothing "
                         "saved); this many in a row stop the run with exit code 65")
@@ -254,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "compiles the whole model as one graph with ZeRO-3's all-gathers and gradient "
                         "reduce-scatters in it (its hooks removed), prefetching and keeping parameters gathered as "
                         "memory allows; same ZeRO-3 settings otherwise")
-    g.add_argument("--ddp-bucket-mb", type=_positive_int, default=100, help="DDP gradient bucket size")
+    g.add_argument("--ddp-bucket-mb", type=_positive_int,
+                   help=f"DDP gradient bucket size (--mode baseline; default {TrainConfig.ddp_bucket_mb})")
     g.add_argument("--eval-interval", type=_non_negative_int, default=0, help="0: evaluate at the end only")
     g.add_argument("--device", help="cpu | cuda (default: cuda when available)")
     g.add_argument("--profile", action="store_true",
@@ -320,10 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpus", "--world-size", type=_positive_int, help="GPUs to plan for (default: $WORLD_SIZE or 1)")
     g.add_argument("--gpu-memory-gib", type=_positive_float,
                    help="memory per GPU (default: the CUDA device's, else 80)")
-    g.add_argument("--busbw-gbs", type=_positive_float, nargs="+", default=[350.0, 40.0], metavar="GB/S",
-                   help="collective bus bandwidth within a node [and across nodes] for --search")
-    g.add_argument("--achievable-tflops", type=_positive_float, default=400.0,
-                   help="sustained TFLOP/s per GPU assumed by --search")
+    g.add_argument("--busbw-gbs", type=_positive_float, nargs="+", metavar="GB/S",
+                   help="collective bus bandwidth within a node [and across nodes] for --search (default "
+                        f"{' '.join(f'{v:g}' for v in PlanConfig().busbw_gbs)})")
+    g.add_argument("--achievable-tflops", type=_positive_float,
+                   help=f"sustained TFLOP/s per GPU assumed by --search (default {PlanConfig.achievable_tflops:g})")
     return p
 
 
@@ -379,8 +390,45 @@ def check_deepcompile(args: argparse.Namespace) -> None:
                           "C++ op on the process group) bypass; drop --comm-log or use --compiler torch")
 
 
+def check_flags_act(args: argparse.Namespace) -> None:
+    """A flag given to a run in which it cannot act is an error naming why (not silently recorded as if used)."""
+    if args.gpus is not None and not args.plan:
+        raise ConfigError(f"--gpus / --world-size {args.gpus}: the GPU count that --plan plans for; a training run's "
+                          "size is its launcher's (torchrun --nproc_per_node=N, deepspeed --num_gpus=N): add --plan "
+                          "or drop it")
+    searching = [flag for flag, value in (("--busbw-gbs", args.busbw_gbs),
+                                          ("--achievable-tflops", args.achievable_tflops)) if value is not None]
+    if searching and not args.search:
+        raise ConfigError(f"{', '.join(searching)}: read only by --plan --search (to rank layouts by step time); "
+                          "add --plan --search or drop them")
+    if args.compile_scope != "auto" and not args.compile:
+        raise ConfigError(f"--compile-scope {args.compile_scope} says what --compile compiles; add --compile or drop "
+                          "it")
+    if args.compiler == "torch" and not args.compile:
+        raise ConfigError("--compiler torch says who compiles under --compile; add --compile or drop it")
+    if args.ddp_bucket_mb is not None and args.mode != "baseline":
+        raise ConfigError(f"--ddp-bucket-mb sizes DDP's gradient buckets, used only by --mode baseline (--mode "
+                          f"{args.mode} has no DDP); drop it")
+    if args.mode == "hybrid" and args.zero3_fetch is not None and (args.zero_stage or 3) != 3:
+        raise ConfigError(f"--zero3-fetch chooses what ZeRO-3 gathers at once; --zero-stage {args.zero_stage} keeps "
+                          "whole parameters on every rank and gathers nothing: drop it or use --zero-stage 3")
+    if args.no_tp_overlap and args.tp_size == 1:
+        raise ConfigError("--no-tp-overlap turns off the overlap of tensor-parallel collectives, and --tp-size 1 has "
+                          "none; drop it or pass --tp-size > 1")
+    tokenising = [flag for flag, value in (("--tokenizer", args.tokenizer), ("--cache-dir", args.cache_dir),
+                                           ("--num-proc", args.num_proc)) if value is not None]
+    if tokenising and args.data == "synthetic":
+        raise ConfigError(f"{', '.join(tokenising)}: --data synthetic draws random token ids and tokenises nothing; "
+                          "drop them or train on text (--data-path)")
+    if args.init_from and args.resume not in (None, "auto"):
+        raise ConfigError(f"--init-from {args.init_from} gives a new run its weights, but --resume {args.resume} "
+                          "loads the checkpoint's over them; drop one (--resume auto with --init-from is fine: a "
+                          "first launch starts from --init-from, a requeued one from its checkpoint)")
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     check_deepcompile(args)
+    check_flags_act(args)
     preset = dict(MODEL_PRESETS[args.model])
     for key in ("n_layer", "n_embd", "n_head"):
         if getattr(args, key) is not None:
@@ -400,7 +448,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         activation_checkpointing=args.activation_checkpointing, compile=args.compile,
         compile_scope=resolve_compile_scope(args.compile_scope, args.mode, args.tp_size, args.compiler or "torch"),
         compiler=args.compiler or TrainConfig.compiler,
-        ddp_bucket_mb=args.ddp_bucket_mb,
+        ddp_bucket_mb=args.ddp_bucket_mb or TrainConfig.ddp_bucket_mb,
         eval_interval=args.eval_interval,
         fused_kernels="cuda" if args.use_fused_kernel else args.fused_kernels,
         attn=args.attn, device=args.device, profile=args.profile,
@@ -411,8 +459,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         raise ConfigError("--global-batch-size sets the accumulation steps itself; drop --grad-accum "
                           f"{args.grad_accum} or --global-batch-size {args.global_batch_size}")
     data = DataConfig(
-        data=args.data, data_path=args.data_path, tokenizer=args.tokenizer,
-        max_samples=args.max_samples, cache_dir=args.cache_dir, num_proc=args.num_proc,
+        data=args.data, data_path=args.data_path, tokenizer=args.tokenizer or DataConfig.tokenizer,
+        max_samples=args.max_samples, cache_dir=args.cache_dir or DataConfig.cache_dir,
+        num_proc=args.num_proc or DataConfig.num_proc,
         eval_batches=args.eval_batches,
     )
     zero_flags = [flag for flag, value in (("--zero-stage", args.zero_stage), ("--zero3-fetch", args.zero3_fetch),
@@ -439,10 +488,11 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     checkpoint = CheckpointConfig(save_dir=args.save_dir, save_interval=args.save_interval, resume=args.resume,
                                   keep_last=args.keep_last)
     plan = PlanConfig(plan=args.plan, search=args.search, gpus=args.gpus, gpu_memory_gib=args.gpu_memory_gib,
-                      busbw_gbs=list(args.busbw_gbs), achievable_tflops=args.achievable_tflops)
-    if len(args.busbw_gbs) > 2:
+                      busbw_gbs=list(args.busbw_gbs or PlanConfig().busbw_gbs),
+                      achievable_tflops=args.achievable_tflops or PlanConfig.achievable_tflops)
+    if len(plan.busbw_gbs) > 2:
         raise ConfigError(f"--busbw-gbs takes one or two values (within a node, across nodes), got "
-                          f"{len(args.busbw_gbs)}")
+                          f"{len(plan.busbw_gbs)}")
     if args.search and not args.plan:
         raise ConfigError("--search ranks layouts for --plan; add --plan")
     return RunConfig(train=train, model=model, data=data, parallel=parallel, log=log, checkpoint=checkpoint,
@@ -503,15 +553,30 @@ def validate(cfg: RunConfig) -> None:
     _check_output_paths(cfg)
 
 
+def check_folder_creatable(what: str, folder: Path, writable: bool = True) -> None:
+    """A folder a run or tool will write must be creatable (and, with `writable`, writable by this user), checked
+    before the work whose results it holds: a file in the way or a read-only parent fails now, not at the end."""
+    path = folder.expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{what} {folder} is a file, not a folder; pass a folder path")
+    nearest = next(p for p in (path, *path.parents) if p.exists())  # the folder, or where creating it starts
+    if not nearest.is_dir():
+        raise ConfigError(f"{what} {folder} cannot be created: {nearest} is a file; pass another folder path")
+    if writable and not os.access(nearest, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {folder} is not writable here ({nearest} is read-only for this user); pass a "
+                          "folder you can write to")
+
+
 def _check_output_paths(cfg: RunConfig) -> None:
-    """Folders the run will create must be creatable: a file in the way fails now, not after training."""
+    """The run's output folders (see check_folder_creatable); --cache-dir may be read-only (a shared cache serves
+    hits; gpt2.data checks a miss), and --plan writes nothing."""
     name = cfg.log.run_name
     if name is not None and (not name or Path(name).name != name or name in (".", "..")):
         raise ConfigError(f"--run-name {name!r} must be a plain folder name (no '/'); --out-dir sets the parent")
     for flag, folder in (("--out-dir", cfg.log.out_dir), ("--save-dir", cfg.checkpoint.save_dir),
                          ("--cache-dir", cfg.data.cache_dir)):
-        if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
-            raise ConfigError(f"{flag} {folder} is a file, not a folder; pass a folder path")
+        if folder is not None:
+            check_folder_creatable(flag, Path(folder), writable=flag != "--cache-dir" and not cfg.plan.plan)
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
