@@ -8,13 +8,18 @@
 config -> process groups -> data (sharded by data-parallel rank) -> engine -> loop -> logs.
 Exit status: 0 trained to --max-steps; 2 bad configuration; 65 stopped after --max-bad-steps consecutive steps with
 a non-finite loss or gradient norm, none applied or saved (gpt2/engines/guard.py; the message says what to change); 75
-preempted by SIGUSR1/SIGTERM after saving a checkpoint (gpt2/train/preemption.py; rerun with --resume auto).
+preempted by SIGUSR1/SIGTERM after saving a checkpoint (gpt2/train/preemption.py; rerun with --resume auto); 130
+Ctrl-C (SIGINT): the same checkpoint at the next step boundary, or at once and without one on a second Ctrl-C; 74 a
+save the file system refused (disk full: the message names the step and the newest good checkpoint;
+gpt2/train/checkpoint.py).
 """
 
 from __future__ import annotations
 
 import functools
+import shlex
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpt2.config.cli import parse_args
@@ -42,7 +47,18 @@ def check_before_work(layout: RunLayout) -> None:
         check_init_from(cfg.train.init_from, cfg.model)
 
 
+def resume_command(argv: list[str]) -> str:
+    """This command line with `--resume auto` in place of any --resume."""
+    kept: list[str] = []
+    for arg, previous in zip(argv, [None, *argv]):
+        if arg == "--resume" or arg.startswith("--resume=") or previous == "--resume":
+            continue
+        kept.append(arg)
+    return shlex.join(["python", "train.py", *kept, "--resume", "auto"])
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     try:
         cfg = parse_args(argv)
         if cfg.plan.plan:  # prints and exits: no process group, data or GPU
@@ -60,12 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         from gpt2.engines.build import build_engine
         from gpt2.engines.guard import EXIT_NONFINITE, NonFiniteError
         from gpt2.model.flops import model_params_for_flops
+        from gpt2.observe.profiling import check_profile_window
         from gpt2.observe.run_logging import MetricsLogger, log, make_run_dir, setup_console
-        from gpt2.planning.planner import compare_with_run, format_plan, plan_for_run
+        from gpt2.planning.planner import checkpoint_bytes, compare_with_run, format_plan, plan_for_run
         from gpt2.runtime.distributed import init_distributed, shutdown_distributed
-        from gpt2.train.checkpoint import Checkpointer, load_checkpoint, prepare_resume
+        from gpt2.train.checkpoint import EXIT_SAVE_FAILED, Checkpointer, SaveError, load_checkpoint, prepare_resume
         from gpt2.train.loop import run_training
-        from gpt2.train.preemption import EXIT_PREEMPTED, Preempted, PreemptionWatcher
+        from gpt2.train.preemption import EXIT_INTERRUPTED, Preempted, PreemptionWatcher
 
         layout, ctx = init_distributed(cfg)
         try:
@@ -76,14 +93,21 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the watcher below: nothing trained yet
+        print("train.py: interrupted (Ctrl-C) before training started", file=sys.stderr)
+        return 130
     logger = None
     finished = False
-    # SIGUSR1 / SIGTERM from here on: checkpoint at the next step boundary, exit EXIT_PREEMPTED
+    # SIGUSR1 / SIGTERM / SIGINT from here on: checkpoint at the next step boundary, exit 75 (130 for SIGINT)
     preemption = PreemptionWatcher()
     try:
         setup_console(None, ctx.is_main)
+        # the plan is made once, here: the checkpoints get its size, the loop adds its comparison to the summary
+        plan = plan_for_run(layout)
+        checkpoint_size = checkpoint_bytes(plan.setup)
         # a bad --resume or a colliding --save-dir fails before data, a run folder or a model exist
-        resume = prepare_resume(layout, ctx)  # recorded in the new run folder's config.json
+        resume = prepare_resume(layout, ctx, checkpoint_size)  # recorded in the new run folder's config.json
+        check_profile_window(cfg.train, resume.step if resume else 0)  # a resumed run profiles its own steps
         # data first: a bad --data-path or tokenizer fails before a run folder or a model exists
         data = build_data(
             cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
@@ -98,14 +122,18 @@ def main(argv: list[str] | None = None) -> int:
                  cfg.train.model, model_params_for_flops(cfg.model) / 1e6, ctx.device, ctx.world_size,
                  ctx.dims.tp_size, ctx.dims.dp_size)
         start_step = load_checkpoint(resume, layout, ctx, engine, data.train) if resume else 0
-        checkpointer = Checkpointer(layout, ctx, engine, data.train) if cfg.checkpoint.save_dir else None
+        checkpointer = (Checkpointer(layout, ctx, engine, data.train, checkpoint_size) if cfg.checkpoint.save_dir
+                        else None)
         record = layout.config_record(resumed_from=str(resume.folder.resolve()) if resume else None)
         logger = MetricsLogger(cfg, run_dir, record) if ctx.is_main else None
-        plan = plan_for_run(layout)  # made once, here: the loop only adds its comparison to the summary
         log.info("%s", format_plan(plan))
         run_training(layout, ctx, engine, data, logger, start_step=start_step, checkpointer=checkpointer,
                      preemption=preemption, compare=functools.partial(compare_with_run, plan))
         finished = True
+    except SaveError as err:  # raised on every rank at the same save, like the stops below
+        finished = True
+        log.error("%s; exit %d", err, EXIT_SAVE_FAILED)
+        return EXIT_SAVE_FAILED
     except ConfigError as err:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2
@@ -114,10 +142,20 @@ def main(argv: list[str] | None = None) -> int:
     # it a rank could still be in gloo's teardown when its peer's connections closed (an abort, not the exit code).
     except Preempted as stop:
         finished = True
-        hint = "resume with --resume auto" if cfg.checkpoint.save_dir else (
-            "a rerun starts from scratch: pass --save-dir")
-        log.warning("%s; exit %d (%s)", stop, EXIT_PREEMPTED, hint)
-        return EXIT_PREEMPTED
+        if not cfg.checkpoint.save_dir:
+            hint = "a rerun starts from scratch: pass --save-dir"
+        elif ctx.world_size == 1:
+            hint = f"resume with --resume auto: {resume_command(argv)}"
+        else:
+            hint = "resume with --resume auto (the same launch)"
+        log.warning("%s; exit %d (%s)", stop, stop.exit_code, hint)
+        return stop.exit_code
+    except KeyboardInterrupt:  # a second Ctrl-C: no step boundary waited for, no checkpoint of this step
+        from gpt2.train.checkpoint import newest_checkpoint
+
+        newest = newest_checkpoint(Path(cfg.checkpoint.save_dir)) if cfg.checkpoint.save_dir else "none (no --save-dir)"
+        print(f"train.py: stopped at once by a second Ctrl-C; newest checkpoint: {newest}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except NonFiniteError as err:
         finished = True
         log.error("%s; exit %d", err, EXIT_NONFINITE)

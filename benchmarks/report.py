@@ -72,23 +72,41 @@ def find_runs(paths: list[str]) -> list[Path]:
     return found
 
 
+class UnreadableRun(ValueError):
+    """A run folder whose files cannot be read (a truncated metrics.jsonl, a damaged summary); the message says why."""
+
+
+SUMMARY_KEYS = ("mode", "world_size", "batch_size_per_gpu")  # what every table row and label reads
+
+
+def _json(path: Path, text: str, where: str = "") -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise UnreadableRun(f"{path}{where} is not valid JSON ({e}): truncated or damaged") from None
+
+
 def load_run(path: Path) -> Run | None:
-    """The run's records; None when it has no summary (it failed or is still running)."""
+    """The run's records; None when it has no summary (it failed or is still running); UnreadableRun when a file
+    is damaged."""
     steps, summary = [], None
     if (path / "metrics.jsonl").is_file():
-        for line in (path / "metrics.jsonl").read_text().splitlines():
+        for number, line in enumerate((path / "metrics.jsonl").read_text(errors="replace").splitlines(), start=1):
             if not line.strip():
                 continue
-            record = json.loads(line)
+            record = _json(path / "metrics.jsonl", line, f" line {number}")
             if record.get("type") == "summary":
                 summary = record
             elif record.get("type") == "step" and record.get("loss") is not None:
                 steps.append(record)
     if summary is None and (path / "summary.json").is_file():
-        summary = json.loads((path / "summary.json").read_text())
+        summary = _json(path / "summary.json", (path / "summary.json").read_text(errors="replace"))
     if summary is None:
         return None
-    config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    if missing := [key for key in SUMMARY_KEYS if key not in summary]:
+        raise UnreadableRun(f"its summary lacks {', '.join(missing)}: not a train.py run folder?")
+    config = (_json(path / "config.json", (path / "config.json").read_text(errors="replace"))
+              if (path / "config.json").is_file() else {})
     latest = {r["step"]: r for r in steps}  # a resumed run logs its steps again: keep the latest record
     return Run(path, summary, [latest[k] for k in sorted(latest)], config)
 
@@ -187,10 +205,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", help="run folders, or folders of run folders")
     parser.add_argument("--out", default="report", help="folder for report.md and the PNGs")
     args = parser.parse_args(argv)
-    folders = find_runs(args.runs)
-    runs = [r for r in map(load_run, folders) if r is not None]
-    for missing in sorted(set(folders) - {r.path for r in runs}):
-        print(f"skipped {missing}: no summary record (failed or unfinished run)", file=sys.stderr)
+    runs = []
+    for folder in find_runs(args.runs):  # one bad folder is named and skipped; the others still make the report
+        try:
+            run = load_run(folder)
+        except UnreadableRun as why:
+            print(f"skipped {folder}: {why}", file=sys.stderr)
+            continue
+        if run is None:
+            print(f"skipped {folder}: no summary record (failed or unfinished run)", file=sys.stderr)
+        else:
+            runs.append(run)
     if not runs:
         print("no run folder with a summary record", file=sys.stderr)
         return 1

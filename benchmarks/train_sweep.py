@@ -119,6 +119,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "--profile" in shlex.split(args.extra_args) and args.steps <= args.warmup + PROFILED_STEPS:
         p.error(f"--extra-args=--profile leaves the {PROFILED_STEPS} steps after --warmup {args.warmup} out of "
                 f"tokens/s too: raise --steps above {args.warmup + PROFILED_STEPS}")
+    missing = [str(path) for path in args.parity or [] if not path.is_file()]
+    if missing:  # before any run: a sweep without its verdicts publishes nothing
+        p.error(f"--parity {' '.join(missing)}: no such file; run python -m benchmarks.parity first (its --out "
+                "folder holds parity.csv)")
     if "single" in args.modes and args.gpus != 1:
         p.error(f"--modes single runs on one GPU; drop it or pass --gpus 1 (not {args.gpus})")
     args.wandb_group = args.wandb_group or time.strftime("sweep-%Y%m%d-%H%M%S")

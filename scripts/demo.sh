@@ -12,11 +12,11 @@ SHARED=${SHARED_DATA:-../shared/data}
 DATA_DIR=${DATA_DIR:-$SHARED/wikitext-2}
 TOKENIZER=${TOKENIZER:-$SHARED/gpt2-tokenizer/tokenizer.json}
 if [ -d "$DATA_DIR" ] && [ -f "$TOKENIZER" ]; then
-  data=(--data-path "$DATA_DIR" --tokenizer "$TOKENIZER")
+  data=(--data-path "$DATA_DIR" --tokenizer "$TOKENIZER" --num-proc 2)
 else
   echo "demo: $DATA_DIR or $TOKENIZER not found: training on synthetic tokens" >&2
   data=(--data synthetic)
 fi
 export TOKENIZERS_PARALLELISM=false
 "$PYTHON" train.py --mode single --model gpt2-tiny --seq-len 128 --batch-size 16 --max-steps 100 \
-  --lr 3e-3 --warmup-steps 10 --eval-interval 50 --log-interval 10 --num-proc 2 "${data[@]}" "$@"
+  --lr 3e-3 --warmup-steps 10 --eval-interval 50 --log-interval 10 "${data[@]}" "$@"

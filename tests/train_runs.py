@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,8 @@ REFERENCE_STEPS = 10
 REFERENCE_ARGS = TINY_ARGS + ["--data", "synthetic", "--max-steps", str(REFERENCE_STEPS), "--seed", "3",
                               "--eval-batches", "2", "--lr", "3e-3", "--max-samples", "8"]
 REFERENCE_BATCH = 4  # sequences per optimizer step: the global batch of every run compared with the reference
+NEVER_CREATED = Path(tempfile.gettempdir()) / "gpt2-never-created"  # a run that fails at start-up leaves it absent; its
+# parent is writable, so the start-up check of --out-dir passes for any user
 LOSS_REL_TOL = 1e-5  # per-step loss vs the reference: only the reduction order differs (fp32)
 
 
@@ -76,7 +79,7 @@ def run_train(args: list[str], out_dir: Path, nproc: int = 1, timeout: int = 300
     return proc
 
 
-def train_error(argv: list[str], capsys, out_dir: Path = Path("/nonexistent-never-created")) -> str:
+def train_error(argv: list[str], capsys, out_dir: Path = NEVER_CREATED) -> str:
     """train.main in-process for a run that must fail at start-up (exit 2); returns its stderr. In-process: no
     interpreter to start, and the failure comes before any model, data or process group is made."""
     from train import main

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import sys
 import typing
@@ -33,6 +34,7 @@ from gpt2.config.schema import (
     TrainConfig,
     check_sequence_parallel,
     compile_label,
+    finite_float,
     flag_of,
 )
 
@@ -53,20 +55,28 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _value_parser(hint: Any) -> tuple[Any, tuple[Any, ...] | None]:
-    """(parser of one value, choices) from a field's type: a Literal gives its values, `X | None` and list[X` X."""
+    """(parser of one value, choices) from a field's type: a Literal gives its values, `X | None` and list[X] X's; a
+    float must be finite (nan and inf parse as floats, and each trains to NaN or silently turns a check off)."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if typing.get_origin(hint) is typing.Literal:
         return type(args[0]), tuple(args)
     if args:  # X | None, list[X], Literal[...] | None
         return _value_parser(args[0])
-    return hint, None
+    return (finite_float if hint is float else hint), None
+
+
+def _shown_default(f: dataclasses.Field) -> Any:
+    """A field's default as --help shows it (a list's elements, space-separated, as they are typed)."""
+    if f.default_factory is not dataclasses.MISSING:
+        return " ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in f.default_factory())
+    return f.default
 
 
 def _add_flag(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, flag: Flag) -> None:
     names = flag.names or (f"--{f.name.replace('_', '-')}",)
     help_text = flag.help
     if flag.given_only or flag.default_text:
-        help_text += f" (default: {flag.default_text if flag.default_text else f.default})"
+        help_text += f" (default: {flag.default_text if flag.default_text else _shown_default(f)})"
     if hint is bool:  # a switch: on when given, or off when given for a field that is on by default
         group.add_argument(*names, dest=f.name, action="store_false" if f.default else "store_true", help=help_text)
         return
@@ -152,8 +162,45 @@ def check_deepcompile(args: argparse.Namespace) -> None:
 
 
 
+def check_flags_act(args: argparse.Namespace) -> None:
+    """A flag given to a run in which it cannot act is an error naming why (not silently recorded as if used)."""
+    if args.gpus is not None and not args.plan:
+        raise ConfigError(f"--gpus / --world-size {args.gpus}: the GPU count that --plan plans for; a training run's "
+                          "size is its launcher's (torchrun --nproc_per_node=N, deepspeed --num_gpus=N): add --plan "
+                          "or drop it")
+    searching = [flag for flag, value in (("--busbw-gbs", args.busbw_gbs),
+                                          ("--achievable-tflops", args.achievable_tflops)) if value is not None]
+    if searching and not args.search:
+        raise ConfigError(f"{', '.join(searching)}: read only by --plan --search (to rank layouts by step time); "
+                          "add --plan --search or drop them")
+    if args.compile_scope not in (None, "auto") and not args.compile:
+        raise ConfigError(f"--compile-scope {args.compile_scope} says what --compile compiles; add --compile or drop "
+                          "it")
+    if args.compiler == "torch" and not args.compile:
+        raise ConfigError("--compiler torch says who compiles under --compile; add --compile or drop it")
+    if args.ddp_bucket_mb is not None and args.mode != "baseline":
+        raise ConfigError(f"--ddp-bucket-mb sizes DDP's gradient buckets, used only by --mode baseline (--mode "
+                          f"{args.mode} has no DDP); drop it")
+    if args.mode == "hybrid" and args.zero3_fetch is not None and (args.zero_stage or 3) != 3:
+        raise ConfigError(f"--zero3-fetch chooses what ZeRO-3 gathers at once; --zero-stage {args.zero_stage} keeps "
+                          "whole parameters on every rank and gathers nothing: drop it or use --zero-stage 3")
+    if not args.tp_overlap and args.tp_size == 1:
+        raise ConfigError("--no-tp-overlap turns off the overlap of tensor-parallel collectives, and --tp-size 1 has "
+                          "none; drop it or pass --tp-size > 1")
+    tokenising = [flag for flag, value in (("--tokenizer", args.tokenizer), ("--cache-dir", args.cache_dir),
+                                           ("--num-proc", args.num_proc)) if value is not None]
+    if tokenising and args.data == "synthetic":
+        raise ConfigError(f"{', '.join(tokenising)}: --data synthetic draws random token ids and tokenises nothing; "
+                          "drop them or train on text (--data-path)")
+    if args.init_from and args.resume not in (None, "auto"):
+        raise ConfigError(f"--init-from {args.init_from} gives a new run its weights, but --resume {args.resume} "
+                          "loads the checkpoint's over them; drop one (--resume auto with --init-from is fine: a "
+                          "first launch starts from --init-from, a requeued one from its checkpoint)")
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     check_deepcompile(args)
+    check_flags_act(args)
     if args.use_fused_kernel and args.fused_kernels not in ("none", "cuda"):
         raise ConfigError("--use-fused-kernel means --fused-kernels cuda; drop one of the two flags")
     if args.grad_accum is not None and args.global_batch_size is not None:
@@ -165,17 +212,18 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if zero_flags and args.mode != "hybrid":
         raise ConfigError(f"{' / '.join(zero_flags)}: DeepSpeed ZeRO settings, used only by --mode hybrid; "
                           f"drop {'it' if len(zero_flags) == 1 else 'them'} or use --mode hybrid")
-    if len(args.busbw_gbs) > 2:
+    if args.busbw_gbs is not None and len(args.busbw_gbs) > 2:
         raise ConfigError(f"--busbw-gbs takes one or two values (within a node, across nodes), got "
                           f"{len(args.busbw_gbs)}")
     if args.search and not args.plan:
         raise ConfigError("--search ranks layouts for --plan; add --plan")
-    deepcompile = compile_label(args.compile, "model", args.compiler) == "deepcompile"
+    compiler = args.compiler or TrainConfig.compiler
+    deepcompile = compile_label(args.compile, "model", compiler) == "deepcompile"
     train = _section(
         TrainConfig, args,
         throughput_warmup_steps=(args.throughput_warmup_steps if args.throughput_warmup_steps is not None else
                                  throughput_warmup_default(deepcompile)),
-        compile_scope=resolve_compile_scope(args.compile_scope or "auto", args.mode, args.tp_size, args.compiler),
+        compile_scope=resolve_compile_scope(args.compile_scope or "auto", args.mode, args.tp_size, compiler),
         fused_kernels="cuda" if args.use_fused_kernel else args.fused_kernels)
     return RunConfig(train=train, model=_section(ModelConfig, args, **{
                          key: value for key, value in MODEL_PRESETS[args.model].items()
@@ -232,15 +280,30 @@ def validate(cfg: RunConfig) -> None:
     _check_output_paths(cfg)
 
 
+def check_folder_creatable(what: str, folder: Path, writable: bool = True) -> None:
+    """A folder a run or tool will write must be creatable (and, with `writable`, writable by this user), checked
+    before the work whose results it holds: a file in the way or a read-only parent fails now, not at the end."""
+    path = folder.expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{what} {folder} is a file, not a folder; pass a folder path")
+    nearest = next(p for p in (path, *path.parents) if p.exists())  # the folder, or where creating it starts
+    if not nearest.is_dir():
+        raise ConfigError(f"{what} {folder} cannot be created: {nearest} is a file; pass another folder path")
+    if writable and not os.access(nearest, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {folder} is not writable here ({nearest} is read-only for this user); pass a "
+                          "folder you can write to")
+
+
 def _check_output_paths(cfg: RunConfig) -> None:
-    """Folders the run will create must be creatable: a file in the way fails now, not after training."""
+    """The run's output folders (see check_folder_creatable); --cache-dir may be read-only (a shared cache serves
+    hits; gpt2.data.loader checks a miss), and --plan writes nothing."""
     name = cfg.log.run_name
     if name is not None and (not name or Path(name).name != name or name in (".", "..")):
         raise ConfigError(f"--run-name {name!r} must be a plain folder name (no '/'); --out-dir sets the parent")
     for flag, folder in (("--out-dir", cfg.log.out_dir), ("--save-dir", cfg.checkpoint.save_dir),
                          ("--cache-dir", cfg.data.cache_dir)):
-        if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
-            raise ConfigError(f"{flag} {folder} is a file, not a folder; pass a folder path")
+        if folder is not None:
+            check_folder_creatable(flag, Path(folder), writable=flag != "--cache-dir" and not cfg.plan.plan)
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:

@@ -37,8 +37,16 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
+def finite_float(text: str) -> float:
+    """Every float flag: nan and inf parse as floats, and each either trains to NaN or silently turns a check off."""
     value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = finite_float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
@@ -51,7 +59,7 @@ class Flag:
     help: str
     group: str
     names: tuple[str, ...] = ()  # default: --field-name
-    parse: Callable[[str], Any] | None = None  # parses and checks one value; default: the field's type
+    parse: Callable[[str], Any] | None = None  # parses and checks one value; default: the field's type (finite floats)
     choices: tuple[Any, ...] | None = None  # default: a Literal field's values
     nargs: str | None = None
     metavar: str | None = None
@@ -130,10 +138,11 @@ class DataConfig:
     data: Literal["wikitext", "synthetic"] = option(
         "wikitext", "wikitext: WikiText-103 via `datasets` (or --data-path); synthetic: random tokens", DATA)
     data_path: str | None = option(None, "text file(s) or a folder with train/validation files", DATA)
-    tokenizer: str = option("gpt2", "hub name, tokenizer.json or tokenizer folder", DATA)
+    # given-only: with --data synthetic, the tokenising flags are an error (gpt2.config.cli.check_flags_act)
+    tokenizer: str = option("gpt2", "hub name, tokenizer.json or tokenizer folder", DATA, given_only=True)
     max_samples: int | None = option(None, "cap on training sequences", DATA, parse=positive_int)
-    cache_dir: str = option(".cache/tokens", "tokenised-stream cache", DATA)
-    num_proc: int = option(4, "tokenisation processes", DATA, parse=positive_int)
+    cache_dir: str = option(".cache/tokens", "tokenised-stream cache", DATA, given_only=True)
+    num_proc: int = option(4, "tokenisation processes", DATA, parse=positive_int, given_only=True)
     eval_batches: int = option(20, "validation batches per evaluation", DATA, parse=positive_int)
 
 
@@ -247,8 +256,9 @@ class TrainConfig:
                  "DeepSpeed's DeepCompile (--mode hybrid, ZeRO-3, CUDA, no TP): DeepSpeed compiles the whole model "
                  "as one graph with ZeRO-3's all-gathers and gradient reduce-scatters in it (its hooks removed), "
                  "prefetching and keeping parameters gathered as memory allows; same ZeRO-3 settings otherwise",
-        OPTIM)
-    ddp_bucket_mb: int = option(100, "DDP gradient bucket size (all-reduce granularity)", OPTIM, parse=positive_int)
+        OPTIM, given_only=True)
+    ddp_bucket_mb: int = option(100, "DDP gradient bucket size (all-reduce granularity; --mode baseline)", OPTIM,
+                                parse=positive_int, given_only=True)
     eval_interval: int = option(0, "evaluate every N steps; 0: at the end only", OPTIM, parse=non_negative_int)
     fused_kernels: Literal["none", "triton", "cuda"] = option(
         "none", "fused-kernel backend (fused_kernels/); --use-fused-kernel is an alias of cuda", KERNELS)
@@ -274,9 +284,9 @@ class PlanConfig:
                                           default_text="the CUDA device's, else 80")
     busbw_gbs: list[float] = option([350.0, 40.0], "collective bus bandwidth within a node [and across nodes] for "
                                                    "--search", PLANNING, parse=positive_float, nargs="+",
-                                    metavar="GB/S")
+                                    metavar="GB/S", given_only=True)
     achievable_tflops: float = option(400.0, "sustained TFLOP/s per GPU assumed by --search", PLANNING,
-                                      parse=positive_float)
+                                      parse=positive_float, given_only=True)
 
 
 @dataclass

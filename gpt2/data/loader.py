@@ -21,9 +21,10 @@ Sources (`--data`, `--data-path`):
   * `--data-path FILE`: that file is the training text; its last 5% of tokens are the validation split.
   * `--data-path FOLDER`: text files (.txt, .raw, .tokens) named by role: `train*` -> train,
     `valid*` / `val*` / `dev*` -> validation, `test*` -> validation when there is no valid file.
-    Without a train file, the valid files are the training text and the test files the validation
-    (so `wikitext-2/` with valid.txt + test.txt trains on valid.txt and validates on test.txt). A single
-    role-less set of files is the training text with a 5% tail for validation.
+    Without a train file, role-less files (corpus.txt) are the training text, else the valid files, and the
+    next role validates (so `wikitext-2/` with valid.txt + test.txt trains on valid.txt and validates on
+    test.txt; corpus.txt + test.txt trains on corpus.txt). Role-less files alone are the training text with a 5%
+    tail for validation. Every other file of the folder is named in a warning as not used.
   * `synthetic`: uniform random tokens in [0, model_vocab_size), deterministic per seed (throughput runs).
 Local files go through the `datasets` "text" builder so that they follow the hub data's path.
 
@@ -58,6 +59,7 @@ shuffling.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import hashlib
 import json
@@ -114,11 +116,28 @@ class TextSplit:
 
 
 def _sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """sha256 of a file's bytes, read in chunks (corpora can be hundreds of MB)."""
+    """sha256 of a text file's bytes, read in chunks (corpora can be hundreds of MB), checked to be UTF-8 text in
+    the same pass: the tokeniser (datasets' text builder) would fail on anything else with a long traceback."""
     digest = hashlib.sha256()
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
     with open(path, "rb") as f:
         while block := f.read(chunk):
             digest.update(block)
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as e:
+                raise DataError(f"--data-path: {path} is not UTF-8 text (byte {offset + e.start:,}: {e.reason}); "
+                                "convert it (e.g. iconv -t utf-8) or leave it out") from None
+            if (nul := block.find(b"\0")) >= 0:
+                raise DataError(f"--data-path: {path} is binary, not text (a NUL byte at {offset + nul:,}); pass text "
+                                "files only") from None
+            offset += len(block)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise DataError(f"--data-path: {path} is not UTF-8 text (it ends inside a character); convert it (e.g. "
+                        "iconv -t utf-8) or leave it out") from None
     return digest.hexdigest()
 
 
@@ -137,10 +156,15 @@ def resolve_splits(cfg: DataConfig) -> tuple[TextSplit, TextSplit | None]:
     root = Path(cfg.data_path).expanduser().resolve()
     if not root.exists():
         raise DataError(f"--data-path {cfg.data_path}: no such file or folder")
+    if not (root.is_file() or root.is_dir()):
+        raise DataError(f"--data-path {cfg.data_path}: not a regular file or a folder (a device or a pipe); pass "
+                        "text files or a folder of them")
     if root.is_file():
-        files = [root]
+        files, others = [root], []
     else:
-        files = sorted(p for p in root.iterdir() if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+        entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
+        files = [p for p in entries if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES]
+        others = [p for p in entries if p not in files]
         if not files:
             raise DataError(f"--data-path {cfg.data_path}: the folder holds no text files ({', '.join(TEXT_SUFFIXES)})")
     if not any(f.stat().st_size for f in files):
@@ -148,13 +172,16 @@ def resolve_splits(cfg: DataConfig) -> tuple[TextSplit, TextSplit | None]:
     by_role: dict[str | None, list[Path]] = {}
     for f in files:
         by_role.setdefault(_role(f), []).append(f)
-    train_files = by_role.get("train") or by_role.get("valid") or by_role.get("test") or by_role.get(None)
-    if by_role.get("train"):
-        val_files = by_role.get("valid") or by_role.get("test")
-    elif by_role.get("valid"):
-        val_files = by_role.get("test")
-    else:
-        val_files = None
+    # the training text: train* files, else the role-less ones, else valid*, else test*; validation: the next role
+    train_files = next(by_role[role] for role in ("train", None, "valid", "test") if by_role.get(role))
+    val_files = next((fs for fs in (by_role.get("valid"), by_role.get("test")) if fs and fs is not train_files), None)
+    why = {None: "no train/valid/test in its name, and train* files are the training text",  # the roles left out
+           "test": "test text is held out when valid* files validate"}
+    ignored = [f"{f.name} ({why[_role(f)]})" for f in files if f not in train_files and f not in (val_files or [])]
+    ignored += [f"{f.name} ({'a folder: not searched' if f.is_dir() else 'not ' + '/'.join(TEXT_SUFFIXES)})"
+                for f in others]
+    if ignored:
+        _log.warning("--data-path %s: not used: %s", cfg.data_path, "; ".join(ignored))
 
     def split(name: str, fs: list[Path]) -> TextSplit:
         return TextSplit(name, ", ".join(str(f) for f in fs), files=tuple(fs))
@@ -422,7 +449,11 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, model_vocab_si
         splits = [s for s in (train_split, val_split) if s is not None]
         paths = [_cache_paths(s, key_material, cache_dir) for s in splits]
         if is_main:
-            cache_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                cache_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise DataError(f"--cache-dir {cache_dir}: cannot create it ({e.strerror}); pass a writable "
+                                "--cache-dir") from None
             for split, (bin_path, material) in zip(splits, paths):
                 meta_path = bin_path.with_suffix(".json")
                 if meta_path.exists():
@@ -433,6 +464,10 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, model_vocab_si
                     _log.warning("token cache %s is damaged: %s; rebuilding it", bin_path, problem)
                     meta_path.unlink()  # first, so an interrupted rebuild reads as "no cache" next time
                 cache_hit = False
+                if not os.access(cache_dir, os.W_OK | os.X_OK):  # a read-only cache serves hits only
+                    raise DataError(f"--cache-dir {cache_dir} is not writable and holds no token cache for the "
+                                    f"{split.name} text ({split.label}); pass a writable --cache-dir, or copy in one "
+                                    "built elsewhere (python -m gpt2.data <train.py data flags>)")
                 if old := _other_format_sidecars(cache_dir, split.name):
                     _log.warning("token cache: ignoring %s (another cache format than version %d); building %s "
                                  "(delete the old files)", ", ".join(map(str, old)), CACHE_FORMAT_VERSION, bin_path)

@@ -110,10 +110,14 @@ def load_tokenizer(spec: str):
 
     path = Path(spec).expanduser()
     try:
-        if path.is_file():
-            tok = PreTrainedTokenizerFast(tokenizer_file=str(path))
-        elif path.is_dir() and any((path / f).exists() for f in TOKENIZER_FOLDER_MARKERS):
-            tok = AutoTokenizer.from_pretrained(str(path))
+        if path.is_file() or (path.is_dir() and any((path / f).exists() for f in TOKENIZER_FOLDER_MARKERS)):
+            try:
+                tok = (PreTrainedTokenizerFast(tokenizer_file=str(path)) if path.is_file()
+                       else AutoTokenizer.from_pretrained(str(path)))
+            except Exception as e:  # the Rust `tokenizers` parser raises a bare Exception for a file it cannot read
+                raise DataError(f"--tokenizer {spec}: not a tokenizer ({str(e).splitlines()[0] if str(e) else e!r}); "
+                                "pass a tokenizers JSON file (tokenizer.json), a folder holding one, or a hub "
+                                "name") from e
         elif path.is_absolute() or spec.startswith(("./", "../", "~")) or spec.endswith(".json"):
             raise FileNotFoundError("no such tokenizer file, or a folder without tokenizer.json/tokenizer_config.json")
         else:

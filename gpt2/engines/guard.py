@@ -78,9 +78,14 @@ class NonFiniteGuard:
     @classmethod
     def for_run(cls, layout: RunLayout, device: torch.device) -> NonFiniteGuard:
         t = layout.cfg.train
+        # only what this run can change: a CPU run is fp32 whatever --precision says; without --save-dir, no resume
+        precision = (f", or train in another --precision (now {layout.precision}"
+                     + ("; bf16 has fp32's range" if layout.precision == "fp16" else "") + ")"
+                     if layout.device_type == "cuda" else "")
+        then = ("then resume from the newest checkpoint (--resume auto)" if layout.cfg.checkpoint.save_dir
+                else "then rerun (no --save-dir: nothing was saved)")
         advice = (f"lower --lr (now {t.lr:g}) or raise --warmup-steps (now {t.warmup_steps}), check the training "
-                  f"data of those steps, or train in another --precision (now {layout.precision}"
-                  + ("; bf16 has fp32's range" if layout.precision == "fp16" else "") + ")")
+                  f"data of those steps{precision}; {then}")
         return cls(t.max_bad_steps, device, counts_grad_overflow=layout.precision != "fp16", advice=advice)
 
     def gate(self, loss: torch.Tensor) -> torch.Tensor:
@@ -128,8 +133,7 @@ class NonFiniteGuard:
             f"the loss or gradient norm was not finite at {self.max_bad_steps} consecutive steps "
             f"({first}-{reading.tripped_at}; --max-bad-steps {self.max_bad_steps}); stopped at step {step}. "
             f"No update from step {first} on was applied and no checkpoint was written after step {first - 1}. "
-            f"To continue: {self.advice}; then resume from the newest checkpoint (--resume auto), or allow "
-            f"longer runs of bad steps with a larger --max-bad-steps")
+            f"To continue: {self.advice}, or allow longer runs of bad steps with a larger --max-bad-steps")
 
     def check_due(self, step: int) -> bool:
         """Every --max-bad-steps steps the loop checks even without a log or save: a latched run stops within as

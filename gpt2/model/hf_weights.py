@@ -7,6 +7,7 @@ padded rows are zero when loading and dropped when exporting.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -16,6 +17,9 @@ from gpt2.config.schema import MODEL_PRESETS, ConfigError, ModelConfig
 # HF Conv1D weights that are [in, out] and need a transpose
 _CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+# what save_pretrained writes (one file, or shards and their index); transformers' names
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                   "pytorch_model.bin.index.json")
 
 
 def hf_to_ours(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -77,6 +81,29 @@ def model_config_from_hf(name_or_path: str) -> dict[str, int]:
                 n_positions=hf.n_positions, vocab_size=hf.vocab_size)
 
 
+def _check_hf_config(folder: Path) -> None:
+    """A local --init-from folder must hold a GPT-2 config.json: transformers reads a folder without one as GPT-2
+    small's defaults, and the architecture advice built on those would be wrong."""
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"--init-from {folder} is not a Hugging Face GPT-2 folder: it has no config.json; pass a hub "
+                          f"name ({', '.join(HUB_NAMES)}) or a folder written by save_pretrained or "
+                          "`python -m gpt2.train.export CHECKPOINT FOLDER`")
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (ValueError, AttributeError) as e:
+        raise ConfigError(f"--init-from {folder}: its config.json is not a Hugging Face config ({e})") from None
+    if model_type != "gpt2":
+        raise ConfigError(f"--init-from {folder} holds a {model_type!r} model, not GPT-2 (config.json's model_type); "
+                          "pass GPT-2 weights")
+
+
+def _check_hf_weights(folder: Path) -> None:
+    if not any((folder / f).is_file() for f in HF_WEIGHT_FILES):
+        raise ConfigError(f"--init-from {folder} has a GPT-2 config.json but no weights "
+                          f"({' / '.join(HF_WEIGHT_FILES)}); pass the folder that save_pretrained or "
+                          "`python -m gpt2.train.export` wrote")
+
+
 def check_init_from(name_or_path: str, cfg: ModelConfig) -> None:
     """--init-from must name HF GPT-2 weights of this run's architecture; a ConfigError that names the flags
     otherwise. Reads only the config (cheap), so train.py calls it before data, a run folder or a model."""
@@ -84,12 +111,17 @@ def check_init_from(name_or_path: str, cfg: ModelConfig) -> None:
         raise ConfigError(
             f"--init-from {name_or_path!r} is neither a hub name ({', '.join(HUB_NAMES)}) "
             "nor a local folder holding config.json and model weights")
+    local = name_or_path not in HUB_NAMES
+    if local:
+        _check_hf_config(Path(name_or_path))
     try:
         theirs = model_config_from_hf(name_or_path)
     except OSError as err:
         raise ConfigError(f"--init-from {name_or_path}: cannot read its GPT-2 config ({err})") from err
     diffs = {k: v for k, v in theirs.items() if getattr(cfg, k) != v}
     if not diffs:
+        if local:
+            _check_hf_weights(Path(name_or_path))
         return
     preset = next((name for name, fields in MODEL_PRESETS.items()
                    if all(getattr(ModelConfig(**fields), k) == v for k, v in theirs.items())), None)

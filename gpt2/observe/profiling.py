@@ -22,6 +22,7 @@ from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from gpt2.config.schema import ConfigError, TrainConfig
 from gpt2.observe.run_logging import log
 
 ACTIVE_STEPS = 3
@@ -42,6 +43,18 @@ CATEGORIES: list[tuple[str, re.Pattern]] = [
 COLLECTIVE_CALL_PREFIX = "c10d::"
 # host events that are not host work: waiting for the device (the step timer's and .item()'s synchronisations)
 DEVICE_WAIT = re.compile(r"Synchronize", re.I)
+
+
+def check_profile_window(t: TrainConfig, start_step: int) -> None:
+    """--profile writes its profile after the run's step W + PROFILED_STEPS (W: --throughput-warmup-steps, counted
+    from this run's first step): a run that ends before would write none."""
+    steps, needed = t.max_steps - start_step, t.throughput_warmup_steps + PROFILED_STEPS
+    if t.profile and steps < needed:
+        resumed = f" (resumed at step {start_step})" if start_step else ""
+        raise ConfigError(f"--profile records steps {t.throughput_warmup_steps + 2}-{needed} of a run (after "
+                          f"--throughput-warmup-steps {t.throughput_warmup_steps} and one profiler warm-up step), but "
+                          f"this run trains {steps}{resumed}: raise --max-steps to {start_step + needed}, lower "
+                          "--throughput-warmup-steps, or drop --profile")
 
 
 def categorise(kernel_name: str) -> str:

@@ -18,9 +18,10 @@ from gpt2.config.schema import ConfigError, RunConfig
 from parallel.dims import ParallelDims
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-# Collective timeout. Rank 0 tokenises a missing token cache while the others wait at a barrier
-# (WikiText-103: minutes), so this must outlast that; `python -m gpt2.data ...` pre-builds the cache.
-COLLECTIVE_TIMEOUT = timedelta(minutes=int(os.environ.get("GPT2_COLLECTIVE_TIMEOUT_MIN", "60")))
+# Collective timeout (GPT2_COLLECTIVE_TIMEOUT_MIN, minutes). Rank 0 tokenises a missing token cache while the others
+# wait at a barrier (WikiText-103: minutes), so this must outlast that; `python -m gpt2.data ...` pre-builds the cache.
+TIMEOUT_ENV = "GPT2_COLLECTIVE_TIMEOUT_MIN"
+COLLECTIVE_TIMEOUT_MIN = 60
 
 
 @dataclass
@@ -42,6 +43,21 @@ class DistContext:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
+
+
+def env_int(name: str, default: int, minimum: int = 0) -> int:
+    """An integer environment variable (a launcher's, or ours); a ConfigError naming it when it is not one."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ConfigError(f"environment variable {name}={text!r} is not an integer >= {minimum}; unset it (a launcher "
+                          "such as torchrun sets RANK, WORLD_SIZE and LOCAL_RANK itself) or correct it")
+    return value
 
 
 def launched_by_launcher() -> bool:
@@ -72,9 +88,14 @@ def check_launch(cfg: RunConfig) -> None:
 def init_distributed(cfg: RunConfig) -> tuple[RunLayout, DistContext]:
     """Validate the launch, pick the device, resolve the run layout, create the process group and the TP/DP grid."""
     check_launch(cfg)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size, rank = env_int("WORLD_SIZE", 1, minimum=1), env_int("RANK", 0)
+    local_rank = env_int("LOCAL_RANK", 0)
+    if (world_size, rank, local_rank) != (1, 0, 0) and not launched_by_launcher():
+        given = " ".join(f"{v}={os.environ[v]}" for v in LAUNCHER_VARS if v in os.environ)
+        missing = ", ".join(v for v in LAUNCHER_VARS if v not in os.environ)
+        raise ConfigError(f"the environment has {given} but no {missing}: left over from another launch (a launcher "
+                          "sets them all)? unset them for one process, or launch with torchrun")
+    timeout = timedelta(minutes=env_int(TIMEOUT_ENV, COLLECTIVE_TIMEOUT_MIN, minimum=1))
     device = pick_device(cfg.train.device, local_rank)
     layout = RunLayout.resolve(cfg, world_size, device)
     dims = ParallelDims(world_size=world_size, rank=rank, tp_size=layout.tp_size)
@@ -86,7 +107,7 @@ def init_distributed(cfg: RunConfig) -> tuple[RunLayout, DistContext]:
         torch.cuda.set_device(device)
     if layout.mode != "single":
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT,
+        dist.init_process_group(backend=backend, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
         dims.build_groups()
     return layout, DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device, dims=dims)

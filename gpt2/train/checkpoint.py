@@ -59,6 +59,7 @@ does it for 2 ranks (DDP, ZeRO-3), one launch per stage.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import importlib.metadata
 import json
@@ -81,9 +82,11 @@ from gpt2.config.layout import RunLayout
 from gpt2.config.schema import CheckpointConfig, ConfigError, RunConfig
 from gpt2.data.loader import BatchLoader
 from gpt2.engines.base import Engine
+from gpt2.engines.guard import NonFiniteError
 from gpt2.observe.run_logging import log
 from gpt2.runtime.distributed import DistContext
 
+GIB = 1024**3  # sizes in messages
 LATEST = "latest"
 PENDING = "latest.pending"
 META = "meta.json"
@@ -104,6 +107,14 @@ _LAYOUT_KEYS = ("mode", "world_size", "tp_size", "dp_size", "zero_stage", "batch
 
 class CheckpointError(ConfigError):
     """A missing, partial, mismatched or colliding checkpoint; the message names what differs."""
+
+
+EXIT_SAVE_FAILED = 74  # sysexits' EX_IOERR: a save could not be written (disk full, I/O error)
+
+
+class SaveError(CheckpointError):
+    """A save the file system refused (disk full, I/O error), raised on every rank; the message names the step and
+    the newest good checkpoint. The partial `.tmp` folder is never read (the next save removes it)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -152,12 +163,26 @@ def read_meta(step_dir: Path) -> dict[str, Any]:
     if step_dir.name.endswith(".tmp"):
         raise CheckpointError(f"{step_dir} is a partial checkpoint (a save that did not finish); resume from a "
                               f"complete step-XXXXXX folder or from the save dir (its `latest` pointer)")
+    if step_dir.is_file():
+        raise CheckpointError(f"{step_dir} is a file, not a checkpoint folder; pass the step folder that holds it "
+                              f"({step_dir.parent}) or its save dir")
     if not step_dir.is_dir():
         raise CheckpointError(f"checkpoint {step_dir} does not exist")
     meta_path = step_dir / META
     if not meta_path.is_file():
+        if found := list_checkpoints(step_dir):
+            raise CheckpointError(f"{step_dir} is a save dir without a `{LATEST}` pointer; pass one of its step "
+                                  f"folders (the newest: {found[-1][1]})")
         raise CheckpointError(f"{step_dir} has no {META}: it is a partial or foreign checkpoint, not resumable")
-    return json.loads(meta_path.read_text())
+    try:  # read before the manifest check (it says which layout to verify): a damaged one is refused here
+        meta = json.loads(meta_path.read_text())
+        if not (isinstance(meta, dict) and isinstance(meta.get("model"), dict) and isinstance(meta.get("step"), int)
+                and isinstance(meta.get("mode"), str)):
+            raise ValueError("not a checkpoint's meta record")
+    except ValueError as e:
+        raise CheckpointError(f"{meta_path} is damaged ({e}): refusing {step_dir}; resume from another step folder "
+                              "(its save dir holds the older ones unless --keep-last removed them)") from None
+    return meta
 
 
 def check_compatible(meta: dict[str, Any], layout: RunLayout, where: Path) -> None:
@@ -283,7 +308,8 @@ def verify_checkpoint(folder: Path) -> None:
         return
     try:
         listed = json.loads(path.read_text())["files"]
-        assert isinstance(listed, dict)
+        assert isinstance(listed, dict) and all(isinstance(want, dict) and isinstance(want.get("size"), int)
+                                                and isinstance(want.get("sha256"), str) for want in listed.values())
     except (ValueError, KeyError, TypeError, AssertionError):
         raise CheckpointError(f"{path} is not a valid checkpoint manifest: refusing to load {folder}") from None
     for rel, want in listed.items():
@@ -374,29 +400,73 @@ def _remove_checkpoint(folder: Path, step: int) -> None:
 
 
 def _on_rank0(ctx: DistContext, fn: Callable[[], None]) -> None:
-    """Run `fn` on rank 0 and raise its CheckpointError on every rank (no rank is left waiting)."""
+    """Run `fn` on rank 0 and raise its CheckpointError (of the same class) on every rank (no rank is left
+    waiting)."""
     error = None
     if ctx.is_main:
         try:
             fn()
         except CheckpointError as err:
-            error = str(err)
+            error = err
     if ctx.distributed:
         box = [error]
         dist.broadcast_object_list(box, src=0)
         error = box[0]
     if error:
-        raise CheckpointError(error)
+        raise error
+
+
+def _save_error(err: OSError | RuntimeError, need: float, step: int, tmp: Path) -> SaveError:
+    """What stopped a save's writes, in one line: a full disk (ENOSPC; torch.save reports it only as "file write
+    failed", so then: less free space left than this layout's checkpoint size) or another write error."""
+    save_dir = tmp.parent
+    free = shutil.disk_usage(save_dir).free
+    full = (err.errno in (errno.ENOSPC, errno.EDQUOT) if isinstance(err, OSError)
+            else "file write failed" in str(err) and free < need)
+    what = (f"no space left on device ({free / GIB:.2f} GiB free, a checkpoint needs about {need / GIB:.2f} GiB)"
+            if full else f"a write failed ({str(err).splitlines()[0]})")
+    return SaveError(f"{what} while saving step {step} in {tmp}; latest good checkpoint: "
+                     f"{newest_checkpoint(save_dir)} (the partial {tmp.name} is never read; the next save removes it); "
+                     "free space, then resume with --resume auto")
+
+
+def _is_write_error(err: Exception) -> bool:
+    """An OSError, or torch.save's writer failing (a RuntimeError naming PytorchStreamWriter)."""
+    return isinstance(err, OSError) or (isinstance(err, RuntimeError) and "PytorchStreamWriter" in str(err))
 
 
 # ------------------------------------------------------------------------------------------------
 # save and load
 
 
+def newest_checkpoint(save_dir: Path) -> str:
+    """What `latest` names in `save_dir`, for messages about a save that did not happen."""
+    pointer = save_dir / LATEST
+    return f"{save_dir / pointer.read_text().strip()}" if pointer.is_file() else f"none in {save_dir}"
+
+
+def check_weights_finite(ctx: DistContext, engine: Engine, step: int, save_dir: Path) -> None:
+    """Refuse, on every rank, to checkpoint weights that hold a NaN or an infinity, whatever let them through (the
+    guard judges a step by its loss and gradient norm, not by the update: a huge --lr applies a finite gradient as
+    an infinite step). Each rank checks what it holds: its ZeRO-3 partition (`ds_tensor`), else its parameters."""
+    held = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
+    finite = torch.stack([t.isfinite().all() for t in held]).all().float() if held else torch.ones(())
+    finite = finite.to(ctx.device).reshape(1)
+    if ctx.distributed:
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if not finite.item():
+        raise NonFiniteError(f"the weights after step {step} hold non-finite values although its loss and gradient "
+                             f"norm were finite (an update too large: lower --lr or --grad-clip): not saved; newest "
+                             f"checkpoint: {newest_checkpoint(save_dir)}")
+
+
 def save_checkpoint(layout: RunLayout, ctx: DistContext, engine: Engine, train_loader: BatchLoader, step: int,
-                    keep_last: int | None = None) -> Path:
-    """Write <save_dir>/step-XXXXXX atomically and point `latest` at it (collective)."""
+                    checkpoint_size: float, keep_last: int | None = None) -> Path:
+    """Write <save_dir>/step-XXXXXX atomically and point `latest` at it (collective). `checkpoint_size`: the
+    planner's estimate in bytes (`gpt2.planning.planner.checkpoint_bytes`, made by train.py), for a full disk's
+    message."""
     save_dir = Path(layout.cfg.checkpoint.save_dir)
+    check_weights_finite(ctx, engine, step, save_dir)
     final = save_dir / step_dir_name(step)
     tmp = final.with_name(final.name + ".tmp")
 
@@ -414,14 +484,32 @@ def save_checkpoint(layout: RunLayout, ctx: DistContext, engine: Engine, train_l
         _fault_point("tmp-created", step)
 
     _on_rank0(ctx, prepare)
-    torch.save({"rng": _rng_state(ctx.device), "data": train_loader.state_dict(), "step": step},
-               _rank_file(tmp, ctx.rank))
-    _fault_point("rank-state-written", step)
-    engine.save_state(tmp, step)
+    failure = None
+    try:
+        torch.save({"rng": _rng_state(ctx.device), "data": train_loader.state_dict(), "step": step},
+                   _rank_file(tmp, ctx.rank))
+        _fault_point("rank-state-written", step)
+        engine.save_state(tmp, step)
+    except (OSError, RuntimeError) as err:
+        if not _is_write_error(err):
+            raise
+        failure = _save_error(err, checkpoint_size, step, tmp)
     _fault_point("model-state-written", step)
+    if ctx.distributed:  # every rank stops on any rank's failed write (its peers would wait at the commit)
+        failures: list[SaveError | None] = [None] * ctx.world_size
+        dist.all_gather_object(failures, failure)
+        failure = next((f for f in failures if f is not None), None)
+    if failure is not None:
+        raise failure
     ctx.barrier()
 
     def commit() -> None:
+        try:
+            write_commit()
+        except OSError as err:  # meta.json, the manifest, the pointers: small, but the disk may just have filled
+            raise _save_error(err, checkpoint_size, step, tmp) from None
+
+    def write_commit() -> None:
         (tmp / META).write_text(json.dumps(build_meta(layout, step), indent=2))
         _fault_point("meta-written", step)
         write_manifest(tmp)  # last: covers every file of every rank, meta.json included
@@ -502,9 +590,40 @@ def check_save_dir(cfg: RunConfig, resume_from: Path | None, start_step: int) ->
                               "latest checkpoint (--resume auto)")
 
 
-def prepare_resume(layout: RunLayout, ctx: DistContext) -> ResumePoint | None:
+def saves_ahead(cfg: RunConfig, start_step: int) -> int:
+    """How many checkpoints a run from `start_step` writes: every --save-interval steps and the last step."""
+    interval, last = cfg.checkpoint.save_interval, cfg.train.max_steps
+    every = last // interval - start_step // interval if interval else 0
+    return every + (0 if interval and last % interval == 0 else 1)
+
+
+def check_save_space(layout: RunLayout, start_step: int, checkpoint_size: float) -> None:
+    """Free space on --save-dir's file system against the planner's checkpoint size (`checkpoint_size` bytes, from
+    train.py: this module never imports the planner), at start-up: less than one
+    checkpoint is an error (the first save would fail after training); less than the run keeps at once (all of its
+    saves, or --keep-last K + the one being written) a warning."""
+    cfg = layout.cfg
+    if not cfg.checkpoint.save_dir:
+        return
+    save_dir = Path(cfg.checkpoint.save_dir)
+    free = shutil.disk_usage(next(p for p in (save_dir, *save_dir.parents) if p.exists())).free
+    need = checkpoint_size
+    if free < need:
+        raise CheckpointError(f"--save-dir {save_dir}: {free / GIB:.2f} GiB free, but one checkpoint of this run "
+                              f"needs about {need / GIB:.2f} GiB (the planner's estimate); free space or pass a "
+                              "--save-dir on another file system")
+    saves = saves_ahead(cfg, start_step)
+    held = min(saves, cfg.checkpoint.keep_last + 1) if cfg.checkpoint.keep_last else saves
+    if free < held * need:
+        log.warning("--save-dir %s: %.2f GiB free, but the %d checkpoints this run keeps need about %.2f GiB "
+                    "(%.2f GiB each); a save that does not fit stops the run (exit %d); bound them with --keep-last",
+                    save_dir, free / GIB, held, held * need / GIB, need / GIB, EXIT_SAVE_FAILED)
+
+
+def prepare_resume(layout: RunLayout, ctx: DistContext, checkpoint_size: float) -> ResumePoint | None:
     """Start-up checks, cheap and before anything heavy: resolve --resume, check it matches this run, check
-    --save-dir holds nothing this run would write. The run folder's config.json records `folder.resolve()`."""
+    --save-dir holds nothing this run would write and has room for `checkpoint_size` bytes a save. The run folder's
+    config.json records `folder.resolve()`."""
     cfg = layout.cfg
     resume_from = resolve_resume(cfg.checkpoint)
     resume = None
@@ -513,6 +632,7 @@ def prepare_resume(layout: RunLayout, ctx: DistContext) -> ResumePoint | None:
         _on_rank0(ctx, lambda: verify_checkpoint(resume_from))  # at start-up: a bad file fails before any work
         check_compatible(resume.meta, layout, resume_from)
     check_save_dir(cfg, resume_from, resume.step if resume else 0)
+    check_save_space(layout, resume.step if resume else 0, checkpoint_size)
     return resume
 
 
@@ -520,13 +640,15 @@ class Checkpointer:
     """Saves at --save-interval steps and at the end of training (when `due`); `save(step)` works at any step
     boundary."""
 
-    def __init__(self, layout: RunLayout, ctx: DistContext, engine: Engine, train_loader: BatchLoader):
+    def __init__(self, layout: RunLayout, ctx: DistContext, engine: Engine, train_loader: BatchLoader,
+                 checkpoint_size: float):
         self.layout, self.cfg, self.ctx, self.engine, self.train_loader = layout, layout.cfg, ctx, engine, train_loader
+        self.checkpoint_size = checkpoint_size  # bytes, the planner's estimate (train.py): for a full disk's message
 
     def due(self, step: int) -> bool:
         """A save is due after `step`: every --save-interval steps and at --max-steps."""
         return _save_due(self.cfg, step)
 
     def save(self, step: int) -> Path:
-        return save_checkpoint(self.layout, self.ctx, self.engine, self.train_loader, step,
+        return save_checkpoint(self.layout, self.ctx, self.engine, self.train_loader, step, self.checkpoint_size,
                                self.cfg.checkpoint.keep_last)

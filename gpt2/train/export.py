@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from gpt2.config.schema import ModelConfig
+from gpt2.config.cli import check_folder_creatable
+from gpt2.config.schema import ConfigError, ModelConfig
 from gpt2.engines.base import CHECKPOINT_TAG, state_file
 from gpt2.model.hf_weights import hf_config_for, ours_to_hf
 from gpt2.train.checkpoint import LATEST, CheckpointError, read_meta, verify_checkpoint
@@ -83,10 +84,15 @@ class ExportTargetError(Exception):
 
 
 def check_out_dir(out_dir: Path) -> None:
-    """Refuse an existing non-empty folder (or a file): save_pretrained would silently replace its files."""
+    """Refuse an existing non-empty folder (or a file): save_pretrained would silently replace its files; and one
+    that cannot be created or written (found only after the gather otherwise)."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ExportTargetError(f"output folder {out_dir} exists and is not empty; nothing was written. "
                                 "Choose a new or empty folder.")
+    try:
+        check_folder_creatable("output folder", out_dir)
+    except ConfigError as err:
+        raise ExportTargetError(f"{err}; nothing was written") from None
 
 
 def export_hf(checkpoint: Path, out_dir: Path) -> Path:

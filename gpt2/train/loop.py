@@ -324,7 +324,7 @@ def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, m
         "train_time_s": train_time, **meter.summary(), **_memory_record(ctx, memory, after_step=False),
         "mem/allocated_after_step_gib": last.get("mem/allocated_after_step_gib"),  # the last logged step's
         "final_loss": last.get("loss"), "final_accuracy": last.get("accuracy"), **val,
-        "torch_version": torch.__version__, "profiled": t.profile, **(profile or {}),
+        "torch_version": torch.__version__, "profiled": bool(profile), **(profile or {}),
     }
 
 

@@ -1,19 +1,24 @@
-"""Preemption: on SIGUSR1 or SIGTERM, checkpoint at the next step boundary and exit with EXIT_PREEMPTED.
+"""Preemption and Ctrl-C: on SIGUSR1, SIGTERM or SIGINT, checkpoint at the next step boundary and exit.
 
 The handler only records the signal: it runs between two bytecodes of whatever the main thread is doing
-(a collective, a checkpoint write), so it does no I/O and no communication. The training loop calls
+(a collective, a checkpoint write), so it does no buffered I/O and no communication. The training loop calls
 `should_stop()` after every optimizer step: an all-reduce MAX of the flag over the whole world, so a signal
 that reached one rank, or reached the ranks during different steps, still stops every rank after the same
 step; they all save that step and exit together.
 
+Ctrl-C (SIGINT) is the same stop, for a user at a terminal: a line on stderr says a checkpoint follows at the step
+boundary; a second Ctrl-C raises KeyboardInterrupt at once (mid-step or mid-save: a save's `.tmp` folder is never
+read, so the save dir stays resumable), which train.py turns into one line, exit EXIT_INTERRUPTED.
+
 Exit code: EXIT_PREEMPTED (75, sysexits' EX_TEMPFAIL: "try again later") after the preemption checkpoint;
-0 when training finished. A launcher may flatten it (torchrun exits 1 when a worker exits non-zero), so
-the Slurm scripts decide to requeue from "the signal came and the step did not exit 0" (slurm/common.sh
-documents the whole chain).
+EXIT_INTERRUPTED (130, a shell's 128 + SIGINT) after a Ctrl-C; 0 when training finished. A launcher may flatten it
+(torchrun exits 1 when a worker exits non-zero), so the Slurm scripts decide to requeue from "the signal came and
+the step did not exit 0" (slurm/common.sh documents the whole chain).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 from types import FrameType
 
@@ -23,7 +28,9 @@ import torch.distributed as dist
 from gpt2.runtime.distributed import DistContext
 
 EXIT_PREEMPTED = 75
-PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+EXIT_INTERRUPTED = 130
+PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+_CTRL_C = b"Ctrl-C: stopping after this step, with a checkpoint if --save-dir is set; Ctrl-C again stops at once\n"
 
 
 class Preempted(Exception):
@@ -32,8 +39,13 @@ class Preempted(Exception):
     def __init__(self, step: int, signum: int, checkpoint: str | None, unsaved: str = "no --save-dir, nothing saved"):
         name = signal.Signals(signum).name if signum else "a peer's signal"
         outcome = f"checkpoint {checkpoint}" if checkpoint else unsaved
-        super().__init__(f"preempted by {name} after step {step}; {outcome}")
-        self.step, self.checkpoint = step, checkpoint
+        verb = "interrupted" if signum == signal.SIGINT else "preempted"
+        super().__init__(f"{verb} by {name} after step {step}; {outcome}")
+        self.step, self.checkpoint, self.signum = step, checkpoint, signum
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_INTERRUPTED if self.signum == signal.SIGINT else EXIT_PREEMPTED
 
 
 class PreemptionWatcher:
@@ -50,6 +62,10 @@ class PreemptionWatcher:
                 signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT:
+            if self.received == signal.SIGINT:
+                raise KeyboardInterrupt  # the second Ctrl-C: stop now
+            os.write(2, _CTRL_C)  # stderr, unbuffered: the handler may run inside a buffered write
         self.received = signum
 
     def should_stop(self, ctx: DistContext) -> bool:

@@ -291,3 +291,11 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
     except (FileNotFoundError, IndexError):
         return False
+
+
+def test_sweep_refuses_a_missing_parity_file_before_any_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A sweep whose verdict file does not exist stops at its arguments, not after its runs (a 4-GPU call once spent
+    its runs and then crashed reading the file)."""
+    with pytest.raises(SystemExit):
+        train_sweep.parse_args(["--parity", str(tmp_path / "nope" / "parity.csv")])
+    assert "no such file; run python -m benchmarks.parity first" in capsys.readouterr().err

@@ -6,17 +6,21 @@ Resume exactness: N steps + resume + M steps give bit-identical losses to N + M 
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import gpt2.train.checkpoint
 from gpt2.config.cli import parse_args
 from gpt2.config.layout import RunLayout
-from gpt2.train.checkpoint import CheckpointError, build_meta, check_compatible
+from gpt2.planning.planner import checkpoint_bytes, setup_for_run
+from gpt2.train.checkpoint import EXIT_SAVE_FAILED, CheckpointError, build_meta, check_compatible, resolve_resume
 from tests.train_runs import (
     TINY_ARGS,
     assert_hf_export_matches,
@@ -118,6 +122,50 @@ def test_bad_checkpoints_fail_at_start_naming_the_problem(single: Path, tmp_path
     assert "is at step 8, not before --max-steps 8" in train_error(
         args + ["--save-dir", str(ck), "--resume", "auto"], capsys)
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-000004", "step-000008"]  # untouched
+
+
+@pytest.mark.parametrize(("name", "text", "needle"), [
+    ("meta.json", '{"step": 4, "mo', "meta.json is damaged (Unterminated string"),
+    ("meta.json", "[]", "meta.json is damaged (not a checkpoint's meta record)"),
+    ("meta.json", "\udcff", "meta.json is damaged"),
+    ("manifest.json", '{"version": 1, "files": {"model.pt": 5}}', "is not a valid checkpoint manifest"),
+])
+def test_a_damaged_meta_or_manifest_is_one_line_at_resume_and_export(single: Path, tmp_path: Path, capsys, name: str,
+                                                                     text: str, needle: str) -> None:
+    """meta.json is read before the manifest check (it says what to verify): damaged, it is refused, not a
+    traceback; so is a manifest whose entries are not what the save writes."""
+    from gpt2.train.export import main as export_main
+
+    ck = tmp_path / "ck" / "step-000004"
+    shutil.copytree(single / "ck" / "step-000004", ck)
+    (ck / name).write_bytes(text.encode(errors="surrogateescape"))
+    assert needle in train_error(COMMON + ["--batch-size", "4", "--resume", str(ck)], capsys)
+    assert export_main([str(ck), str(tmp_path / "hf")]) == 2
+    assert needle in capsys.readouterr().err and not (tmp_path / "hf").exists()
+
+
+def test_a_wrong_checkpoint_path_gets_the_right_advice(single: Path, tmp_path: Path, capsys) -> None:
+    """A file inside a checkpoint exists (not "does not exist"); a save dir without `latest` is one (not "foreign")."""
+    from gpt2.train.export import main as export_main
+
+    model = single / "ck" / "step-000004" / "model.pt"
+    err = train_error(COMMON + ["--batch-size", "4", "--resume", str(model)], capsys)
+    assert f"{model} is a file, not a checkpoint folder; pass the step folder that holds it ({model.parent})" in err
+    ck = tmp_path / "ck"
+    shutil.copytree(single / "ck", ck)
+    (ck / "latest").unlink()
+    assert export_main([str(ck), str(tmp_path / "hf")]) == 2
+    assert (f"{ck} is a save dir without a `latest` pointer; pass one of its step folders (the newest: "
+            f"{ck / 'step-000008'})") in capsys.readouterr().err
+
+
+def test_export_checks_its_output_folder_before_the_gather(single: Path, tmp_path: Path, capsys) -> None:
+    from gpt2.train.export import main as export_main
+
+    (tmp_path / "f").write_text("a user's file")
+    assert export_main([str(single / "ck"), str(tmp_path / "f" / "hf")]) == 2
+    assert f"output folder {tmp_path / 'f' / 'hf'} cannot be created: {tmp_path / 'f'} is a file" in (
+        capsys.readouterr().err)
 
 
 def test_checkpoint_files_are_verified_before_any_load(single: Path, tmp_path: Path, capsys) -> None:
@@ -229,3 +277,58 @@ def test_keep_last_never_deletes_the_checkpoint_just_written(single: Path, tmp_p
                         str(ck / "step-000004"), "--save-dir", str(ck), "--keep-last", "1"], tmp_path)
     assert (ck / "latest").read_text().strip() == "step-000006"
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-000006", "step-000008"]
+
+
+def test_too_little_space_for_a_checkpoint_fails_at_start_up(tmp_path: Path, capsys,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's checkpoint size (gpt2-tiny: 40 MB) against the save dir's free space, before any work."""
+    free = {"bytes": 10 * 2**20}
+    monkeypatch.setattr(gpt2.train.checkpoint.shutil, "disk_usage", lambda path: SimpleNamespace(free=free["bytes"]))
+    err = train_error(COMMON + ["--save-dir", str(tmp_path / "ck")], capsys, tmp_path / "runs")
+    assert f"--save-dir {tmp_path / 'ck'}: 0.01 GiB free, but one checkpoint of this run needs about 0.04 GiB" in err
+    assert not (tmp_path / "runs").exists()
+    warned = []
+    monkeypatch.setattr(gpt2.train.checkpoint.log, "warning", lambda *args: warned.append(args[0] % args[1:]))
+    free["bytes"] = 100 * 2**20  # two checkpoints, not the eight of --save-interval 1
+    layout = RunLayout.resolve(parse_args(COMMON + ["--save-dir", str(tmp_path / "ck"), "--save-interval", "1"]),
+                               world_size=1, device="cpu")
+    gpt2.train.checkpoint.check_save_space(layout, start_step=0,
+                                           checkpoint_size=checkpoint_bytes(setup_for_run(layout)))
+    assert "the 8 checkpoints this run keeps need about 0.30 GiB" in warned[0] and "--keep-last" in warned[0]
+    layout = RunLayout.resolve(parse_args(COMMON + ["--save-dir", str(tmp_path / "ck"), "--save-interval", "1",
+                                                    "--keep-last", "1"]), world_size=1, device="cpu")
+    gpt2.train.checkpoint.check_save_space(layout, start_step=0,
+                                           checkpoint_size=checkpoint_bytes(setup_for_run(layout)))  # 2 fit
+    assert len(warned) == 1
+
+
+@pytest.mark.parametrize("failure", [
+    RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file data/0: file "
+                 "write failed"),
+    OSError(errno.ENOSPC, "No space left on device"),
+])
+def test_a_disk_that_fills_during_a_save_stops_in_one_line(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch,
+                                                           failure: Exception) -> None:
+    """The save of step 2 fails as torch.save fails on a full disk: exit 74, one line naming the step and the
+    newest good checkpoint, which --resume auto then takes."""
+    import train
+
+    real_save, free = torch.save, {"bytes": 2**40}
+
+    def save(obj, path, *args, **kwargs):
+        if "step-000002" in str(path):
+            free["bytes"] = 0
+            raise failure
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(gpt2.train.checkpoint.torch, "save", save)
+    monkeypatch.setattr(gpt2.train.checkpoint.shutil, "disk_usage", lambda path: SimpleNamespace(free=free["bytes"]))
+    ck = tmp_path / "ck"
+    args = COMMON + ["--max-steps", "3", "--save-interval", "1", "--save-dir", str(ck)]
+    assert train.main(args + ["--out-dir", str(tmp_path / "runs")]) == EXIT_SAVE_FAILED
+    err = capsys.readouterr().err
+    assert re.search(r"no space left on device \(0\.00 GiB free, a checkpoint needs about 0\.04 GiB\) while "
+                     rf"saving step 2 in {re.escape(str(ck))}/step-000002\.tmp; latest good checkpoint: "
+                     rf"{re.escape(str(ck))}/step-000001 .*; exit 74", err), err
+    assert "Traceback" not in err
+    assert resolve_resume(parse_args(args + ["--resume", "auto"]).checkpoint) == ck / "step-000001"

@@ -47,7 +47,9 @@ from gpt2.engines.guard import (
     install_fault_injection,
 )
 from gpt2.engines.torch_engine import TorchEngine
+from gpt2.planning.planner import checkpoint_bytes, setup_for_run
 from gpt2.runtime.distributed import init_distributed
+from gpt2.train.checkpoint import Checkpointer
 from gpt2.train.loop import train_step
 from tests.train_runs import ROOT, TINY_ARGS, read_records, train_command, train_env
 
@@ -105,6 +107,25 @@ def test_a_nonfinite_step_updates_nothing_and_a_tripped_guard_nothing_more(kind:
     assert (reading.streak, reading.skipped, reading.tripped_at) == (4, 5, 7)
     with pytest.raises(NonFiniteError, match=r"at 3 consecutive steps \(5-7; --max-bad-steps 3\); stopped at step 8"):
         engine.guard.raise_if_tripped(reading, 8)
+
+
+def test_a_checkpoint_of_non_finite_weights_is_refused(tmp_path: Path) -> None:
+    """The save itself checks the weights: an update the guard let through (finite loss and gradient norm, an
+    infinite step) is never checkpointed, and the message names the newest checkpoint."""
+    cfg = parse_args(TINY_ARGS + ["--data", "synthetic", "--batch-size", "2", "--max-steps", "4",
+                                  "--save-dir", str(tmp_path / "ck")])
+    layout, ctx = init_distributed(cfg)
+    data = build_data(cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
+                      model_vocab_size=cfg.model.vocab_size, dp_rank=0, dp_size=1, seed=cfg.train.seed, is_main=True,
+                      barrier=ctx.barrier)
+    engine = build_engine(layout, ctx)
+    checkpointer = Checkpointer(layout, ctx, engine, data.train, checkpoint_bytes(setup_for_run(layout)))
+    checkpointer.save(1)
+    with torch.no_grad():
+        next(engine.module.parameters())[0, 0] = math.inf
+    with pytest.raises(NonFiniteError, match=r"after step 2 hold non-finite values.*newest checkpoint: .*step-000001"):
+        checkpointer.save(2)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "step-000001"]
 
 
 def test_fp16_counts_a_non_finite_loss_not_a_loss_scale_overflow() -> None:

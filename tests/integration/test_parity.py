@@ -255,7 +255,8 @@ def test_matrix_keeps_the_global_batch_in_every_layout():
     common = ["--model", "gpt2-tiny", "--seq-len", "32", "--data", "synthetic"]
     jobs = {row.name: plan(row, "gpt2-tiny", common, 8, 2, "cuda") for row in matrix(4)}
     assert {"ddp-w4", "zero1-w4", "zero3-w4", "ddp-tp2-w4", "ddp-tp2-sp-w4", "zero3-tp2-sp-w4", "zero3-tp2-compile-w4",
-            "ddp-tp2-compile-w4", "zero3-tp2-sp-compile-w4", "ddp-tp4-w4", "zero3-tp4-w4"} <= set(jobs)
+            "ddp-tp2-compile-w4", "zero3-tp2-sp-compile-w4", "ddp-tp4-w4", "zero3-tp4-w4", "ddp-compile-w4",
+            "zero3-compile-w4"} <= set(jobs)
     assert not any("tp4" in row.name for row in matrix(2))  # TP 4 only where 4 divides the world
 
     def flag(job, name: str) -> int:
@@ -337,7 +338,9 @@ def test_load_curve_needs_a_finished_run(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     with pytest.raises(CurveError, match="did not finish"):
         load_curve(tmp_path)
-    summary = {"type": "summary", "val_loss": 7.5, "precision": "fp32"}
+    # a train.py summary carries what benchmarks.report.load_run requires of one (SUMMARY_KEYS)
+    summary = {"type": "summary", "val_loss": 7.5, "precision": "fp32", "mode": "single", "world_size": 1,
+               "batch_size_per_gpu": 2}
     with (tmp_path / "metrics.jsonl").open("a") as f:
         f.write(json.dumps(summary) + "\n")
     assert load_curve(tmp_path) == Curve((1, 2), (9.0, 8.0), 7.5, "fp32")

@@ -3,7 +3,8 @@ exits with EXIT_PREEMPTED, and `--resume auto` continues with the losses of an u
 
 Cases: SIGUSR1 to a single process; SIGUSR1 to rank 1 only of a 2-process torchrun DDP run (the all-reduced
 flag makes rank 0 stop at the same step); SIGTERM to the torchrun agent, which forwards it to its workers
-(checkpoint and exit checked; its resume is the same as the others').
+(checkpoint and exit checked; its resume is the same as the others'); Ctrl-C (SIGINT) to a single process: the same
+checkpoint, exit 130 and the resume command; a second Ctrl-C stops at once.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from gpt2.train.preemption import EXIT_PREEMPTED
+from gpt2.train.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, PreemptionWatcher
 from tests.preempt_runs import (
     NEVER_ENDS,
     PREEMPT_ARGS,
@@ -65,6 +66,8 @@ def _interrupt(tmp: Path, nproc: int, send: str, device: str) -> tuple[int, str]
             proc.send_signal(signal.SIGUSR1)
         elif send == "usr1-rank1":
             psutil.Process(_worker_pid(proc, 1)).send_signal(signal.SIGUSR1)
+        elif send == "int":
+            proc.send_signal(signal.SIGINT)
         else:
             proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
@@ -95,14 +98,14 @@ TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, r
 
 
 @pytest.mark.parametrize("nproc,send,device", [
-    (1, "usr1", "cpu"), (2, "usr1-rank1", "cpu"), (2, "term-agent", "cpu"),
+    (1, "usr1", "cpu"), (2, "usr1-rank1", "cpu"), (2, "term-agent", "cpu"), (1, "int", "cpu"),
     pytest.param(2, "usr1-rank1", "cuda", marks=TWO_GPUS),  # the flag's all-reduce over NCCL
 ])
 def test_signal_saves_at_step_boundary_and_resume_is_exact(tmp_path: Path, references, nproc: int, send: str,
                                                            device: str) -> None:
     code, out = _interrupt(tmp_path, nproc, send, device)
     if nproc == 1:
-        assert code == EXIT_PREEMPTED, out[-3000:]
+        assert code == (EXIT_INTERRUPTED if send == "int" else EXIT_PREEMPTED), out[-3000:]
     else:
         # torchrun exits 1 (a worker failed) or with its SignalException (it got SIGTERM itself)
         assert code != 0, out[-3000:]
@@ -111,14 +114,23 @@ def test_signal_saves_at_step_boundary_and_resume_is_exact(tmp_path: Path, refer
             # torchrun's failure report lists the workers' own exit codes; when one exits first, torchrun may
             # SIGTERM the other on its way out (seen on a loaded 2-core machine), so at least one reads 75
             assert out.count(f"exitcode  : {EXIT_PREEMPTED} ") >= 1, out[-3000:]
-    assert "preempted by " in out and "(resume with --resume auto)" in out, out[-3000:]
+    if send == "int":
+        assert "Ctrl-C: stopping after this step" in out and "interrupted by SIGINT after step" in out, out[-3000:]
+        assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    else:
+        assert "preempted by " in out, out[-3000:]
+    if nproc == 1:  # the command to run, this one's flags with --resume auto
+        assert "(resume with --resume auto: python train.py --model gpt2-tiny" in out, out[-3000:]
+        assert out.count("--resume auto") == 2 and "--resume auto)" in out, out[-3000:]
+    else:
+        assert "(resume with --resume auto (the same launch))" in out, out[-3000:]
     ck = tmp_path / "ck"
     step = saved_step(ck)
     # a step boundary: the last logged step is the saved one, and only that step was saved
     assert logged_steps(tmp_path / "interrupted")[-1] == step >= 3
     assert sorted(p.name for p in ck.iterdir()) == ["latest", f"step-{step:06d}"]
     assert step + RESUMED_STEPS <= REFERENCE_STEPS, f"the signal took {step} steps to act"
-    if send == "term-agent":
+    if send in ("term-agent", "int"):
         return  # the resume itself is the same as after SIGUSR1, checked by the other cases
 
     run_train(PREEMPT_ARGS + _flags(nproc, device) + ["--max-steps", str(step + RESUMED_STEPS), "--run-name",
@@ -127,3 +139,31 @@ def test_signal_saves_at_step_boundary_and_resume_is_exact(tmp_path: Path, refer
     ref = references(nproc, device)
     assert step_losses(tmp_path / "interrupted") == ref[:step]
     assert step_losses(tmp_path / "resumed") == ref[step:step + RESUMED_STEPS]  # bit-identical
+
+
+def test_a_second_ctrl_c_stops_at_once() -> None:
+    """The first SIGINT is only recorded (a checkpoint follows at the step boundary); the second raises
+    KeyboardInterrupt where the process is, which train.main reports in one line (exit 130)."""
+    watcher = PreemptionWatcher()
+    try:
+        signal.raise_signal(signal.SIGINT)
+        assert watcher.received == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        watcher.restore()
+
+
+def test_a_second_ctrl_c_in_train_main_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    import train
+    from gpt2.train import loop
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "run_training", interrupted)
+    assert train.main(PREEMPT_ARGS + ["--max-steps", "2", "--out-dir", str(tmp_path / "runs"),
+                                      "--save-dir", str(tmp_path / "ck")]) == EXIT_INTERRUPTED
+    assert (f"train.py: stopped at once by a second Ctrl-C; newest checkpoint: none in {tmp_path / 'ck'}"
+            in capsys.readouterr().err)

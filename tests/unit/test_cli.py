@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
+import gpt2.config.cli
 import train
 from gpt2.config.cli import parse_args
 from gpt2.config.layout import RunLayout, check_tp_divides_model, check_tp_divides_world
 from gpt2.config.schema import ConfigError, ModelConfig
+from tests.train_runs import train_error
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,6 +44,29 @@ def test_argparse_rejects(argv: list[str], needle: str, capsys: pytest.CaptureFi
     assert needle in _error_of(argv, capsys)
 
 
+def _float_flags() -> list[str]:
+    """Every flag of train.py whose value parses as a float."""
+    from gpt2.config.cli import build_parser
+
+    flags = []
+    for action in build_parser()._actions:
+        try:
+            parsed = action.type("1.5") if callable(action.type) else None
+        except (ValueError, TypeError):  # int flags
+            continue
+        if isinstance(parsed, float):
+            flags.append(action.option_strings[0])
+    return flags
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_every_float_flag_must_be_finite(value: str, capsys: pytest.CaptureFixture) -> None:
+    flags = _float_flags()
+    assert {"--lr", "--min-lr", "--weight-decay", "--grad-clip", "--dropout", "--busbw-gbs"} <= set(flags)
+    for flag in flags:
+        assert f"argument {flag}: must be a finite number, got {float(value)}" in _error_of([f"{flag}={value}"], capsys)
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
@@ -59,7 +84,7 @@ def test_argparse_rejects(argv: list[str], needle: str, capsys: pytest.CaptureFi
         (["--mode", "baseline", "--zero-stage", "3", "--zero3-fetch", "module"], "drop them or use --mode hybrid"),
         (["--zero-precision", "deepspeed"], "--zero-precision: DeepSpeed ZeRO settings, used only by --mode hybrid"),
         (["--deepspeed-nvtx"], "--deepspeed-nvtx: DeepSpeed ZeRO settings, used only by --mode hybrid"),
-        (["--plan", "--busbw-gbs", "1", "2", "3"], "--busbw-gbs takes one or two values"),
+        (["--plan", "--search", "--busbw-gbs", "1", "2", "3"], "--busbw-gbs takes one or two values"),
         (["--data", "synthetic", "--data-path", "x"], "drop one of the two"),
         (["--ds-config", "ds_configs/zero3.json"], "--ds-config only applies to --mode hybrid"),
         (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
@@ -74,6 +99,62 @@ def test_validate_rejects(argv: list[str], needle: str) -> None:
     with pytest.raises(ConfigError, match=None) as exc:
         parse_args(argv)
     assert needle in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--world-size", "4"], "--gpus / --world-size 4: the GPU count that --plan plans for"),
+        (["--gpus", "2", "--mode", "baseline"], "add --plan or drop it"),
+        (["--plan", "--busbw-gbs", "100"], "--busbw-gbs: read only by --plan --search"),
+        (["--achievable-tflops", "300"], "--achievable-tflops: read only by --plan --search"),
+        (["--compile-scope", "blocks"], "--compile-scope blocks says what --compile compiles; add --compile"),
+        (["--compiler", "torch"], "--compiler torch says who compiles under --compile"),
+        (["--ddp-bucket-mb", "25"], "--ddp-bucket-mb sizes DDP's gradient buckets, used only by --mode baseline"),
+        (["--mode", "hybrid", "--zero-stage", "2", "--zero3-fetch", "module"], "--zero-stage 2 keeps whole parameters"),
+        (["--mode", "hybrid", "--zero-stage", "1", "--zero3-fetch", "block"], "drop it or use --zero-stage 3"),
+        (["--no-tp-overlap"], "--tp-size 1 has none"),
+        (["--data", "synthetic", "--tokenizer", "gpt2"], "--tokenizer: --data synthetic draws random token ids"),
+        (["--data", "synthetic", "--cache-dir", "c", "--num-proc", "2"], "--cache-dir, --num-proc: --data synthetic"),
+        (["--init-from", "gpt2", "--resume", "ck/step-000010"], "loads the checkpoint's over them; drop one"),
+    ],
+)
+def test_a_flag_that_cannot_act_is_an_error_naming_why(argv: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        parse_args(argv)
+    assert needle in str(exc.value)
+
+
+def test_profile_needs_the_steps_it_records(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    args = ["--data", "synthetic", "--device", "cpu", "--profile", "--max-steps", "6"]
+    err = train_error(args, capsys, tmp_path / "runs")  # 3 warm-up + 1 profiler warm-up + 3 profiled = 7
+    assert "--profile records steps 5-7 of a run" in err and "raise --max-steps to 7" in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(("var", "value"), [("WORLD_SIZE", "two"), ("WORLD_SIZE", "0"), ("RANK", "-1"),
+                                            ("LOCAL_RANK", "x"), ("GPT2_COLLECTIVE_TIMEOUT_MIN", "0")])
+def test_a_bad_environment_variable_is_named(var: str, value: str, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    monkeypatch.setenv(var, value)
+    err = train_error(["--data", "synthetic"], capsys, tmp_path / "runs")
+    assert f"train.py: error: environment variable {var}={value!r} is not an integer >=" in err, err
+    if var == "WORLD_SIZE":  # --plan reads it too
+        assert train.main(["--plan"]) == 2 and f"{var}={value!r}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--out-dir", "--save-dir"])
+def test_an_output_folder_that_cannot_be_written_fails_at_parse_time(flag: str, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "f").write_text("a user's file")
+    with pytest.raises(ConfigError, match=f"{flag} {tmp_path / 'f' / 'ck'} cannot be created: {tmp_path / 'f'} is a "
+                                          "file"):
+        parse_args([flag, str(tmp_path / "f" / "ck")])
+    # read-only for this user (simulated: the tests run as root, who may write anywhere)
+    monkeypatch.setattr(gpt2.config.cli.os, "access", lambda path, mode: Path(path) != tmp_path)
+    with pytest.raises(ConfigError, match=f"{flag} {tmp_path / 'new'} is not writable here"):
+        parse_args([flag, str(tmp_path / "new")])
+    assert parse_args(["--cache-dir", str(tmp_path / "new")])  # a read-only token cache still serves hits
 
 
 def test_validate_accepts_the_supported_neighbours() -> None:
@@ -179,6 +260,47 @@ def test_init_from_mismatch_fails_before_data_and_run_folder(
     err = capsys.readouterr().err
     assert "neither a hub name" in err and "missing" not in err
     assert not out.exists()
+
+
+def test_init_from_a_folder_that_is_not_a_gpt2_export_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    """Not the architecture advice transformers' defaults would give (an empty folder read as GPT-2 small)."""
+    from transformers import BertConfig, GPT2Config
+
+    flags = ["--data-path", str(tmp_path / "missing"), "--init-from"]
+    (tmp_path / "empty").mkdir()
+    err = train_error(flags + [str(tmp_path / "empty")], capsys, tmp_path / "runs")
+    assert "is not a Hugging Face GPT-2 folder: it has no config.json" in err and "--model" not in err, err
+    BertConfig().save_pretrained(tmp_path / "bert")
+    assert "holds a 'bert' model, not GPT-2" in train_error(flags + [str(tmp_path / "bert")], capsys, tmp_path / "runs")
+    GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=256).save_pretrained(tmp_path / "config-only")  # gpt2-tiny
+    err = train_error(flags + [str(tmp_path / "config-only")], capsys, tmp_path / "runs")
+    assert "has a GPT-2 config.json but no weights (model.safetensors" in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_stale_launcher_variables_are_named(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+                                            tmp_path: Path) -> None:
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    err = train_error(["--data", "synthetic"], capsys, tmp_path / "runs")
+    assert "the environment has WORLD_SIZE=2 but no RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT" in err, err
+    assert "launched on" not in err
+
+
+@pytest.mark.parametrize(("device", "flags", "then"), [
+    ("cpu", ["--precision", "bf16"], "then rerun (no --save-dir: nothing was saved)"),  # a CPU run is fp32 anyway
+    ("cuda", ["--save-dir", "ck"], "then resume from the newest checkpoint (--resume auto)"),
+])
+def test_non_finite_advice_names_only_what_this_run_can_change(device: str, flags: list[str], then: str) -> None:
+    import torch
+
+    from gpt2.engines.guard import NonFiniteGuard
+
+    layout = RunLayout.resolve(parse_args(flags), world_size=1, device=device)
+    advice = NonFiniteGuard.for_run(layout, torch.device("cpu")).advice
+    assert ("--precision" in advice) is (device == "cuda") and advice.endswith(then), advice
 
 
 def test_grad_accum_and_global_batch_size_are_exclusive() -> None:

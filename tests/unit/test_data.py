@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+import gpt2.data.loader
 from gpt2.config.schema import ConfigError, DataConfig
 from gpt2.data.loader import BatchLoader, DataError, build_data, resolve_splits
 from gpt2.data.tokenizer import hub_reachable, load_tokenizer
@@ -194,6 +196,8 @@ def test_state_dict_resume_continues_exactly():
     (["wiki.train.raw", "wiki.valid.raw", "wiki.test.raw"], ["wiki.train.raw"], ["wiki.valid.raw"]),
     (["train_00.txt", "train_01.txt", "dev.txt", "notes.md"], ["train_00.txt", "train_01.txt"], ["dev.txt"]),
     (["a.txt", "b.txt"], ["a.txt", "b.txt"], None),  # no roles: all train, tail for validation
+    (["corpus.txt", "test.txt"], ["corpus.txt"], ["test.txt"]),  # role-less text trains when there is no train*
+    (["corpus.txt", "valid.txt", "test.txt"], ["corpus.txt"], ["valid.txt"]),
     (["train.txt"], ["train.txt"], None),
 ])
 def test_folder_rules(tmp_path, names, train, val):
@@ -202,6 +206,17 @@ def test_folder_rules(tmp_path, names, train, val):
     tr, va = resolve_splits(DataConfig(data_path=str(tmp_path)))
     assert [f.name for f in tr.files] == train
     assert (va and [f.name for f in va.files]) == val
+
+
+def test_every_file_of_the_folder_is_used_or_named(tmp_path, caplog):
+    for name in ("train.txt", "valid.txt", "test.txt", "notes.txt", "readme.md", "more/train_2.txt"):
+        write(tmp_path / name, ["x\n"])
+    with caplog.at_level("WARNING", logger="gpt2"):
+        resolve_splits(DataConfig(data_path=str(tmp_path)))
+    assert caplog.messages == [
+        f"--data-path {tmp_path}: not used: notes.txt (no train/valid/test in its name, and train* files are the "
+        "training text); test.txt (test text is held out when valid* files validate); more (a folder: not "
+        "searched); readme.md (not .txt/.raw/.tokens)"]
 
 
 def test_local_folder_stream_matches_reference_and_tail_split(tmp_path, tiny_tokenizer):
@@ -403,6 +418,46 @@ def test_bad_data_path_names_the_path(tmp_path, tiny_tokenizer, layout):
         path = write(tmp_path / "data.txt", [" \n"] * 50)
     cfg = DataConfig(data_path=str(path), tokenizer=str(tiny_tokenizer), cache_dir=str(tmp_path / "cache"), num_proc=1)
     with pytest.raises(DataError, match=f"--data-path {path}"):
+        build(cfg)
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+    (b"caf\xe9 au lait\n" * 50, "is not UTF-8 text (byte 3: invalid continuation byte)"),  # latin-1
+    (b"\x89PNG\r\n\x1a\n" + bytes(range(256)), "is not UTF-8 text (byte 0: invalid start byte)"),
+    (b"text\x00\x01 and more\n" * 50, "is binary, not text (a NUL byte at 4)"),
+    (b"cut mid-character \xe2\x82", "is not UTF-8 text (it ends inside a character)"),
+])
+def test_a_file_that_is_not_utf8_text_is_named(tmp_path, tiny_tokenizer, content: bytes, needle: str):
+    (tmp_path / "data").mkdir()
+    write(tmp_path / "data" / "train.txt", wiki_lines(5, seed=6))
+    (tmp_path / "data" / "valid.txt").write_bytes(content)
+    cfg = DataConfig(data_path=str(tmp_path / "data"), tokenizer=str(tiny_tokenizer), cache_dir=str(tmp_path / "c"))
+    with pytest.raises(DataError, match=re.escape(f"--data-path: {tmp_path / 'data' / 'valid.txt'} {needle}")):
+        build(cfg)
+
+
+def test_a_device_as_data_path_is_named(tiny_tokenizer, tmp_path):
+    with pytest.raises(DataError, match="--data-path /dev/null: not a regular file or a folder"):
+        build(DataConfig(data_path="/dev/null", tokenizer=str(tiny_tokenizer), cache_dir=str(tmp_path / "c")))
+
+
+@pytest.mark.parametrize("content", ['{"a": 1}', "not json at all", ""])
+def test_a_file_that_is_not_a_tokenizer_is_named(tmp_path, content: str):
+    (tmp_path / "tok.json").write_text(content)
+    with pytest.raises(DataError, match=f"--tokenizer {tmp_path / 'tok.json'}: not a tokenizer"):
+        load_tokenizer(str(tmp_path / "tok.json"))
+
+
+def test_a_read_only_cache_dir_serves_hits_and_names_a_miss(tmp_path, tiny_tokenizer, monkeypatch):
+    write(tmp_path / "corpus.txt", wiki_lines(5, seed=6))
+    cfg = DataConfig(data_path=str(tmp_path / "corpus.txt"), tokenizer=str(tiny_tokenizer),
+                     cache_dir=str(tmp_path / "cache"), num_proc=1)
+    build(cfg)
+    # read-only for this user (tests run as root)
+    monkeypatch.setattr(gpt2.data.loader.os, "access", lambda path, mode: False)
+    assert build(cfg).cache_hit
+    write(tmp_path / "corpus.txt", wiki_lines(6, seed=7))  # other text: a miss
+    with pytest.raises(DataError, match=f"--cache-dir {tmp_path / 'cache'} is not writable and holds no token cache"):
         build(cfg)
 
 

@@ -122,6 +122,12 @@ def test_zero3_reuse_distance_holds(distance, expected):
     assert zero3_held_params(Setup(**{**setup.__dict__, "deepspeed": ds})) == expected
 
 
+@pytest.mark.timeout(120)  # linear: seconds at 100k layers; a scan per module per layout ran for hours
+def test_plan_and_search_are_linear_in_layers(capsys):
+    assert train.main(["--plan", "--search", "--mode", "hybrid", "--gpus", "4", "--n-layer", "100000"]) == 0
+    assert "layouts fit" in capsys.readouterr().out
+
+
 def test_plan_cli_prints_terms_without_launching(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")  # --gpus wins over the launcher's variable
     assert train.main(LARGE + ["--plan", "--mode", "hybrid", "--gpus", "4", "--gpu-memory-gib", "141"]) == 0

@@ -80,3 +80,17 @@ def test_runs_found_in_parent_folder_and_steps_deduplicated(tmp_path):
 
 def test_no_runs(tmp_path):
     assert main([str(tmp_path), "--out", str(tmp_path / "r")]) == 1
+
+
+def test_a_damaged_run_folder_is_skipped_and_named(tmp_path, capsys):
+    """One run killed mid-write (a cut last line) or a damaged summary must not stop the report of the others."""
+    make_runs(tmp_path / "runs")
+    cut = tmp_path / "runs" / "zero3-tp2-b8" / "metrics.jsonl"
+    cut.write_text(cut.read_text()[:-20])
+    (tmp_path / "runs" / "other").mkdir()
+    (tmp_path / "runs" / "other" / "summary.json").write_text('{"mode": "single"}')
+    assert main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert f"skipped {cut.parent}: {cut} line " in err and "is not valid JSON" in err and "truncated or damaged" in err
+    assert f"skipped {tmp_path / 'runs' / 'other'}: its summary lacks world_size, batch_size_per_gpu" in err
+    assert "| ddp |" in (tmp_path / "out" / "report.md").read_text()
