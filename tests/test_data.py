@@ -310,6 +310,25 @@ def test_truncated_token_cache_is_rebuilt_with_a_warning(tmp_path, tiny_tokenize
     assert np.array_equal(full, reference_stream(tiny_tokenizer, lines))
 
 
+def test_a_token_cache_of_the_right_size_with_other_content_is_refused_or_rebuilt(tmp_path, tiny_tokenizer, caplog):
+    """Garbage of the right size (token ids beyond the vocabulary: an IndexError mid-training, a device-side assert
+    on a GPU) fails its sidecar's sha256 on open: other ranks refuse it by name, the main process rebuilds it."""
+    lines = wiki_lines(30, seed=6)
+    write(tmp_path / "corpus.txt", lines)
+    cfg = DataConfig(data_path=str(tmp_path / "corpus.txt"), tokenizer=str(tiny_tokenizer),
+                     cache_dir=str(tmp_path / "cache"), num_proc=1)
+    build(cfg)
+    (bin_path,) = (tmp_path / "cache").glob("train-*.bin")
+    bin_path.write_bytes(np.full(bin_path.stat().st_size // 2, 65535, dtype=np.uint16).tobytes())
+    with pytest.raises(DataError, match=f"{bin_path.name} is damaged: .* does not match the sha256 in its sidecar"):
+        build(cfg, is_main=False)
+    with caplog.at_level("WARNING", logger="gpt2"):
+        rebuilt = build(cfg)
+    assert not rebuilt.cache_hit and "does not match the sha256" in caplog.text and "rebuilding it" in caplog.text
+    full = np.concatenate([rebuilt.train.tokens, rebuilt.val.tokens]).astype(np.int64)
+    assert np.array_equal(full, reference_stream(tiny_tokenizer, lines))
+
+
 # Loads data in a process where `import datasets` fails (as on a GPU machine without it): argv is
 # data_path tokenizer cache_dir; prints whether the cache hit and the train + val tokens.
 _NO_DATASETS_LOAD = textwrap.dedent("""
