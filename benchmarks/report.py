@@ -62,13 +62,17 @@ def is_run_dir(path: Path) -> bool:
 
 
 def find_runs(paths: list[str]) -> list[Path]:
-    """Run folders among `paths`; a folder that is not one contributes its run-folder children."""
+    """Run folders among `paths`; a folder that is not one contributes its run-folder children. A path that gives
+    none is named on stderr (a typo would otherwise just shrink the report)."""
     found: list[Path] = []
     for p in map(Path, paths):
         if is_run_dir(p):
             found.append(p)
-        elif p.is_dir():
-            found += sorted(c for c in p.iterdir() if c.is_dir() and is_run_dir(c))
+        elif children := sorted(c for c in p.iterdir() if c.is_dir() and is_run_dir(c)) if p.is_dir() else []:
+            found += children
+        else:
+            print(f"skipped {p}: {'no run folder in it' if p.is_dir() else 'no such folder'} (a run folder holds "
+                  "metrics.jsonl or summary.json)", file=sys.stderr)
     return found
 
 
