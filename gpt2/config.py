@@ -18,6 +18,7 @@ from typing import Literal, get_args
 
 GPT2_VOCAB_SIZE = 50257
 VOCAB_PAD_MULTIPLE = 128  # 50257 -> 50304: tensor-core friendly LM-head GEMMs
+MAX_LAYERS = 10_000
 
 
 class ConfigError(ValueError):
@@ -509,6 +510,9 @@ def check_sequence_parallel(tp_size: int, sequence_parallel: bool) -> None:
 def validate(cfg: RunConfig) -> None:
     """Checks that need no process group, no data and no GPU."""
     m, t = cfg.model, cfg.train
+    if m.n_layer > MAX_LAYERS:
+        raise ConfigError(f"--n-layer {m.n_layer}: at most {MAX_LAYERS:,} (ten times the deepest transformer trained, "
+                          "DeepNet's 1,000 layers); deeper plans only take memory and time")
     if m.n_embd % m.n_head:
         raise ConfigError(f"--n-embd {m.n_embd} is not divisible by --n-head {m.n_head}; "
                           f"pick a head count that divides {m.n_embd}")
