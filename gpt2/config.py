@@ -511,8 +511,8 @@ def validate(cfg: RunConfig) -> None:
     """Checks that need no process group, no data and no GPU."""
     m, t = cfg.model, cfg.train
     if m.n_layer > MAX_LAYERS:
-        raise ConfigError(f"--n-layer {m.n_layer}: at most {MAX_LAYERS:,} (ten times the deepest transformer trained, "
-                          "DeepNet's 1,000 layers); deeper plans only take memory and time")
+        raise ConfigError(f"--n-layer {m.n_layer}: at most {MAX_LAYERS:,} (ten times DeepNet's 1,000 layers, among "
+                          "the deepest transformers trained); deeper plans only take memory and time")
     if m.n_embd % m.n_head:
         raise ConfigError(f"--n-embd {m.n_embd} is not divisible by --n-head {m.n_head}; "
                           f"pick a head count that divides {m.n_embd}")
