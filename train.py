@@ -63,7 +63,14 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_plan_cli(cfg)
         # imported after argument parsing so that `--help` and bad flags answer instantly
-        from gpt2.checkpoint import EXIT_SAVE_FAILED, Checkpointer, SaveError, load_checkpoint, prepare_resume
+        from gpt2.checkpoint import (
+            EXIT_SAVE_FAILED,
+            Checkpointer,
+            SaveError,
+            load_checkpoint,
+            newest_checkpoint,
+            prepare_resume,
+        )
         from gpt2.data import build_data
         from gpt2.distributed import init_distributed, shutdown_distributed
         from gpt2.engine import build_engine
@@ -85,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:  # Ctrl-C before the watcher below: nothing trained yet
         print("train.py: interrupted (Ctrl-C) before training started", file=sys.stderr)
-        return 130
+        return 130  # gpt2.preemption.EXIT_INTERRUPTED, perhaps not imported yet (it loads torch)
     logger = None
     finished = False
     # SIGUSR1 / SIGTERM / SIGINT from here on: checkpoint at the next step boundary, exit 75 (130 for SIGINT)
@@ -136,8 +143,6 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("%s; exit %d (%s)", stop, stop.exit_code, hint)
         return stop.exit_code
     except KeyboardInterrupt:  # a second Ctrl-C: no step boundary waited for, no checkpoint of this step
-        from gpt2.checkpoint import newest_checkpoint
-
         newest = newest_checkpoint(Path(cfg.checkpoint.save_dir)) if cfg.checkpoint.save_dir else "none (no --save-dir)"
         print(f"train.py: stopped at once by a second Ctrl-C; newest checkpoint: {newest}", file=sys.stderr)
         return EXIT_INTERRUPTED

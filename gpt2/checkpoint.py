@@ -622,7 +622,7 @@ def check_save_dir(cfg: RunConfig, resume_from: Path | None, start_step: int) ->
                               "latest checkpoint (--resume auto)")
 
 
-def saves_ahead(cfg: RunConfig, start_step: int) -> int:
+def _saves_ahead(cfg: RunConfig, start_step: int) -> int:
     """How many checkpoints a run from `start_step` writes: every --save-interval steps and the last step."""
     interval, last = cfg.checkpoint.save_interval, cfg.train.max_steps
     every = last // interval - start_step // interval if interval else 0
@@ -643,7 +643,7 @@ def check_save_space(layout: RunLayout, start_step: int) -> None:
         raise CheckpointError(f"--save-dir {save_dir}: {free / GIB:.2f} GiB free, but one checkpoint of this run "
                               f"needs about {need / GIB:.2f} GiB (the planner's estimate); free space or pass a "
                               "--save-dir on another file system")
-    saves = saves_ahead(cfg, start_step)
+    saves = _saves_ahead(cfg, start_step)
     held = min(saves, cfg.checkpoint.keep_last + 1) if cfg.checkpoint.keep_last else saves
     if free < held * need:
         log.warning("--save-dir %s: %.2f GiB free, but the %d checkpoints this run keeps need about %.2f GiB "

@@ -410,7 +410,7 @@ def check_flags_act(args: argparse.Namespace) -> None:
     if args.ddp_bucket_mb is not None and args.mode != "baseline":
         raise ConfigError(f"--ddp-bucket-mb sizes DDP's gradient buckets, used only by --mode baseline (--mode "
                           f"{args.mode} has no DDP); drop it")
-    if args.mode == "hybrid" and args.zero3_fetch is not None and (args.zero_stage or 3) != 3:
+    if args.mode == "hybrid" and args.zero3_fetch is not None and (args.zero_stage or ParallelConfig.zero_stage) != 3:
         raise ConfigError(f"--zero3-fetch chooses what ZeRO-3 gathers at once; --zero-stage {args.zero_stage} keeps "
                           "whole parameters on every rank and gathers nothing: drop it or use --zero-stage 3")
     if args.no_tp_overlap and args.tp_size == 1:
