@@ -80,7 +80,7 @@ class UnreadableRun(ValueError):
     """A run folder whose files cannot be read (a truncated metrics.jsonl, a damaged summary); the message says why."""
 
 
-SUMMARY_KEYS = ("mode", "world_size", "batch_size_per_gpu")  # what every table row and label reads
+SUMMARY_KEYS = ("mode", "world_size", "batch_size_per_gpu")  # what every row of the report's table reads
 
 
 def _json(path: Path, text: str, where: str = "") -> Any:
@@ -107,8 +107,6 @@ def load_run(path: Path) -> Run | None:
         summary = _json(path / "summary.json", (path / "summary.json").read_text(errors="replace"))
     if summary is None:
         return None
-    if missing := [key for key in SUMMARY_KEYS if key not in summary]:
-        raise UnreadableRun(f"its summary lacks {', '.join(missing)}: not a train.py run folder?")
     config = (_json(path / "config.json", (path / "config.json").read_text(errors="replace"))
               if (path / "config.json").is_file() else {})
     latest = {r["step"]: r for r in steps}  # a resumed run logs its steps again: keep the latest record
@@ -218,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if run is None:
             print(f"skipped {folder}: no summary record (failed or unfinished run)", file=sys.stderr)
+        elif missing := [key for key in SUMMARY_KEYS if key not in run.summary]:
+            print(f"skipped {folder}: its summary lacks {', '.join(missing)}: not a train.py run folder?",
+                  file=sys.stderr)
         else:
             runs.append(run)
     if not runs:
