@@ -457,8 +457,10 @@ def check_weights_finite(ctx: DistContext, engine: Any, step: int, save_dir: Pat
     guard judges a step by its loss and gradient norm, not by the update: a huge --lr applies a finite gradient as
     an infinite step). Each rank checks what it holds: its ZeRO-3 partition (`ds_tensor`), else its parameters."""
     held = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
-    finite = torch.stack([t.isfinite().all() for t in held]).all().float() if held else torch.ones(())
-    finite = finite.to(ctx.device).reshape(1)
+    # each flag moved to this rank's device: a --ds-config may offload the partitions to the CPU
+    flags = [t.isfinite().all().to(ctx.device) for t in held]
+    finite = (torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=ctx.device)).float()
+    finite = finite.reshape(1)
     if ctx.distributed:
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     if not finite.item():
