@@ -80,7 +80,14 @@ def main(argv: list[str] | None = None) -> int:
         from gpt2.observe.run_logging import MetricsLogger, log, make_run_dir, setup_console
         from gpt2.planning.planner import checkpoint_bytes, compare_with_run, format_plan, plan_for_run
         from gpt2.runtime.distributed import init_distributed, shutdown_distributed
-        from gpt2.train.checkpoint import EXIT_SAVE_FAILED, Checkpointer, SaveError, load_checkpoint, prepare_resume
+        from gpt2.train.checkpoint import (
+            EXIT_SAVE_FAILED,
+            Checkpointer,
+            SaveError,
+            load_checkpoint,
+            newest_checkpoint,
+            prepare_resume,
+        )
         from gpt2.train.loop import run_training
         from gpt2.train.preemption import EXIT_INTERRUPTED, Preempted, PreemptionWatcher
 
@@ -95,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:  # Ctrl-C before the watcher below: nothing trained yet
         print("train.py: interrupted (Ctrl-C) before training started", file=sys.stderr)
-        return 130
+        return 130  # gpt2.preemption.EXIT_INTERRUPTED, perhaps not imported yet (it loads torch)
     logger = None
     finished = False
     # SIGUSR1 / SIGTERM / SIGINT from here on: checkpoint at the next step boundary, exit 75 (130 for SIGINT)
@@ -151,8 +158,6 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("%s; exit %d (%s)", stop, stop.exit_code, hint)
         return stop.exit_code
     except KeyboardInterrupt:  # a second Ctrl-C: no step boundary waited for, no checkpoint of this step
-        from gpt2.train.checkpoint import newest_checkpoint
-
         newest = newest_checkpoint(Path(cfg.checkpoint.save_dir)) if cfg.checkpoint.save_dir else "none (no --save-dir)"
         print(f"train.py: stopped at once by a second Ctrl-C; newest checkpoint: {newest}", file=sys.stderr)
         return EXIT_INTERRUPTED

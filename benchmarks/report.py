@@ -62,13 +62,17 @@ def is_run_dir(path: Path) -> bool:
 
 
 def find_runs(paths: list[str]) -> list[Path]:
-    """Run folders among `paths`; a folder that is not one contributes its run-folder children."""
+    """Run folders among `paths`; a folder that is not one contributes its run-folder children. A path that gives
+    none is named on stderr (a typo would otherwise just shrink the report)."""
     found: list[Path] = []
     for p in map(Path, paths):
         if is_run_dir(p):
             found.append(p)
-        elif p.is_dir():
-            found += sorted(c for c in p.iterdir() if c.is_dir() and is_run_dir(c))
+        elif children := sorted(c for c in p.iterdir() if c.is_dir() and is_run_dir(c)) if p.is_dir() else []:
+            found += children
+        else:
+            print(f"skipped {p}: {'no run folder in it' if p.is_dir() else 'no such folder'} (a run folder holds "
+                  "metrics.jsonl or summary.json)", file=sys.stderr)
     return found
 
 
@@ -76,7 +80,7 @@ class UnreadableRun(ValueError):
     """A run folder whose files cannot be read (a truncated metrics.jsonl, a damaged summary); the message says why."""
 
 
-SUMMARY_KEYS = ("mode", "world_size", "batch_size_per_gpu")  # what every table row and label reads
+SUMMARY_KEYS = ("mode", "world_size", "batch_size_per_gpu")  # what every row of the report's table reads
 
 
 def _json(path: Path, text: str, where: str = "") -> Any:
@@ -103,8 +107,6 @@ def load_run(path: Path) -> Run | None:
         summary = _json(path / "summary.json", (path / "summary.json").read_text(errors="replace"))
     if summary is None:
         return None
-    if missing := [key for key in SUMMARY_KEYS if key not in summary]:
-        raise UnreadableRun(f"its summary lacks {', '.join(missing)}: not a train.py run folder?")
     config = (_json(path / "config.json", (path / "config.json").read_text(errors="replace"))
               if (path / "config.json").is_file() else {})
     latest = {r["step"]: r for r in steps}  # a resumed run logs its steps again: keep the latest record
@@ -214,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if run is None:
             print(f"skipped {folder}: no summary record (failed or unfinished run)", file=sys.stderr)
+        elif missing := [key for key in SUMMARY_KEYS if key not in run.summary]:
+            print(f"skipped {folder}: its summary lacks {', '.join(missing)}: not a train.py run folder?",
+                  file=sys.stderr)
         else:
             runs.append(run)
     if not runs:

@@ -20,6 +20,7 @@ from gpt2.config.schema import (
     DEEPCOMPILE_RECOMPILE_STEP,
     GROUPS,
     KERNELS,
+    MAX_LAYERS,
     MODEL_PRESETS,
     THROUGHPUT_WARMUP_STEPS,
     CheckpointConfig,
@@ -181,7 +182,7 @@ def check_flags_act(args: argparse.Namespace) -> None:
     if args.ddp_bucket_mb is not None and args.mode != "baseline":
         raise ConfigError(f"--ddp-bucket-mb sizes DDP's gradient buckets, used only by --mode baseline (--mode "
                           f"{args.mode} has no DDP); drop it")
-    if args.mode == "hybrid" and args.zero3_fetch is not None and (args.zero_stage or 3) != 3:
+    if args.mode == "hybrid" and args.zero3_fetch is not None and (args.zero_stage or ParallelConfig.zero_stage) != 3:
         raise ConfigError(f"--zero3-fetch chooses what ZeRO-3 gathers at once; --zero-stage {args.zero_stage} keeps "
                           "whole parameters on every rank and gathers nothing: drop it or use --zero-stage 3")
     if not args.tp_overlap and args.tp_size == 1:
@@ -236,6 +237,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 def validate(cfg: RunConfig) -> None:
     """Checks that need no process group, no data and no GPU."""
     m, t = cfg.model, cfg.train
+    if m.n_layer > MAX_LAYERS:
+        raise ConfigError(f"--n-layer {m.n_layer}: at most {MAX_LAYERS:,} (ten times DeepNet's 1,000 layers, among "
+                          "the deepest transformers trained); deeper plans only take memory and time")
     if m.n_embd % m.n_head:
         raise ConfigError(f"--n-embd {m.n_embd} is not divisible by --n-head {m.n_head}; "
                           f"pick a head count that divides {m.n_embd}")

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 GPT2_VOCAB_SIZE = 50257
 VOCAB_PAD_MULTIPLE = 128  # 50257 -> 50304: tensor-core friendly LM-head GEMMs
+MAX_LAYERS = 10_000  # --n-layer's bound (gpt2.config.cli.validate)
 
 
 class ConfigError(ValueError):

@@ -41,10 +41,11 @@ built on one machine is a hit on another that holds the same text and tokenizer 
 hashes the text at start, ~1.7 GB/s: WikiText-103's 540 MB in ~0.3 s). A hit reads only the array and
 its sidecar, never imports `datasets`, so a machine without `datasets` trains on real text from a
 carried cache (a miss there is a DataError saying so). Written to a temporary file and renamed, sidecar
-last; never depends on seq_len. The sidecar's n_tokens x dtype size is checked against the array file (a
-partial copy of --cache-dir between machines): the main process rebuilds a mismatched cache with a
-warning, other ranks name the file to delete. The format version is part of the key, so a cache of
-another format (version 1 keyed files by path + mtime) is never read; the main process names such
+last; never depends on seq_len. The sidecar's n_tokens x dtype size and the array's sha256 (written at build)
+are checked against the array file on open (a partial or damaged copy of --cache-dir between machines;
+~0.15 s for WikiText-103's 240 MB): the main process rebuilds a mismatched cache with a warning, other ranks
+name the file to delete. The format version is part of the key, so a cache of
+another format (version 1 keyed files by path + mtime, 2 had no checksum) is never read; the main process names such
 sidecars in a warning when it rebuilds.
 
 Blocks and batches: block i is tokens[i*T : i*T + T + 1], x = block[:-1], y = block[1:] (consecutive
@@ -86,7 +87,7 @@ from gpt2.data.tokenizer import (
 
 __all__ = ["BatchLoader", "DataBundle", "DataError", "build_data", "resolve_splits"]
 
-CACHE_FORMAT_VERSION = 2  # 2: local files keyed by content (1: by path + size + mtime)
+CACHE_FORMAT_VERSION = 3  # 3: the sidecar holds the array's sha256 (2: local files keyed by content; 1: by path)
 HUB_DATASET = ("wikitext", "wikitext-103-raw-v1")
 TEXT_SUFFIXES = (".txt", ".raw", ".tokens")
 VAL_TAIL_FRACTION = 0.05  # validation share of a split-less corpus (a single file)
@@ -112,27 +113,40 @@ class TextSplit:
     def identity(self) -> dict:
         if self.hub is not None:
             return {"hub": list(self.hub)}
-        return {"files": [_sha256_file(f) for f in self.files]}  # content only: the cache travels
+        return {"files": [_text_sha256(f) for f in self.files]}  # content only: the cache travels
 
 
-def _sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """sha256 of a text file's bytes, read in chunks (corpora can be hundreds of MB), checked to be UTF-8 text in
-    the same pass: the tokeniser (datasets' text builder) would fail on anything else with a long traceback."""
+def _blocks(path: Path, chunk: int = 1 << 20) -> Iterator[bytes]:
+    """A file's bytes in chunks (corpora and token caches can be hundreds of MB)."""
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            yield block
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    for block in _blocks(path):
+        digest.update(block)
+    return digest.hexdigest()
+
+
+def _text_sha256(path: Path) -> str:
+    """sha256 of a text file's bytes, checked to be UTF-8 text in the same pass: the tokeniser (datasets' text
+    builder) would fail on anything else with a long traceback."""
     digest = hashlib.sha256()
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-            try:
-                decoder.decode(block)
-            except UnicodeDecodeError as e:
-                raise DataError(f"--data-path: {path} is not UTF-8 text (byte {offset + e.start:,}: {e.reason}); "
-                                "convert it (e.g. iconv -t utf-8) or leave it out") from None
-            if (nul := block.find(b"\0")) >= 0:
-                raise DataError(f"--data-path: {path} is binary, not text (a NUL byte at {offset + nul:,}); pass text "
-                                "files only") from None
-            offset += len(block)
+    for block in _blocks(path):
+        digest.update(block)
+        try:
+            decoder.decode(block)
+        except UnicodeDecodeError as e:
+            raise DataError(f"--data-path: {path} is not UTF-8 text (byte {offset + e.start:,}: {e.reason}); "
+                            "convert it (e.g. iconv -t utf-8) or leave it out") from None
+        if (nul := block.find(b"\0")) >= 0:
+            raise DataError(f"--data-path: {path} is binary, not text (a NUL byte at {offset + nul:,}); pass text "
+                            "files only") from None
+        offset += len(block)
     try:
         decoder.decode(b"", final=True)
     except UnicodeDecodeError:
@@ -264,7 +278,8 @@ def _build_cache(split: TextSplit, bin_path: Path, meta: dict, tokenizer, eot: i
         del out
 
     _write_atomic(bin_path, write_tokens)
-    meta = {**meta, "n_tokens": n_tokens, "n_text_rows": n_text_rows, "n_rows": len(rows)}
+    meta = {**meta, "n_tokens": n_tokens, "n_text_rows": n_text_rows, "n_rows": len(rows),
+            "sha256": _sha256_file(bin_path)}
     _write_atomic(bin_path.with_suffix(".json"), lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
 
 
@@ -285,11 +300,14 @@ def _other_format_sidecars(cache_dir: Path, split_name: str) -> list[Path]:
 
 
 def _cache_problem(bin_path: Path) -> str | None:
-    """Why an existing sidecar's cache cannot be used (unreadable sidecar, missing or wrong-size array), or None."""
+    """Why an existing sidecar's cache cannot be used (unreadable sidecar, missing, wrong-size or altered array:
+    its sha256 against the sidecar's), or None. Token ids out of the vocabulary would fail mid-training otherwise
+    (an IndexError on CPU, a device-side assert on a GPU), and caches are copied between machines."""
     meta_path = bin_path.with_suffix(".json")
     try:
         meta = json.loads(meta_path.read_text())
         expected = int(meta["n_tokens"]) * np.dtype(meta["dtype"]).itemsize
+        checksum = str(meta["sha256"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"its sidecar {meta_path} is unreadable ({e})"
     if not bin_path.exists():
@@ -298,15 +316,18 @@ def _cache_problem(bin_path: Path) -> str | None:
     if size != expected:
         return (f"{bin_path} is {size:,} bytes but its sidecar says {meta['n_tokens']:,} {meta['dtype']} tokens "
                 f"= {expected:,} bytes (a partial copy?)")
+    if _sha256_file(bin_path) != checksum:
+        return f"{bin_path} does not match the sha256 in its sidecar (altered or damaged after it was built)"
     return None
 
 
-def _open_cache(bin_path: Path, split: TextSplit, data_path: str | None) -> np.ndarray:
+def _open_cache(bin_path: Path, split: TextSplit, data_path: str | None, verified: bool) -> np.ndarray:
+    """The token stream of a cache; `verified`: this process checked (or built) it just before."""
     meta_path = bin_path.with_suffix(".json")
     if not meta_path.exists():
         raise DataError(f"token cache {bin_path} is missing after the main process built it; put --cache-dir on a "
                         "filesystem every rank can see, or make one process per node the main process")
-    problem = _cache_problem(bin_path)
+    problem = None if verified else _cache_problem(bin_path)
     if problem is not None:  # the main process rebuilt any bad cache before the barrier: this rank sees another copy
         raise DataError(f"token cache {bin_path} is damaged: {problem}; delete {bin_path} and {meta_path} "
                         "and run again to rebuild it")
@@ -473,7 +494,7 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, model_vocab_si
                                  "(delete the old files)", ", ".join(map(str, old)), CACHE_FORMAT_VERSION, bin_path)
                 _build_cache(split, bin_path, material, tokenizer, eot, cfg.num_proc)
         barrier()
-        streams = [_open_cache(p, s, cfg.data_path) for s, (p, _) in zip(splits, paths)]
+        streams = [_open_cache(p, s, cfg.data_path, verified=is_main) for s, (p, _) in zip(splits, paths)]
         if val_split is None:
             full = streams[0]
             n_val = int(len(full) * VAL_TAIL_FRACTION)

@@ -55,8 +55,7 @@ def env_int(name: str, default: int, minimum: int = 0) -> int:
     except ValueError:
         value = None
     if value is None or value < minimum:
-        raise ConfigError(f"environment variable {name}={text!r} is not an integer >= {minimum}; unset it (a launcher "
-                          "such as torchrun sets RANK, WORLD_SIZE and LOCAL_RANK itself) or correct it")
+        raise ConfigError(f"environment variable {name}={text!r} is not an integer >= {minimum}; correct or unset it")
     return value
 
 

@@ -450,8 +450,10 @@ def check_weights_finite(ctx: DistContext, engine: Engine, step: int, save_dir: 
     guard judges a step by its loss and gradient norm, not by the update: a huge --lr applies a finite gradient as
     an infinite step). Each rank checks what it holds: its ZeRO-3 partition (`ds_tensor`), else its parameters."""
     held = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
-    finite = torch.stack([t.isfinite().all() for t in held]).all().float() if held else torch.ones(())
-    finite = finite.to(ctx.device).reshape(1)
+    # each flag moved to this rank's device: a --ds-config may offload the partitions to the CPU
+    flags = [t.isfinite().all().to(ctx.device) for t in held]
+    finite = (torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=ctx.device)).float()
+    finite = finite.reshape(1)
     if ctx.distributed:
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     if not finite.item():
@@ -590,7 +592,7 @@ def check_save_dir(cfg: RunConfig, resume_from: Path | None, start_step: int) ->
                               "latest checkpoint (--resume auto)")
 
 
-def saves_ahead(cfg: RunConfig, start_step: int) -> int:
+def _saves_ahead(cfg: RunConfig, start_step: int) -> int:
     """How many checkpoints a run from `start_step` writes: every --save-interval steps and the last step."""
     interval, last = cfg.checkpoint.save_interval, cfg.train.max_steps
     every = last // interval - start_step // interval if interval else 0
@@ -612,7 +614,7 @@ def check_save_space(layout: RunLayout, start_step: int, checkpoint_size: float)
         raise CheckpointError(f"--save-dir {save_dir}: {free / GIB:.2f} GiB free, but one checkpoint of this run "
                               f"needs about {need / GIB:.2f} GiB (the planner's estimate); free space or pass a "
                               "--save-dir on another file system")
-    saves = saves_ahead(cfg, start_step)
+    saves = _saves_ahead(cfg, start_step)
     held = min(saves, cfg.checkpoint.keep_last + 1) if cfg.checkpoint.keep_last else saves
     if free < held * need:
         log.warning("--save-dir %s: %.2f GiB free, but the %d checkpoints this run keeps need about %.2f GiB "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +28,8 @@ from gpt2.config.cli import check_folder_creatable
 from gpt2.config.schema import ConfigError, ModelConfig
 from gpt2.engines.base import CHECKPOINT_TAG, state_file
 from gpt2.model.hf_weights import hf_config_for, ours_to_hf
-from gpt2.train.checkpoint import LATEST, CheckpointError, read_meta, verify_checkpoint
+from gpt2.train.checkpoint import EXIT_SAVE_FAILED, LATEST, CheckpointError, read_meta, verify_checkpoint
+from gpt2.train.preemption import EXIT_INTERRUPTED
 from parallel.tp_plan import param_shard, unshard_tensor
 
 
@@ -106,7 +108,17 @@ def export_hf(checkpoint: Path, out_dir: Path) -> Path:
         hf = GPT2LMHeadModel(hf_config_for(cfg))
     hf.load_state_dict(ours_to_hf(sd, cfg), assign=True, strict=True)
     hf.tie_weights()
-    hf.save_pretrained(out_dir)
+    # written beside it and renamed: a stop mid-write (Ctrl-C, kill, disk full) leaves no partial out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        hf.save_pretrained(tmp)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty (check_out_dir)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out_dir
 
 
@@ -120,6 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ExportTargetError) as err:
         print(f"gpt2.train.export: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # the write itself (disk full): the temporary folder is gone, out_dir untouched
+        print(f"gpt2.export: error: writing {args.out_dir} failed ({err}); nothing was written", file=sys.stderr)
+        return EXIT_SAVE_FAILED
+    except KeyboardInterrupt:
+        print(f"gpt2.export: interrupted (Ctrl-C); {args.out_dir} was not written", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(f"exported {_step_dir(args.checkpoint)} -> {out}")
     return 0
 

@@ -168,6 +168,25 @@ def test_export_checks_its_output_folder_before_the_gather(single: Path, tmp_pat
         capsys.readouterr().err)
 
 
+@pytest.mark.parametrize(("stop", "code"), [(KeyboardInterrupt(), 130), (OSError(errno.ENOSPC, "No space left"), 74)])
+def test_an_export_stopped_mid_write_leaves_no_partial_folder(single: Path, tmp_path: Path, capsys,
+                                                              monkeypatch: pytest.MonkeyPatch, stop: BaseException,
+                                                              code: int) -> None:
+    from transformers import GPT2LMHeadModel
+
+    from gpt2.export import main as export_main
+
+    def save_pretrained(self, folder, *args, **kwargs):
+        (Path(folder) / "config.json").write_text("{}")  # a first file, then the stop
+        raise stop
+
+    monkeypatch.setattr(GPT2LMHeadModel, "save_pretrained", save_pretrained)
+    (tmp_path / "out").mkdir()
+    assert export_main([str(single / "ck"), str(tmp_path / "out" / "hf")]) == code
+    assert "gpt2.export: " in capsys.readouterr().err
+    assert list((tmp_path / "out").iterdir()) == []  # neither hf/ nor the temporary folder
+
+
 def test_checkpoint_files_are_verified_before_any_load(single: Path, tmp_path: Path, capsys) -> None:
     """manifest.json (sha256 + size of every file, written last) is checked before anything is loaded: a truncated,
     modified, missing or unlisted file is refused naming it, at resume and at export."""

@@ -286,8 +286,15 @@ def test_non_main_ranks_wait_for_the_main_process(tmp_path, tiny_tokenizer):
                          cache_dir=str(tmp_path / "elsewhere")), is_main=False)
 
 
-def test_truncated_token_cache_is_rebuilt_with_a_warning(tmp_path, tiny_tokenizer, caplog):
+@pytest.mark.parametrize(("damage", "problem"), [
     # a partial copy of --cache-dir: numpy's memmap used to fail with "mmap length is greater than file size"
+    ("truncate", "bytes but its sidecar says"),
+    # the right size, other content (token ids beyond the vocabulary): an IndexError mid-training, a device-side
+    # assert on a GPU, unless the sidecar's sha256 catches it on open
+    ("garbage", "does not match the sha256 in its sidecar"),
+])
+def test_a_damaged_token_cache_is_refused_or_rebuilt_with_a_warning(tmp_path, tiny_tokenizer, caplog, damage: str,
+                                                                    problem: str):
     lines = wiki_lines(30, seed=6)
     write(tmp_path / "corpus.txt", lines)
     cfg = DataConfig(data_path=str(tmp_path / "corpus.txt"), tokenizer=str(tiny_tokenizer),
@@ -295,16 +302,19 @@ def test_truncated_token_cache_is_rebuilt_with_a_warning(tmp_path, tiny_tokenize
     build(cfg)
     (bin_path,) = (tmp_path / "cache").glob("train-*.bin")
     full_size = bin_path.stat().st_size
-    with open(bin_path, "r+b") as f:
-        f.truncate(full_size // 2)
+    if damage == "truncate":
+        with open(bin_path, "r+b") as f:
+            f.truncate(full_size // 2)
+    else:
+        bin_path.write_bytes(np.full(full_size // 2, 65535, dtype=np.uint16).tobytes())
 
-    with pytest.raises(DataError, match=f"{bin_path.name} is damaged.*delete {bin_path}"):
+    with pytest.raises(DataError, match=f"{bin_path.name} is damaged: .*{problem}.*delete {bin_path}"):
         build(cfg, is_main=False)  # a rank that does not rebuild names the file to delete
 
     with caplog.at_level("WARNING", logger="gpt2"):
         rebuilt = build(cfg)
     assert not rebuilt.cache_hit
-    assert str(bin_path) in caplog.text and "rebuilding" in caplog.text
+    assert str(bin_path) in caplog.text and problem in caplog.text and "rebuilding" in caplog.text
     assert bin_path.stat().st_size == full_size
     full = np.concatenate([rebuilt.train.tokens, rebuilt.val.tokens]).astype(np.int64)
     assert np.array_equal(full, reference_stream(tiny_tokenizer, lines))

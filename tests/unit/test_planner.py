@@ -15,6 +15,7 @@ import pytest
 
 import train
 from gpt2.config.cli import parse_args
+from gpt2.config.schema import MAX_LAYERS, ModelConfig
 from gpt2.planning.planner import (
     GIB,
     DeepSpeedSettings,
@@ -124,8 +125,13 @@ def test_zero3_reuse_distance_holds(distance, expected):
 
 @pytest.mark.timeout(120)  # linear: seconds at 100k layers; a scan per module per layout ran for hours
 def test_plan_and_search_are_linear_in_layers(capsys):
-    assert train.main(["--plan", "--search", "--mode", "hybrid", "--gpus", "4", "--n-layer", "100000"]) == 0
-    assert "layouts fit" in capsys.readouterr().out
+    deep = ["--plan", "--search", "--mode", "hybrid", "--gpus", "4", "--n-layer", str(MAX_LAYERS)]
+    assert train.main(deep) == 0 and "layouts fit" in capsys.readouterr().out
+    setup = setup_from_config(parse_args(deep), world_size=4)
+    deeper = Setup(**{**setup.__dict__, "model": ModelConfig(**{**setup.model.__dict__, "n_layer": 100_000})})
+    assert zero3_held_params(deeper) > 0
+    assert train.main(["--plan", "--n-layer", str(MAX_LAYERS + 1)]) == 2
+    assert f"--n-layer {MAX_LAYERS + 1}: at most {MAX_LAYERS:,}" in capsys.readouterr().err
 
 
 def test_plan_cli_prints_terms_without_launching(capsys, monkeypatch):

@@ -94,3 +94,13 @@ def test_a_damaged_run_folder_is_skipped_and_named(tmp_path, capsys):
     assert f"skipped {cut.parent}: {cut} line " in err and "is not valid JSON" in err and "truncated or damaged" in err
     assert f"skipped {tmp_path / 'runs' / 'other'}: its summary lacks world_size, batch_size_per_gpu" in err
     assert "| ddp |" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_a_path_that_gives_no_run_folder_is_named(tmp_path, capsys):
+    make_runs(tmp_path / "runs")
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "runs" / "ddp-b8"), str(tmp_path / "typo"), str(tmp_path / "empty"), "--out",
+                 str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert f"skipped {tmp_path / 'typo'}: no such folder" in err
+    assert f"skipped {tmp_path / 'empty'}: no run folder in it" in err
