@@ -133,10 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpt2.train.export: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # the write itself (disk full): the temporary folder is gone, out_dir untouched
-        print(f"gpt2.export: error: writing {args.out_dir} failed ({err}); nothing was written", file=sys.stderr)
+        print(f"gpt2.train.export: error: writing {args.out_dir} failed ({err}); nothing was written", file=sys.stderr)
         return EXIT_SAVE_FAILED
     except KeyboardInterrupt:
-        print(f"gpt2.export: interrupted (Ctrl-C); {args.out_dir} was not written", file=sys.stderr)
+        print(f"gpt2.train.export: interrupted (Ctrl-C); {args.out_dir} was not written", file=sys.stderr)
         return EXIT_INTERRUPTED
     print(f"exported {_step_dir(args.checkpoint)} -> {out}")
     return 0

@@ -174,7 +174,7 @@ def test_an_export_stopped_mid_write_leaves_no_partial_folder(single: Path, tmp_
                                                               code: int) -> None:
     from transformers import GPT2LMHeadModel
 
-    from gpt2.export import main as export_main
+    from gpt2.train.export import main as export_main
 
     def save_pretrained(self, folder, *args, **kwargs):
         (Path(folder) / "config.json").write_text("{}")  # a first file, then the stop
@@ -183,7 +183,7 @@ def test_an_export_stopped_mid_write_leaves_no_partial_folder(single: Path, tmp_
     monkeypatch.setattr(GPT2LMHeadModel, "save_pretrained", save_pretrained)
     (tmp_path / "out").mkdir()
     assert export_main([str(single / "ck"), str(tmp_path / "out" / "hf")]) == code
-    assert "gpt2.export: " in capsys.readouterr().err
+    assert "gpt2.train.export: " in capsys.readouterr().err
     assert list((tmp_path / "out").iterdir()) == []  # neither hf/ nor the temporary folder
 
 
