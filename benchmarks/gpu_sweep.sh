@@ -4,8 +4,10 @@
 #      batch 8; "" skips), 25 steps each (5 warm-up) -> $OUT/hf/runs/*
 #   2. TP scaling of our column/row-parallel layers at 1, 2 and 4 GPUs (benchmarks.tp_scaling; TP_SCALING=0 skips)
 #      -> $OUT/tp_scaling
-#   3. with the time left: our modes (SWEEP_MODES, default DDP, ZeRO-3, ZeRO-3 + TP2), all with --compile, at batch
-#      8, fused kernels none then triton, then the largest batch that fits (benchmarks.train_sweep --budget-s),
+#   3. with the time left: our modes (SWEEP_MODES, default DDP, ZeRO-3, ZeRO-3 + TP2), all with --compile (+ EXTRA),
+#      at BATCHES (default "8 max"; max: the largest of MAX_BATCHES that fits), fused kernels FUSED (default "none
+#      triton"), STEPS (25) of which WARMUP (10) untimed, each run at most RUN_TIMEOUT s (150), in the time left
+#      (benchmarks.train_sweep --budget-s),
 #      with the HF runs and any run folders in INCLUDE added to its tables -> $OUT/sweep/{sweep.md,sweep.csv,...}
 #   OUT=/tmp/out bash benchmarks/gpu_sweep.sh
 #   OUT=/tmp/out2 HF_RUNS="" TP_SCALING=0 SWEEP_MODES="hybrid-tp2" INCLUDE="/tmp/out/sweep/runs/*" bash ...  # a 2nd call
@@ -69,9 +71,10 @@ left=$((TOTAL_S - SECONDS - 20))
 echo "[${SECONDS}s] train sweep with ${left}s left"
 if [ "$left" -gt 60 ]; then
   # shellcheck disable=SC2086
-  "$PYTHON" -m benchmarks.train_sweep --gpus "$NGPU" --model gpt2-large --seq-len 1024 --steps 25 --warmup 10 \
-    --modes ${SWEEP_MODES:-baseline hybrid hybrid-tp2} --fused none triton --batches 8 max \
-    --max-batches 64 48 32 24 16 --extra-args="--compile" --run-timeout 150 --budget-s "$left" --out "$OUT/sweep" \
+  "$PYTHON" -m benchmarks.train_sweep --gpus "$NGPU" --model gpt2-large --seq-len 1024 --steps "${STEPS:-25}" \
+    --warmup "${WARMUP:-10}" --modes ${SWEEP_MODES:-baseline hybrid hybrid-tp2} --fused ${FUSED:-none triton} \
+    --batches ${BATCHES:-8 max} --max-batches ${MAX_BATCHES:-64 48 32 24 16} --extra-args="--compile ${EXTRA:-}" \
+    --run-timeout "${RUN_TIMEOUT:-150}" --budget-s "$left" --out "$OUT/sweep" \
     --include "$OUT"/hf/runs/* ${INCLUDE:-} ${PARITY:+--parity $PARITY} 2>&1 | tail -40
 fi
 echo "[${SECONDS}s] done; results under $OUT"
