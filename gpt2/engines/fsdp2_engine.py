@@ -54,6 +54,7 @@ without a process group (`read_model_state`) and joins the TP shards by the TP p
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -224,6 +225,8 @@ def read_model_state(step_dir: Path, tp_rank: int) -> dict[str, torch.Tensor]:
     state = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in metadata.state_dict_metadata.items()
              if key.startswith(prefix) and isinstance(meta, dcp.metadata.TensorStorageMetadata)}
-    dcp.load({MODEL_KEY: state}, checkpoint_id=path, no_dist=True)
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": yes
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({MODEL_KEY: state}, checkpoint_id=path, no_dist=True)
     return state
 

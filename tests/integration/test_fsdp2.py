@@ -1,0 +1,129 @@
+"""`--mode hybrid --zero-engine fsdp2` (PyTorch FSDP2, gpt2.engines.fsdp2_engine) through train.py on gloo CPU ranks,
+fp32, against the session's --mode single reference (tests/conftest.py: batch 4, lr 3e-3, the clip at 1.0 active on
+most steps, so a wrong gradient norm changes the updates).
+
+Runs (10 steps each; the same global batch of 4 sequences):
+    fsdp2            2 ranks, batch 1 x accum 2 (set_requires_gradient_sync off on the first micro-step),
+                     checkpoints at steps 5 and 10; fsdp2-resumed from step 5
+    fsdp2-zero2      --zero-stage 2 (reshard_after_forward=False), 2 ranks, batch 2
+    fsdp2-compile    --compile (each block's forward compiled, FSDP2's hooks eager), 2 ranks, batch 2
+    fsdp2-tp2dp2-sp  --tp-size 2 --sequence-parallel on 4 ranks (DP groups [0, 2] and [1, 3]), batch 2, checkpoint
+                     at step 5; resumed from it
+Tolerances (measured on CPU in brackets): per-step loss vs single <= 1e-5 relative (tests/train_runs.LOSS_REL_TOL)
+[2 ranks: 1e-7; TP: see the run], pre-clip gradient norm (the global norm the clip uses: DTensor gradients reduced
+over DP, TP shards over TP) <= 2e-4 relative at tp 1, as the DeepSpeed tests [7e-6], <= 1e-3 with TP, as
+test_tp_modes; first-step loss within 1e-5 of single's (the same initial weights); resume vs uninterrupted <= 1e-6
+absolute [identical]; exported weights vs single's after 10 steps <= 1e-4 [as DeepSpeed's].
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.train_runs import (
+    REFERENCE_ARGS,
+    ReferenceRun,
+    assert_hf_export_matches,
+    assert_matches_reference,
+    assert_resume_exact,
+    run_train,
+    step_losses,
+    summary,
+)
+
+pytestmark = pytest.mark.slow
+FSDP2 = REFERENCE_ARGS + ["--mode", "hybrid", "--zero-engine", "fsdp2"]
+GRAD_NORM_REL_TOL = 2e-4  # tp 1, as tests/integration/test_zero.py
+TP_GRAD_NORM_REL_TOL = 1e-3  # with TP, as tests/integration/test_tp_modes.py
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """FSDP2 with accumulation and checkpoints, and its resume from step 5."""
+    root = tmp_path_factory.mktemp("fsdp2")
+    args = FSDP2 + ["--batch-size", "1", "--grad-accum", "2"]
+    run_train(args + ["--run-name", "fsdp2", "--save-dir", str(root / "ck"), "--save-interval", "5"], root, nproc=2)
+    run_train(args + ["--run-name", "fsdp2-resumed", "--resume", str(root / "ck" / "step-000005")], root, nproc=2)
+    return root
+
+
+def test_fsdp2_matches_single(single_reference: ReferenceRun, runs: Path) -> None:
+    assert_matches_reference(single_reference, runs / "fsdp2", GRAD_NORM_REL_TOL)
+    first = step_losses(runs / "fsdp2")[0]
+    assert abs(first - step_losses(single_reference.run_dir)[0]) < 1e-5 and abs(first - math.log(50257)) < 0.1
+    s = summary(runs / "fsdp2")
+    assert (s["mode"], s["zero_engine"], s["world_size"], s["dp_size"], s["grad_accum"]) == (
+        "hybrid", "fsdp2", 2, 2, 2)
+    assert s["val_loss"] is not None
+    console = (runs / "fsdp2" / "console.log").read_text()
+    assert "FSDP2: 3 units (2 blocks + embeddings/head) sharded over the data-parallel group of 2" in console
+
+
+def test_fsdp2_resume_is_exact(runs: Path) -> None:
+    step5 = runs / "ck" / "step-000005"
+    assert sorted(p.name for p in (step5 / "fsdp2").iterdir()) == ["schedule.pt", "tp00"]
+    assert sorted(p.name for p in (step5 / "fsdp2" / "tp00").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert_resume_exact(runs / "fsdp2", runs / "fsdp2-resumed", at=5)
+
+
+def test_fsdp2_checkpoint_exports_and_inits(single_reference: ReferenceRun, runs: Path, tmp_path: Path) -> None:
+    """DCP shards -> one fp32 state dict on the CPU (no process group) -> an HF folder whose logits equal our model's,
+    and which --init-from loads under FSDP2 as under single."""
+    from gpt2.train.export import consolidated_state_dict, export_hf
+
+    cfg, fsdp2_sd = consolidated_state_dict(runs / "ck" / "step-000010")
+    _, single_sd = consolidated_state_dict(single_reference.checkpoint)
+    assert set(fsdp2_sd) == set(single_sd)
+    for name, tensor in single_sd.items():
+        assert torch.allclose(fsdp2_sd[name], tensor, atol=1e-4, rtol=0), name
+    export_hf(runs / "ck", tmp_path / "hf")  # the save dir: its latest checkpoint
+    assert_hf_export_matches(cfg, fsdp2_sd, tmp_path / "hf")
+
+    args = REFERENCE_ARGS + ["--max-steps", "1", "--init-from", str(tmp_path / "hf")]
+    run_train(args + ["--batch-size", "4", "--run-name", "init-single"], tmp_path)
+    run_train(args + ["--mode", "hybrid", "--zero-engine", "fsdp2", "--batch-size", "2", "--run-name", "init-fsdp2"],
+              tmp_path, nproc=2)
+    (a,), (b,) = step_losses(tmp_path / "init-single"), step_losses(tmp_path / "init-fsdp2")
+    assert abs(a - b) <= 1e-5 and abs(a - step_losses(single_reference.run_dir)[0]) > 1e-3  # trained weights
+
+
+def test_fsdp2_checkpoint_does_not_resume_under_deepspeed(runs: Path, tmp_path: Path, capsys) -> None:
+    """The engines' checkpoints differ (DCP folders vs DeepSpeed's): the other engine is refused, naming both."""
+    import train
+
+    code = train.main(REFERENCE_ARGS + ["--mode", "hybrid", "--batch-size", "1", "--grad-accum", "2", "--resume",
+                                        str(runs / "ck" / "step-000005"), "--out-dir", str(tmp_path)])
+    assert code == 2
+    assert "zero_engine: checkpoint 'fsdp2', this run 'deepspeed' (--zero-engine)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("name", "flags"), [("fsdp2-zero2", ["--zero-stage", "2"]),
+                                             ("fsdp2-compile", ["--compile"])])
+def test_fsdp2_zero2_and_compile_match_single(single_reference: ReferenceRun, tmp_path: Path, name: str,
+                                              flags: list[str]) -> None:
+    run_train(FSDP2 + ["--batch-size", "2", "--run-name", name] + flags, tmp_path, nproc=2)
+    assert_matches_reference(single_reference, tmp_path / name, GRAD_NORM_REL_TOL)
+    reshard = "reshard_after_forward=False: ZeRO-2" if name == "fsdp2-zero2" else "reshard_after_forward=True: ZeRO-3"
+    assert reshard in (tmp_path / name / "console.log").read_text()
+
+
+def test_fsdp2_tp_sp_matches_single_resumes_and_exports(single_reference: ReferenceRun, tmp_path: Path) -> None:
+    """TP 2 x DP 2: our TP shards, FSDP2-sharded over the strided DP groups; the TP-aware global norm, the
+    sequence-parallel sum over TP after the reduce-scatter, one DCP folder per TP rank, and the export joining them."""
+    from gpt2.train.export import consolidated_state_dict
+
+    args = FSDP2 + ["--tp-size", "2", "--sequence-parallel", "--batch-size", "2"]
+    ck = tmp_path / "ck"
+    run_train(args + ["--run-name", "full", "--save-dir", str(ck), "--save-interval", "5"], tmp_path, nproc=4)
+    assert sorted(p.name for p in (ck / "step-000005" / "fsdp2").iterdir()) == ["schedule.pt", "tp00", "tp01"]
+    run_train(args + ["--run-name", "resumed", "--resume", str(ck / "step-000005")], tmp_path, nproc=4)
+    assert_matches_reference(single_reference, tmp_path / "full", TP_GRAD_NORM_REL_TOL)
+    assert_resume_exact(tmp_path / "full", tmp_path / "resumed", at=5)
+    _, tp_sd = consolidated_state_dict(ck / "step-000010")
+    _, single_sd = consolidated_state_dict(single_reference.checkpoint)
+    for name, tensor in single_sd.items():
+        assert torch.allclose(tp_sd[name], tensor, atol=1e-4, rtol=0), name
