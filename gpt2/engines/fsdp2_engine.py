@@ -8,7 +8,9 @@ Sharding. Each transformer block is one `fully_shard` unit (one all-gather of it
 again before its backward, one reduce-scatter of its gradients), and the root module is the last: the token and
 position embeddings, the final LayerNorm and the LM head, whose weight IS `wte.weight` (GPT-2 ties them; `LMHead`
 registers the same Parameter), so the tie lives inside one unit: FSDP2 shards it once, swaps the gathered tensor
-into both modules and accumulates both gradient contributions before its reduce-scatter. The mesh is a 1-D
+into both modules and accumulates both gradient contributions before its reduce-scatter. The root stays gathered
+from its forward to its backward (`reshard_after_forward=False`: the head runs last in forward, first in backward;
+resharding it would gather the largest unit twice a micro-step). The mesh is a 1-D
 DeviceMesh over this rank's data-parallel group (`DeviceMesh.from_group(dims.dp_group)`: the existing group, no
 new communicator). With --tp-size N the TP groups are consecutive ranks and the DP groups strided
 (`parallel.dims`: world 4, tp 2 -> DP groups [0, 2] and [1, 3]): our TP plan runs first and leaves each rank its
@@ -55,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -65,7 +68,6 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from gpt2.config.layout import RunLayout
 from gpt2.engines.base import evaluate_batches, lr_at, resync_lr
@@ -100,22 +102,58 @@ def mixed_precision() -> MixedPrecisionPolicy:
 
 
 def shard_model(model: GPT, mesh: DeviceMesh, reshard_after_forward: bool) -> list[nn.Module]:
-    """`fully_shard` each block, then the root (embeddings, final LayerNorm, tied LM head), in place; the TP plan's
-    marks move to the new DTensor parameters. Returns the sharded units, root last."""
+    """`fully_shard` each block (`reshard_after_forward` as --zero-stage says), then the root (embeddings, final
+    LayerNorm, tied LM head; never resharded after forward), in place; the TP plan's marks move to the new DTensor
+    parameters. Returns the sharded units, root last."""
     marks = {name: {m: getattr(p, m) for m in PARAM_MARKS if hasattr(p, m)} for name, p in model.named_parameters()}
     policy = mixed_precision()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    # the root stays gathered from forward to backward at either stage: its LM head runs last in forward and first
+    # in backward (an explicit True would free and re-gather it there: measured, 2x the all-gather bytes of gpt2-tiny)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     units: list[nn.Module] = [*model.blocks, model]
-    for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     for name, p in model.named_parameters():
         for mark, value in marks.get(name, {}).items():
             setattr(p, mark, value)
     return units
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: a DTensor's local shard, else the tensor."""
-    return t.to_local() if isinstance(t, DTensor) else t
+class _Counted:
+    """An FSDP2 collective (its default all-gather or reduce-scatter) that adds the full tensor's bytes to `counts`."""
+
+    def __init__(self, inner: Any, kind: str, counts: Counter, full: str):
+        self.inner, self.kind, self.counts, self.full = inner, kind, counts, full
+
+    def allocate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.inner.allocate(*args, **kwargs)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        full = output_tensor if self.full == "output" else input_tensor
+        self.counts[self.kind] += full.numel() * full.element_size()
+        return self.inner(output_tensor, input_tensor, *args, **kwargs)
+
+
+class FSDP2CommLog:
+    """`--comm-log` under FSDP2: bytes per collective kind of the units' all-gathers and reduce-scatters, in
+    CommStats' convention (the full, unsharded tensor of each collective: an all-gather's output, a reduce-scatter's
+    input, FSDP2's padding of the shards to equal sizes included), counted by wrapping FSDP2's default collectives
+    (`FSDPModule.set_custom_all_gather` / `set_custom_reduce_scatter`; only under --comm-log). The interface of
+    `gpt2.engines.deepspeed_engine.ZeroCommLog`, which `gpt2.observe.metrics.TrainingCommMeter` reads."""
+
+    def __init__(self, units: list[nn.Module]):
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+        self.counts: Counter = Counter()
+        for unit in units:
+            unit.set_custom_all_gather(_Counted(DefaultAllGather(), "all_gather", self.counts, "output"))
+            unit.set_custom_reduce_scatter(_Counted(DefaultReduceScatter(), "reduce_scatter", self.counts, "input"))
+
+    def reset(self) -> None:
+        self.counts.clear()
+
+    def bytes_by_collective(self) -> dict[str, float]:
+        return {kind: float(n) for kind, n in self.counts.items()}
 
 
 class FSDP2Engine:
@@ -143,7 +181,7 @@ class FSDP2Engine:
                                            fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_at(s, t) / t.lr)
         self._step_lr = self.scheduler.get_last_lr()[0]  # the lr of the last optimizer step
-        self.zero_comm_log = None
+        self.zero_comm_log = FSDP2CommLog(self.units) if cfg.parallel.comm_log else None
         self.guard = NonFiniteGuard.for_run(layout, ctx.device)
 
     def autocast(self) -> contextlib.AbstractContextManager:

@@ -13,7 +13,8 @@ Tolerances (measured on CPU in brackets): per-step loss vs single <= 1e-5 relati
 [2 ranks: 1e-7; TP: see the run], pre-clip gradient norm (the global norm the clip uses: DTensor gradients reduced
 over DP, TP shards over TP) <= 2e-4 relative at tp 1, as the DeepSpeed tests [7e-6], <= 1e-3 with TP, as
 test_tp_modes; first-step loss within 1e-5 of single's (the same initial weights); resume vs uninterrupted <= 1e-6
-absolute [identical]; exported weights vs single's after 10 steps <= 1e-4 [as DeepSpeed's].
+absolute [identical]; exported weights vs single's after 10 steps <= 1e-4 at tp 1 [as DeepSpeed's], <= 5e-4 with TP
+[1.2e-4; the step-5 weights are 5.2e-3 away, a wrongly joined shard ~1e-2].
 """
 
 from __future__ import annotations
@@ -124,5 +125,5 @@ def test_fsdp2_tp_sp_matches_single_resumes_and_exports(single_reference: Refere
     assert_resume_exact(tmp_path / "full", tmp_path / "resumed", at=5)
     _, tp_sd = consolidated_state_dict(ck / "step-000010")
     _, single_sd = consolidated_state_dict(single_reference.checkpoint)
-    for name, tensor in single_sd.items():
-        assert torch.allclose(tp_sd[name], tensor, atol=1e-4, rtol=0), name
+    for name, tensor in single_sd.items():  # lr 3e-3: Adam turns the TP reduction order's noise into more drift
+        assert torch.allclose(tp_sd[name], tensor, atol=5e-4, rtol=0), name
