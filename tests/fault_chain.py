@@ -1,5 +1,6 @@
 """A chain of 2-rank torchrun launches of one run, each killed by one fault and continued by the next with
-`--resume auto` (tests/integration/test_faults_ddp.py, tests/integration/test_faults_zero3.py).
+`--resume auto` (tests/integration/test_faults_ddp.py, tests/integration/test_faults_zero3.py,
+tests/integration/test_faults_fsdp2.py).
 
 Each launch is both the resume check of the previous fault and the next fault, so one launch per fault: a kill at
 one stage of a save (`GPT2_TEST_KILL_AT=STAGE@STEP`, the step the launch saves first) or a SIGKILL at a random
@@ -34,7 +35,8 @@ from tests.train_runs import ROOT, TINY_ARGS, read_killed_records, run_train, st
 
 BEFORE_RENAME = SAVE_STAGES[:SAVE_STAGES.index("renamed")]
 PRUNE_STAGES = ("prune-renamed", "prune-partial")  # reached only when --keep-last deletes an older checkpoint
-FLAGS = {"ddp": ["--mode", "baseline"], "zero3": ["--mode", "hybrid", "--zero-stage", "3"]}
+FLAGS = {"ddp": ["--mode", "baseline"], "zero3": ["--mode", "hybrid", "--zero-stage", "3"],
+         "fsdp2": ["--mode", "hybrid", "--zero-engine", "fsdp2"]}
 STEPS = 40  # 12 stage kills advance the run 5 steps, 20 random ones about 0.6 steps each (24 in all, measured)
 RANDOM_WINDOW_S = 0.4  # a random kill comes 0-0.4 s after the launch's first step record: 1-2 steps and saves
 

@@ -174,6 +174,10 @@ def check_zero_engine(args: argparse.Namespace) -> None:
     if args.zero_stage == 1:
         raise ConfigError("--zero-stage 1 (only the optimizer state sharded) has no FSDP2 equivalent: FSDP2 always "
                           "shards gradients too; use --zero-stage 2 or 3, or --zero-engine deepspeed")
+    if args.precision == "fp16":
+        raise ConfigError("--precision fp16 under --zero-engine fsdp2 needs a loss scaler over FSDP2's sharded "
+                          "gradients, which is not wired; use --precision bf16 (fp32's range), or --zero-engine "
+                          "deepspeed")
     deepspeed_only = [flag for flag, value in (
         ("--ds-config", args.ds_config), ("--zero3-fetch", args.zero3_fetch),
         ("--zero-precision", args.zero_precision), ("--deepspeed-nvtx", args.deepspeed_nvtx or None),

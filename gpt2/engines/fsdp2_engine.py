@@ -58,7 +58,6 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,13 +69,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from gpt2.config.layout import RunLayout
-from gpt2.engines.base import evaluate_batches, lr_at, resync_lr
-from gpt2.engines.guard import NonFiniteGuard, step_if_finite
+from gpt2.engines.base import resync_lr
+from gpt2.engines.torch_engine import TorchEngine
 from gpt2.model.gpt import GPT
 from gpt2.observe.run_logging import log
 from gpt2.runtime.distributed import DistContext
-from gpt2.runtime.parallelize import build_model, parallelize, param_groups, tp_comm_stats
-from parallel.grads import allreduce_sequence_parallel_grads, clip_grad_norm_
+from parallel.grads import clip_grad_norm_
 
 FSDP2_DIR = "fsdp2"  # the engine's sub-folder inside one of our step folders (gpt2.train.checkpoint)
 SCHEDULE_FILE = "schedule.pt"
@@ -156,78 +154,35 @@ class FSDP2CommLog:
         return {kind: float(n) for kind, n in self.counts.items()}
 
 
-class FSDP2Engine:
-    """ZeRO-2/3 by FSDP2 with our TP inside; `module` is our GPT (its units FSDPModules)."""
+class FSDP2Engine(TorchEngine):
+    """ZeRO-2/3 by FSDP2 with our TP inside: TorchEngine's step (autocast, fused AdamW over `param_groups`, the
+    schedule, the guard, evaluation) with FSDP2's sharding where DDP would wrap; `module` is our GPT (its units
+    FSDPModules)."""
 
     def __init__(self, layout: RunLayout, ctx: DistContext):
-        self.cfg = cfg = layout.cfg
-        self.layout = layout
-        self.ctx = ctx
-        t = cfg.train
-        self.comm_stats = tp_comm_stats(layout)
-        # TP plan -> activation checkpointing -> compile of the blocks' forwards (parallelize), then fully_shard
-        model = parallelize(build_model(layout, ctx.device, ctx.dims), layout, ctx.dims, self.comm_stats)
-        self.mesh = dp_mesh(ctx)
+        super().__init__(layout, ctx)  # TP plan -> act. checkpointing -> compiled forwards -> wrap: fully_shard
+        self.zero_comm_log = FSDP2CommLog(self.units) if layout.cfg.parallel.comm_log else None
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """fully_shard the blocks and the root over the DP group (before the optimizer is built over the shards)."""
+        layout, dims = self.layout, self.ctx.dims
         reshard = layout.zero_stage == 3
-        self.units = shard_model(model, self.mesh, reshard_after_forward=reshard)
+        self.units = shard_model(model, dp_mesh(self.ctx), reshard_after_forward=reshard)
+        self.root: FSDPModule = model  # type: ignore[assignment]
         log.info("FSDP2: %d units (%d blocks + embeddings/head) sharded over the data-parallel group of %d "
                  "(reshard_after_forward=%s: ZeRO-%d), fp32 parameters and gradient reduction, autocast %s",
-                 len(self.units), len(model.blocks), ctx.dims.dp_size, reshard, layout.zero_stage,
+                 len(self.units), len(self.units) - 1, dims.dp_size, reshard, layout.zero_stage,
                  layout.autocast_dtype or "off")
-        self.module: GPT = model
-        self.root: FSDPModule = model  # type: ignore[assignment]
-        self.dtype = layout.autocast_dtype
-        self.optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-                                           fused=True)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_at(s, t) / t.lr)
-        self._step_lr = self.scheduler.get_last_lr()[0]  # the lr of the last optimizer step
-        self.zero_comm_log = FSDP2CommLog(self.units) if cfg.parallel.comm_log else None
-        self.guard = NonFiniteGuard.for_run(layout, ctx.device)
+        return model
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        if self.dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.ctx.device.type, dtype=self.dtype)
-
-    def forward_backward(
-        self, x: torch.Tensor, y: torch.Tensor, last_micro_step: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One micro-step; gradients are reduce-scattered only on the step's last one."""
+    def no_sync(self, last_micro_step: bool) -> contextlib.AbstractContextManager:
+        """Gradients are reduce-scattered only on the step's last micro-step (FSDP2 accumulates them unsharded)."""
         self.root.set_requires_gradient_sync(last_micro_step)
-        with self.autocast():
-            loss, correct = self.module(x, y)
-        (self.guard.gate(loss) / self.layout.grad_accum).backward()
-        if last_micro_step and self.layout.sequence_parallel:
-            allreduce_sequence_parallel_grads(self.module, self.ctx.dims, self.comm_stats)
-        return loss.detach(), correct.detach()
+        return contextlib.nullcontext()
 
-    def optimizer_step(self) -> torch.Tensor:
-        """Clip by the global norm (DP and TP), step unless it is not finite (decided on the device), schedule;
-        returns the pre-clip global gradient norm (a device tensor)."""
-        clip = self.cfg.train.grad_clip
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        norm = clip_grad_norm_(params, clip if clip > 0 else float("inf"), self.ctx.dims)
-        step_if_finite(self.optimizer, norm)
-        self.optimizer.zero_grad(set_to_none=True)
-        self._step_lr = self.scheduler.get_last_lr()[0]  # this update's lr; scheduler.step() moves to the next
-        self.scheduler.step()  # a skipped update still uses up its step of the schedule
-        return norm
-
-    @property
-    def lr(self) -> float:
-        """The learning rate the last optimizer step used (logged with that step; before any step: the first's)."""
-        return self._step_lr
-
-    def evaluate(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
-        """Mean loss and top-1 accuracy over `batches`, averaged over the data-parallel group."""
-        def forward(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            with self.autocast():
-                return self.module(x, y)
-
-        self.module.eval()
-        result = evaluate_batches(forward, batches, self.ctx)
-        self.module.train()
-        return result
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """The global norm of the DTensor gradients: reduced over DP, the TP-sharded ones' squares over TP."""
+        return clip_grad_norm_(params, max_norm, self.ctx.dims)
 
     def _state(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)

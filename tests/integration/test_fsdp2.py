@@ -4,9 +4,9 @@ most steps, so a wrong gradient norm changes the updates).
 
 Runs (10 steps each; the same global batch of 4 sequences):
     fsdp2            2 ranks, batch 1 x accum 2 (set_requires_gradient_sync off on the first micro-step),
-                     checkpoints at steps 5 and 10; fsdp2-resumed from step 5
-    fsdp2-zero2      --zero-stage 2 (reshard_after_forward=False), 2 ranks, batch 2
-    fsdp2-compile    --compile (each block's forward compiled, FSDP2's hooks eager), 2 ranks, batch 2
+                     checkpoints at steps 5 and 10, --comm-log; fsdp2-resumed from step 5
+    fsdp2-zero2      --zero-stage 2 (reshard_after_forward=False), 2 ranks, batch 2, --comm-log
+    fsdp2-compile    --compile (each block's forward compiled, FSDP2's hooks eager), 2 ranks, batch 2, --comm-log
     fsdp2-tp2dp2-sp  --tp-size 2 --sequence-parallel on 4 ranks (DP groups [0, 2] and [1, 3]), batch 2, checkpoint
                      at step 5; resumed from it
 Tolerances (measured on CPU in brackets): per-step loss vs single <= 1e-5 relative (tests/train_runs.LOSS_REL_TOL)
@@ -48,7 +48,8 @@ def runs(tmp_path_factory) -> Path:
     """FSDP2 with accumulation and checkpoints, and its resume from step 5."""
     root = tmp_path_factory.mktemp("fsdp2")
     args = FSDP2 + ["--batch-size", "1", "--grad-accum", "2"]
-    run_train(args + ["--run-name", "fsdp2", "--save-dir", str(root / "ck"), "--save-interval", "5"], root, nproc=2)
+    run_train(args + ["--run-name", "fsdp2", "--save-dir", str(root / "ck"), "--save-interval", "5", "--comm-log"],
+              root, nproc=2)
     run_train(args + ["--run-name", "fsdp2-resumed", "--resume", str(root / "ck" / "step-000005")], root, nproc=2)
     return root
 
@@ -61,8 +62,16 @@ def test_fsdp2_matches_single(single_reference: ReferenceRun, runs: Path) -> Non
     assert (s["mode"], s["zero_engine"], s["world_size"], s["dp_size"], s["grad_accum"]) == (
         "hybrid", "fsdp2", 2, 2, 2)
     assert s["val_loss"] is not None
+    assert_comm_log_is_the_plan(s)
     console = (runs / "fsdp2" / "console.log").read_text()
     assert "FSDP2: 3 units (2 blocks + embeddings/head) sharded over the data-parallel group of 2" in console
+
+
+def assert_comm_log_is_the_plan(s: dict) -> None:
+    """--comm-log's measured all-gather and reduce-scatter bytes per step equal the planner's FSDP2 prediction (the
+    root unit gathered once a micro-step, each block twice at stage 3, the gradients reduce-scattered once a step)."""
+    for kind in ("all_gather", "reduce_scatter"):
+        assert s[f"plan/measured_dp_payload_bytes/{kind}"] == s[f"plan/dp_payload_bytes/{kind}"] > 0, kind
 
 
 def test_fsdp2_resume_is_exact(runs: Path) -> None:
@@ -105,8 +114,9 @@ def test_fsdp2_checkpoint_does_not_resume_under_deepspeed(runs: Path, tmp_path: 
                                              ("fsdp2-compile", ["--compile"])])
 def test_fsdp2_zero2_and_compile_match_single(single_reference: ReferenceRun, tmp_path: Path, name: str,
                                               flags: list[str]) -> None:
-    run_train(FSDP2 + ["--batch-size", "2", "--run-name", name] + flags, tmp_path, nproc=2)
+    run_train(FSDP2 + ["--batch-size", "2", "--run-name", name, "--comm-log"] + flags, tmp_path, nproc=2)
     assert_matches_reference(single_reference, tmp_path / name, GRAD_NORM_REL_TOL)
+    assert_comm_log_is_the_plan(summary(tmp_path / name))
     reshard = "reshard_after_forward=False: ZeRO-2" if name == "fsdp2-zero2" else "reshard_after_forward=True: ZeRO-3"
     assert reshard in (tmp_path / name / "console.log").read_text()
 

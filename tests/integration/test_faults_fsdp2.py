@@ -1,0 +1,22 @@
+"""Fault injection with 2 gloo ranks under torchrun, ZeRO-3 by FSDP2 (`--mode hybrid --zero-engine fsdp2`): its
+torch.distributed.checkpoint folders inside the same kill-safe save protocol.
+
+One run is killed at every stage of a save and at 20 random instants (the whole job or one rank), each
+time continued with `--resume auto`; the chain and what it checks after each kill: tests/fault_chain.py.
+A file of its own, so that pytest-xdist (--dist loadfile) runs it beside the other chain.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.fault_chain import run_chain
+
+
+@pytest.mark.slow
+@pytest.mark.soak
+def test_kill_at_every_stage_and_20_random_instants_then_resume_auto_continues(tmp_path: Path) -> None:
+    launches = run_chain("fsdp2", tmp_path, n_random=20, seed=19)
+    print(" ".join(f"{launch.fault or 'finish'}:{launch.seconds:.1f}s" for launch in launches))
