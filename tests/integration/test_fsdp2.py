@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -137,3 +138,43 @@ def test_fsdp2_tp_sp_matches_single_resumes_and_exports(single_reference: Refere
     _, single_sd = consolidated_state_dict(single_reference.checkpoint)
     for name, tensor in single_sd.items():  # lr 3e-3: Adam turns the TP reduction order's noise into more drift
         assert torch.allclose(tp_sd[name], tensor, atol=5e-4, rtol=0), name
+
+
+CLIP = 0.05  # below this model's gradient norm (asserted): the clip scales every gradient
+
+
+def run_fsdp2_clip_checks(dims) -> None:
+    """On each rank of TP 2 x DP 2: one backward of the FSDP2-sharded TP model (sequence-parallel), clipped by
+    `parallel.grads.clip_grad_norm_` over its DTensor gradients, against the single-device model on the mean loss of
+    both DP replicas' batches, clipped by torch: the same global norm, and the same clipped gradients once the DP
+    shards (full_tensor) and the TP shards (the plan) are joined."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    from gpt2.engines.fsdp2_engine import shard_model
+    from parallel.grads import allreduce_sequence_parallel_grads, clip_grad_norm_
+    from tests.unit.test_tp_model import batch, build, full_grads
+
+    ref = build()
+    losses = [ref(*batch(r))[0] for r in range(dims.dp_size)]
+    (sum(losses) / dims.dp_size).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+    assert ref_norm > 4 * CLIP
+
+    model = build(dims, sequence_parallel=True, overlap=False)
+    shard_model(model, DeviceMesh.from_group(dims.dp_group, "cpu"), reshard_after_forward=True)
+    model(*batch(dims.dp_rank))[0].backward()
+    allreduce_sequence_parallel_grads(model, dims)
+    norm = clip_grad_norm_(list(model.parameters()), CLIP, dims)
+    assert not isinstance(norm, DTensor) and abs(norm.item() - ref_norm.item()) <= 1e-5 * ref_norm
+    gathered = SimpleNamespace(named_parameters=lambda: [  # this TP rank's shards, gathered over DP, for full_grads
+        (name, SimpleNamespace(grad=p.grad.full_tensor())) for name, p in model.named_parameters()])
+    clipped = full_grads(gathered, dims)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(clipped[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_fsdp2_tp_clipping_uses_the_global_norm() -> None:
+    from tests._tp_harness import spawn
+
+    spawn(run_fsdp2_clip_checks, 4, 2)
