@@ -1,6 +1,5 @@
 """A chain of 2-rank torchrun launches of one run, each killed by one fault and continued by the next with
-`--resume auto` (tests/integration/test_faults_ddp.py, tests/integration/test_faults_zero3.py,
-tests/integration/test_faults_fsdp2.py).
+`--resume auto` (tests/integration/test_faults_ddp.py, tests/integration/test_faults_zero3.py).
 
 Each launch is both the resume check of the previous fault and the next fault, so one launch per fault: a kill at
 one stage of a save (`GPT2_TEST_KILL_AT=STAGE@STEP`, the step the launch saves first) or a SIGKILL at a random
