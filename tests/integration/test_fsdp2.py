@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -120,6 +122,21 @@ def test_fsdp2_zero2_and_compile_match_single(single_reference: ReferenceRun, tm
     assert_comm_log_is_the_plan(summary(tmp_path / name))
     reshard = "reshard_after_forward=False: ZeRO-2" if "--zero-stage" in flags else "reshard_after_forward=True: ZeRO-3"
     assert reshard in (tmp_path / name / "console.log").read_text()
+
+
+def test_fsdp2_under_the_deepspeed_launcher_matches_single(single_reference: ReferenceRun, tmp_path: Path) -> None:
+    """`deepspeed --num_gpus 2 train.py --mode hybrid --zero-engine fsdp2` (the launcher users start hybrid runs with;
+    CPU ranks under DS_ACCELERATOR=cpu) trains single's function as under torchrun."""
+    from benchmarks.common import free_port
+    from tests.train_runs import ROOT, train_env
+
+    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
+    proc = subprocess.run([*launcher, str(ROOT / "train.py"), *FSDP2, "--batch-size", "2", "--run-name", "ds-launcher",
+                           "--out-dir", str(tmp_path)], capture_output=True, text=True, env=train_env(), timeout=300,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert summary(tmp_path / "ds-launcher")["world_size"] == 2
+    assert_matches_reference(single_reference, tmp_path / "ds-launcher", GRAD_NORM_REL_TOL)
 
 
 def test_fsdp2_tp_sp_matches_single_resumes_and_exports(single_reference: ReferenceRun, tmp_path: Path) -> None:
