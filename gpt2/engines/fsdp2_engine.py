@@ -58,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +184,14 @@ class FSDP2Engine(TorchEngine):
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """The global norm of the DTensor gradients: reduced over DP, the TP-sharded ones' squares over TP."""
         return clip_grad_norm_(params, max_norm, self.ctx.dims)
+
+    def evaluate(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """TorchEngine's evaluation, then every unit back to its shards: a forward without backward leaves the units
+        that are not resharded after forward (the root; every block at --zero-stage 2) gathered."""
+        result = super().evaluate(batches)
+        for unit in self.units:
+            unit.reshard()
+        return result
 
     def _state(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
