@@ -11,6 +11,7 @@ Runs (10 steps each; the same global batch of 4 sequences):
                      recomputed call), 2 ranks, batch 2, --comm-log
     fsdp2-tp2dp2-sp  --tp-size 2 --sequence-parallel on 4 ranks (DP groups [0, 2] and [1, 3]), batch 2, checkpoint
                      at step 5; resumed from it
+    tp-compile       --tp-size 2 --compile on 4 ranks, batch 2
 Tolerances (measured on CPU in brackets): per-step loss vs single <= 1e-5 relative (tests/train_runs.LOSS_REL_TOL)
 [2 ranks: 1e-7; TP: see the run], pre-clip gradient norm (the global norm the clip uses: DTensor gradients reduced
 over DP, TP shards over TP) <= 2e-4 relative at tp 1, as the DeepSpeed tests [7e-6], <= 1e-3 with TP, as
@@ -154,6 +155,13 @@ def test_fsdp2_tp_sp_matches_single_resumes_and_exports(single_reference: Refere
     assert_resume_exact(tmp_path / "full", tmp_path / "resumed", at=5)
     # lr 3e-3: Adam turns the TP reduction order's noise into more drift than at tp 1
     assert_weights_match(ck / "step-000010", single_reference.checkpoint, atol=5e-4)
+
+
+def test_fsdp2_tp_compile_matches_single(single_reference: ReferenceRun, tmp_path: Path) -> None:
+    """The parity row fsdp2-tp2-compile-wW on CPU: TP 2 x DP 2 with each block's forward compiled."""
+    run_train(FSDP2 + ["--tp-size", "2", "--compile", "--batch-size", "2", "--run-name", "tp-compile"], tmp_path,
+              nproc=4)
+    assert_matches_reference(single_reference, tmp_path / "tp-compile", TP_GRAD_NORM_REL_TOL)
 
 
 CLIP = 0.05  # below this model's gradient norm (asserted): the clip scales every gradient
