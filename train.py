@@ -37,7 +37,7 @@ def check_before_work(layout: RunLayout) -> None:
     cfg = layout.cfg
     check_backends(cfg)
     wandb_mode(cfg.log.wandb)  # --wandb online without credentials
-    if cfg.train.mode == "hybrid":  # a missing or broken --ds-config, or one that contradicts the flags
+    if layout.zero_engine == "deepspeed":  # a missing or broken --ds-config, or one that contradicts the flags
         from gpt2.engines.ds_config import build_ds_config
 
         build_ds_config(layout)

@@ -36,6 +36,7 @@ DDP = ("--mode", "baseline")
 TP2 = ("--tp-size", "2")
 SP, COMPILE = "--sequence-parallel", "--compile"
 DEEPCOMPILE = ("--compile", "--compiler", "deepcompile")  # ZeRO-3 under DeepSpeed's DeepCompile (CUDA only)
+FSDP2 = ("--mode", "hybrid", "--zero-engine", "fsdp2")  # ZeRO-3 by PyTorch FSDP2 (gpt2.engines.fsdp2_engine)
 
 
 def _zero(stage: int) -> tuple[str, ...]:
@@ -55,7 +56,7 @@ def one_device_rows() -> list[Row]:
              *(Row(f"attn-{k}", ("--attn", f"sdpa-{k}")) for k in ("cudnn", "efficient")),  # flash: sdpa's pick
              Row("act-ckpt", ("--activation-checkpointing",)),
              Row("grad-accum", ("--grad-accum", "4"))]
-    for name, flags in [("ddp", DDP)] + [(f"zero{s}", _zero(s)) for s in (1, 2, 3)]:
+    for name, flags in [("ddp", DDP)] + [(f"zero{s}", _zero(s)) for s in (1, 2, 3)] + [("fsdp2", FSDP2)]:
         rows += [Row(name, flags, nproc=1), Row(f"{name}-compile", (*flags, "--compile"), nproc=1)]
     return rows + [Row("zero3-deepcompile", (*_zero(3), *DEEPCOMPILE), nproc=1)]
 
@@ -63,13 +64,16 @@ def one_device_rows() -> list[Row]:
 def multi_device_rows(world: int) -> list[Row]:
     """DDP and ZeRO at `world` processes, DDP and ZeRO-3 also compiled (the configurations the 4-GPU speed table
     times); tensor parallelism under DDP and ZeRO-3: TP 2 +- sequence parallel, each eager and compiled, and TP 4
-    where 4 divides the world."""
+    where 4 divides the world; FSDP2 (--zero-engine fsdp2) and FSDP2 + TP 2, each eager and compiled."""
     w = f"-w{world}"
     rows = [Row("ddp" + w, DDP, world)] + [Row(f"zero{s}{w}", _zero(s), world) for s in (1, 2, 3)]
     rows += [Row(f"ddp-compile{w}", (*DDP, COMPILE), world), Row(f"zero3-compile{w}", (*_zero(3), COMPILE), world)]
     for name, flags in (("ddp-tp2", (*DDP, *TP2)), ("zero3-tp2", (*_zero(3), *TP2))):
         for variant, extra in (("", ()), ("-sp", (SP,)), ("-compile", (COMPILE,)), ("-sp-compile", (SP, COMPILE))):
             rows.append(Row(f"{name}{variant}{w}", (*flags, *extra), world))
+    # FSDP2 beside DeepSpeed ZeRO-3: the same rows, eager and compiled, without and with TP 2
+    for name, flags in (("fsdp2", FSDP2), ("fsdp2-tp2", (*FSDP2, *TP2))):
+        rows += [Row(f"{name}{w}", flags, world), Row(f"{name}-compile{w}", (*flags, COMPILE), world)]
     if world % 4 == 0:
         rows += [Row(f"ddp-tp4{w}", (*DDP, "--tp-size", "4"), world),
                  Row(f"zero3-tp4{w}", (*_zero(3), "--tp-size", "4"), world)]

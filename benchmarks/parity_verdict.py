@@ -126,13 +126,15 @@ def config_key(config: dict[str, Any], world_size: int) -> str:
     own (small) batch, a throughput run measures it at its own. The precision is --precision as given (a CPU run
     computes in fp32 whatever it says)."""
     t, p = config["train"], config["parallel"]
-    label = run_label(t["mode"], p["zero_stage"], p["tp_size"], p["sequence_parallel"])
+    label = run_label(t["mode"], p["zero_stage"], p["tp_size"], p["sequence_parallel"],
+                      p.get("zero_engine", "deepspeed"))
     key = (f"{t['model']} {label} w{world_size} kernels={t['fused_kernels']} attn={t['attn']} "
            f"compile={compile_label(t['compile'], t['compile_scope'], t.get('compiler', 'torch'))} "
            f"ckpt={'on' if t['activation_checkpointing'] else 'off'} {t['precision']}")
-    if t["mode"] == "hybrid" and p["zero_stage"] == 3:
+    fsdp2 = p.get("zero_engine") == "fsdp2"  # FSDP2 reads neither setting: its label says the engine
+    if t["mode"] == "hybrid" and p["zero_stage"] == 3 and not fsdp2:
         key += f" fetch={p['zero3_fetch']}"
-    if t["mode"] == "hybrid":  # configs written before --zero-precision existed ran DeepSpeed's 16-bit model
+    if t["mode"] == "hybrid" and not fsdp2:  # configs from before --zero-precision ran DeepSpeed's 16-bit model
         key += f" zprec={p.get('zero_precision', 'deepspeed')}"
     return key
 

@@ -45,7 +45,8 @@ class Run:
     @property
     def label(self) -> str:
         s, par = self.summary, self.config.get("parallel", {})
-        name = run_label(s["mode"], par.get("zero_stage", 3), s.get("tp_size", 1), par.get("sequence_parallel", False))
+        name = run_label(s["mode"], par.get("zero_stage", 3), s.get("tp_size", 1), par.get("sequence_parallel", False),
+                         par.get("zero_engine", "deepspeed"))
         if s.get("fused_kernels", "none") != "none":
             name += f" {s['fused_kernels']}"
         if s.get("compile") not in ("off", False, None):

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from parallel import comm
 from parallel.comm import CommStats
@@ -34,7 +35,8 @@ def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
 
 def allreduce_sequence_parallel_grads(model: nn.Module, dims: ParallelDims, stats: CommStats | None = None) -> None:
     """Sum the marked parameters' gradients over the TP group, in one coalesced all-reduce."""
-    grads = [p.grad for p in sequence_parallel_params(model) if p.grad is not None]
+    # a DTensor gradient (FSDP2): this rank's shard; TP peers hold the same shard of a replicated parameter
+    grads = [_local(p.grad) for p in sequence_parallel_params(model) if p.grad is not None]
     if not grads or dims.tp_size == 1:
         return
     flat = torch._utils._flatten_dense_tensors(grads)
@@ -57,11 +59,19 @@ def register_sequence_parallel_grad_hooks(model: nn.Module, dims: ParallelDims,
     return [p.register_hook(hook) for p in sequence_parallel_params(model)]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """sum of squares of all elements, fp32, with multi-tensor (foreach) kernels rather than two per tensor."""
+    """sum of squares of all elements, fp32, with multi-tensor (foreach) kernels rather than two per tensor. DTensor
+    gradients (FSDP2's, sharded over the data-parallel mesh) give the norm of the whole tensors: reduced over it."""
     if not grads:
         return torch.zeros((), device=device, dtype=torch.float32)
-    return torch.nn.utils.get_total_norm(grads, norm_type=2.0).float().square()
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return norm.float().square()
 
 
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, dims: ParallelDims) -> torch.Tensor:

@@ -34,7 +34,8 @@ from tests.train_runs import ROOT, TINY_ARGS, read_killed_records, run_train, st
 
 BEFORE_RENAME = SAVE_STAGES[:SAVE_STAGES.index("renamed")]
 PRUNE_STAGES = ("prune-renamed", "prune-partial")  # reached only when --keep-last deletes an older checkpoint
-FLAGS = {"ddp": ["--mode", "baseline"], "zero3": ["--mode", "hybrid", "--zero-stage", "3"]}
+FLAGS = {"ddp": ["--mode", "baseline"], "zero3": ["--mode", "hybrid", "--zero-stage", "3"],
+         "fsdp2": ["--mode", "hybrid", "--zero-engine", "fsdp2"]}
 STEPS = 40  # 12 stage kills advance the run 5 steps, 20 random ones about 0.6 steps each (24 in all, measured)
 RANDOM_WINDOW_S = 0.4  # a random kill comes 0-0.4 s after the launch's first step record: 1-2 steps and saves
 

@@ -139,6 +139,20 @@ def assert_resume_exact(full: Path, resumed: Path, at: int, keys: tuple[str, ...
             assert abs(a - b) <= 1e-6, f"{key} step {step}: uninterrupted {a} vs resumed {b}"
 
 
+def assert_weights_match(step_dir: Path, reference_step_dir: Path, atol: float):
+    """The exported (consolidated, fp32) weights of two checkpoints agree within `atol`; returns the first's model
+    config and state dict."""
+    import torch
+
+    from gpt2.train.export import consolidated_state_dict
+
+    cfg, ours = consolidated_state_dict(step_dir)
+    theirs = consolidated_state_dict(reference_step_dir)[1]
+    off = [k for k in theirs if k not in ours or not torch.allclose(ours[k], theirs[k], atol=atol, rtol=0)]
+    assert set(ours) == set(theirs) and not off, f"{step_dir} vs {reference_step_dir}: {off} (atol {atol})"
+    return cfg, ours
+
+
 def assert_hf_export_matches(cfg, state_dict: dict, hf_dir: Path):
     """The exported Hugging Face folder computes our model's logits on `state_dict` (fp32, 1e-5).
 

@@ -163,6 +163,30 @@ def check_deepcompile(args: argparse.Namespace) -> None:
 
 
 
+def check_zero_engine(args: argparse.Namespace) -> None:
+    """`--zero-engine fsdp2`: what FSDP2 (gpt2.engines.fsdp2_engine) cannot take, each an error naming the fix; the
+    DeepSpeed-only flags among them."""
+    if args.zero_engine != "fsdp2":
+        return
+    if args.mode != "hybrid":
+        raise ConfigError(f"--zero-engine fsdp2 picks who shards under --mode hybrid; --mode {args.mode} shards "
+                          "nothing: use --mode hybrid or drop --zero-engine")
+    if args.zero_stage == 1:
+        raise ConfigError("--zero-stage 1 (only the optimizer state sharded) has no FSDP2 equivalent: FSDP2 always "
+                          "shards gradients too; use --zero-stage 2 or 3, or --zero-engine deepspeed")
+    if args.precision == "fp16":
+        raise ConfigError("--precision fp16 under --zero-engine fsdp2 needs a loss scaler over FSDP2's sharded "
+                          "gradients, which is not wired; use --precision bf16 (fp32's range), or --zero-engine "
+                          "deepspeed")
+    deepspeed_only = [flag for flag, value in (
+        ("--ds-config", args.ds_config), ("--zero3-fetch", args.zero3_fetch),
+        ("--zero-precision", args.zero_precision), ("--deepspeed-nvtx", args.deepspeed_nvtx or None),
+        ("--compiler deepcompile", "deepcompile" if args.compiler == "deepcompile" else None)) if value is not None]
+    if deepspeed_only:
+        raise ConfigError(f"{' / '.join(deepspeed_only)}: DeepSpeed settings, which --zero-engine fsdp2 does not "
+                          f"read; drop {'it' if len(deepspeed_only) == 1 else 'them'} or use --zero-engine deepspeed")
+
+
 def check_flags_act(args: argparse.Namespace) -> None:
     """A flag given to a run in which it cannot act is an error naming why (not silently recorded as if used)."""
     if args.gpus is not None and not args.plan:
@@ -200,6 +224,7 @@ def check_flags_act(args: argparse.Namespace) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
+    check_zero_engine(args)
     check_deepcompile(args)
     check_flags_act(args)
     if args.use_fused_kernel and args.fused_kernels not in ("none", "cuda"):
@@ -209,7 +234,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                           f"{args.grad_accum} or --global-batch-size {args.global_batch_size}")
     zero_flags = [flag for flag, value in (("--zero-stage", args.zero_stage), ("--zero3-fetch", args.zero3_fetch),
                                            ("--zero-precision", args.zero_precision),
-                                           ("--deepspeed-nvtx", args.deepspeed_nvtx or None)) if value is not None]
+                                           ("--deepspeed-nvtx", args.deepspeed_nvtx or None),
+                                           ("--zero-engine", args.zero_engine)) if value is not None]
     if zero_flags and args.mode != "hybrid":
         raise ConfigError(f"{' / '.join(zero_flags)}: DeepSpeed ZeRO settings, used only by --mode hybrid; "
                           f"drop {'it' if len(zero_flags) == 1 else 'them'} or use --mode hybrid")

@@ -213,10 +213,22 @@ class RunLayout:
         return self.cfg.zero_stage
 
     @property
+    def zero_engine(self) -> str | None:
+        """Who shards a hybrid run: "deepspeed" or "fsdp2" (--zero-engine); None unless --mode hybrid."""
+        return self.cfg.zero_engine
+
+    @property
+    def fsdp2(self) -> bool:
+        """A hybrid run sharded by PyTorch FSDP2 (gpt2.engines.fsdp2_engine) instead of DeepSpeed."""
+        return self.zero_engine == "fsdp2"
+
+    @property
     def zero3_blocks(self) -> bool:
         """ZeRO-3 gathering each transformer block as one DeepSpeed leaf module (--zero3-fetch block). Not under
-        DeepCompile, which removes ZeRO-3's module hooks and gathers every parameter inside its graph."""
-        return self.zero_stage == 3 and self.cfg.parallel.zero3_fetch == "block" and not self.deepcompile
+        DeepCompile, which removes ZeRO-3's module hooks and gathers every parameter inside its graph, nor under
+        FSDP2, whose unit is each block by construction."""
+        return (self.zero_stage == 3 and self.cfg.parallel.zero3_fetch == "block" and not self.deepcompile
+                and not self.fsdp2)
 
     @property
     def ds_config_path(self) -> Path:

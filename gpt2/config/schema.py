@@ -155,7 +155,14 @@ class ParallelConfig:
     tp_overlap: bool = option(True, "turn off the async input-gradient collective overlapped with the weight-gradient "
                                     "GEMM (eager runs; under --compile the TP collectives are traced synchronously)",
                               PARALLEL, names=("--no-tp-overlap",))
-    zero_stage: Literal[1, 2, 3] = option(3, "hybrid mode: DeepSpeed ZeRO stage", PARALLEL, given_only=True)
+    zero_stage: Literal[1, 2, 3] = option(3, "hybrid mode: DeepSpeed ZeRO stage (--zero-engine fsdp2: 3 or 2)",
+                                          PARALLEL, given_only=True)
+    # who shards under --mode hybrid (gpt2.engines.fsdp2_engine says how FSDP2 maps the stages)
+    zero_engine: Literal["deepspeed", "fsdp2"] = option(
+        "deepspeed", "hybrid mode: the ZeRO implementation: deepspeed = DeepSpeed ZeRO-1/2/3 (--ds-config); fsdp2 = "
+                     "PyTorch FSDP2 (fully_shard of each transformer block and of the embedding/head over the "
+                     "data-parallel ranks; --zero-stage 3: parameters resharded after forward, 2: kept gathered from "
+                     "forward to backward; no stage 1)", PARALLEL, given_only=True)
     zero3_fetch: Literal["block", "module"] = option(
         "block", "hybrid mode, ZeRO-3: the parameter gather unit: block = each transformer block is a DeepSpeed leaf "
                  "module (one all-gather and one hook per block and pass; allows --compile), module = DeepSpeed's "
@@ -211,7 +218,8 @@ DEEPCOMPILE_RECOMPILE_STEP = 5
 
 @dataclass
 class TrainConfig:
-    mode: Mode = option("single", "single: one device; baseline: DDP; hybrid: DeepSpeed ZeRO (+ --tp-size)", MODEL)
+    mode: Mode = option("single", "single: one device; baseline: DDP; hybrid: ZeRO, DeepSpeed's or FSDP2's "
+                                  "(--zero-engine; + --tp-size)", MODEL)
     model: str = option("gpt2-tiny", "GPT-2 preset", MODEL, choices=tuple(sorted(MODEL_PRESETS)))
     init_from: str | None = option(None, "gpt2 | gpt2-medium | gpt2-large | gpt2-xl | local HF folder", MODEL)
     batch_size: int = option(8, "micro-batch per data-parallel rank", OPTIM, parse=positive_int)
@@ -305,6 +313,11 @@ class RunConfig:
         """The DeepSpeed ZeRO stage the run trains with; None unless --mode hybrid. The one place that says whether
         a run is ZeRO-3: the config checks, RunLayout, the DeepSpeed config and the planner read it."""
         return self.parallel.zero_stage if self.train.mode == "hybrid" else None
+
+    @property
+    def zero_engine(self) -> str | None:
+        """Who implements the ZeRO sharding (--zero-engine: deepspeed or fsdp2); None unless --mode hybrid."""
+        return self.parallel.zero_engine if self.train.mode == "hybrid" else None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

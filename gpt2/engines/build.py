@@ -27,7 +27,12 @@ def check_backends(cfg: RunConfig) -> None:
 
 
 def build_engine(layout: RunLayout, ctx: DistContext) -> Engine:
-    """The engine of the run's mode: TorchEngine (single, baseline) or DeepSpeedEngine (hybrid)."""
+    """The engine of the run's mode: TorchEngine (single, baseline), DeepSpeedEngine (hybrid) or FSDP2Engine
+    (hybrid, --zero-engine fsdp2)."""
+    if layout.fsdp2:
+        from gpt2.engines.fsdp2_engine import FSDP2Engine
+
+        return FSDP2Engine(layout, ctx)
     if layout.mode == "hybrid":
         return DeepSpeedEngine(layout, ctx)
     return TorchEngine(layout, ctx)

@@ -3,7 +3,8 @@
 - `TorchEngine`: `--mode single` (one device) and `--mode baseline` (DDP over the data-parallel
   group; `no_sync` on all but the last micro-step of gradient accumulation), with our tensor
   parallelism inside when --tp-size > 1.
-- The DeepSpeed engine (`--mode hybrid`) implements the same interface.
+- The DeepSpeed engine (`--mode hybrid`) implements the same interface; the FSDP2 engine (`--mode hybrid
+  --zero-engine fsdp2`) is this one with FSDP2's sharding in place of DDP (`wrap`, `no_sync`, `clip_grad_norm`).
 
 Build order (torchtitan's, `gpt2.runtime.parallelize`): full model on the target device from the seed -> weights from
 --init-from -> tensor parallelism (each rank keeps its shards) -> activation checkpointing -> torch.compile per
@@ -50,11 +51,7 @@ class TorchEngine:
         model = parallelize(build_model(layout, ctx.device, ctx.dims), layout, ctx.dims, self.comm_stats)
         self.module = model
         self.ddp: DistributedDataParallel | None = None
-        if layout.mode == "baseline":
-            self.ddp = DistributedDataParallel(
-                model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-                process_group=ctx.dims.dp_group, gradient_as_bucket_view=True, bucket_cap_mb=t.ddp_bucket_mb)
-        self.model: nn.Module = self.ddp or model
+        self.model: nn.Module = self.wrap(model)
         if layout.compile_scope == "model":
             self.model = compile_whole(self.model)
         self.dtype = layout.autocast_dtype
@@ -66,6 +63,28 @@ class TorchEngine:
         self._step_lr = self.scheduler.get_last_lr()[0]  # the lr of the last optimizer step
         self.guard = NonFiniteGuard.for_run(layout, ctx.device)
 
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The data-parallel wrapper (built before the optimizer): DDP over the DP group (baseline), else none.
+        (`gpt2.engines.fsdp2_engine.FSDP2Engine` shards the model here instead.)"""
+        if self.layout.mode == "baseline":
+            device = self.ctx.device
+            self.ddp = DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None,
+                process_group=self.ctx.dims.dp_group, gradient_as_bucket_view=True,
+                bucket_cap_mb=self.cfg.train.ddp_bucket_mb)
+        return self.ddp or model
+
+    def no_sync(self, last_micro_step: bool) -> contextlib.AbstractContextManager:
+        """No gradient reduction on the micro-steps before the step's last (DDP's no_sync)."""
+        sync = last_micro_step or self.ddp is None
+        return contextlib.nullcontext() if sync else self.ddp.no_sync()
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip to the global gradient norm and return it (pre-clip); TP-aware with tensor parallelism."""
+        if self.ctx.dims.tp_size > 1:
+            return clip_grad_norm_(params, max_norm, self.ctx.dims)  # sharded weights' squares summed over TP
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype is None:
             return contextlib.nullcontext()
@@ -75,8 +94,7 @@ class TorchEngine:
         self, x: torch.Tensor, y: torch.Tensor, last_micro_step: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One micro-step; returns the (detached, unscaled) mean loss and the correct-token count."""
-        sync = last_micro_step or self.ddp is None
-        with contextlib.nullcontext() if sync else self.ddp.no_sync():
+        with self.no_sync(last_micro_step):
             with self.autocast():
                 loss, correct = self.model(x, y)
             self.scaler.scale(self.guard.gate(loss) / self.layout.grad_accum).backward()
@@ -90,11 +108,7 @@ class TorchEngine:
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.train.grad_clip
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        max_norm = clip if clip > 0 else float("inf")
-        if self.ctx.dims.tp_size > 1:
-            norm = clip_grad_norm_(params, max_norm, self.ctx.dims)  # sharded weights' squares summed over TP
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = self.clip_grad_norm(params, clip if clip > 0 else float("inf"))
         # fp16: an inf/NaN gradient the scaler found makes the norm non-finite too, so this skips what
         # scaler.step would; the scaler still backs off from the inf checks unscale_ recorded
         step_if_finite(self.optimizer, norm)

@@ -59,11 +59,15 @@ def _clean(record: dict[str, Any]) -> dict[str, Any]:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
 
 
-def run_label(mode: str, zero_stage: int, tp: int, sequence_parallel: bool) -> str:
-    """The configuration's name in reports and wandb job types: single, ddp, zero3, zero3-tp2-sp, ...
+def run_label(mode: str, zero_stage: int, tp: int, sequence_parallel: bool, zero_engine: str = "deepspeed") -> str:
+    """The configuration's name in reports and wandb job types: single, ddp, zero3, zero3-tp2-sp, fsdp2 (ZeRO-3 by
+    FSDP2), fsdp2-zero2, fsdp2-tp2, ...
 
     Modes other than ours (e.g. `hf-ddp`, `hf-zero3` from benchmarks/hf_reference.py) keep their own name."""
-    name = {"single": "single", "baseline": "ddp", "hybrid": f"zero{zero_stage}"}.get(mode, mode)
+    hybrid = f"zero{zero_stage}"
+    if zero_engine == "fsdp2":
+        hybrid = "fsdp2" if zero_stage == 3 else f"fsdp2-{hybrid}"
+    name = {"single": "single", "baseline": "ddp", "hybrid": hybrid}.get(mode, mode)
     return name + (f"-tp{tp}" if tp > 1 else "") + ("-sp" if sequence_parallel else "")
 
 
@@ -74,7 +78,7 @@ def wandb_identity(cfg: RunConfig) -> dict[str, Any]:
     configuration label; tags: --wandb-tags plus label, model, batch/GPU, precision, compile and kernels.
     """
     t, p = cfg.train, cfg.parallel
-    label = run_label(t.mode, p.zero_stage, p.tp_size, p.sequence_parallel)
+    label = run_label(t.mode, p.zero_stage, p.tp_size, p.sequence_parallel, p.zero_engine)
     compiled = compile_label(t.compile, t.compile_scope, t.compiler)
     auto = [label, t.model, f"bs{t.batch_size}", t.precision, f"compile-{compiled}" if t.compile else "eager",
             f"kernels-{t.fused_kernels}"] + (["ckpt"] if t.activation_checkpointing else [])

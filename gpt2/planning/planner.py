@@ -122,6 +122,11 @@ class Setup:
     fused_loss: bool = False  # --fused-kernels triton: chunked LM-head cross-entropy
     zero_precision: str = "autocast"  # hybrid: torch_autocast over fp32 weights, or DeepSpeed's 16-bit model
     deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
+    zero_engine: str = "deepspeed"  # hybrid: deepspeed or fsdp2 (gpt2.engines.fsdp2_engine; see fsdp2_memory)
+
+    @property
+    def fsdp2(self) -> bool:
+        return self.mode == "hybrid" and self.zero_engine == "fsdp2"
 
     @property
     def dp(self) -> int:
@@ -129,7 +134,10 @@ class Setup:
 
     @property
     def layout(self) -> Layout:
-        return Layout(dp=self.dp, tp=self.tp, zero_stage=self.zero_stage, sequence_parallel=self.sequence_parallel,
+        # FSDP2 keeps only shards of the weights between steps at either stage (its 2 only keeps them gathered from
+        # forward to backward): the states of ZeRO-3; its traffic is `fsdp2_communication`'s
+        return Layout(dp=self.dp, tp=self.tp, zero_stage=3 if self.fsdp2 else self.zero_stage,
+                      sequence_parallel=self.sequence_parallel,
                       activation_checkpointing=self.activation_checkpointing, micro_batches=self.grad_accum)
 
     @property
@@ -142,7 +150,7 @@ class Setup:
 
     @property
     def label(self) -> str:
-        return run_label(self.mode, self.zero_stage, self.tp, self.sequence_parallel)
+        return run_label(self.mode, self.zero_stage, self.tp, self.sequence_parallel, self.zero_engine)
 
 
 @dataclass(frozen=True)
@@ -157,6 +165,8 @@ def numerics(s: Setup) -> Numerics:
     if s.precision == "fp32":
         fp32 = StateBytes(param_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4)
         return Numerics(fp32, 4, False, fp32)
+    if s.fsdp2:  # fp32 weights gathered and fp32 gradients reduced, autocast for compute (fsdp2_engine.mixed_precision)
+        return Numerics(AMP_FP32_WEIGHTS, 4, True, AMP_FP32_WEIGHTS)
     if s.mode == "hybrid" and s.zero_precision == "deepspeed":  # a 16-bit model, fp32 master weights and moments
         return Numerics(MIXED_PRECISION, 2, False, MIXED_PRECISION)
     if s.mode == "hybrid":  # DeepSpeed torch_autocast: Linear weights and gradients travel in 16 bits (the
@@ -169,7 +179,7 @@ def setup_from_config(cfg: RunConfig, world_size: int) -> Setup:
     """The flags as given (--grad-accum, --precision) on `world_size` GPUs; a launch plans `setup_for_run`."""
     t, p = cfg.train, cfg.parallel
     ds = DeepSpeedSettings()
-    if t.mode == "hybrid":
+    if cfg.zero_engine == "deepspeed":
         ds = DeepSpeedSettings.from_file(ds_config_file(p), p.zero3_fetch)
     preset = MODEL_PRESETS[t.model]
     custom = any(getattr(cfg.model, k) != v for k, v in preset.items() if k != "n_positions")
@@ -179,7 +189,8 @@ def setup_from_config(cfg: RunConfig, world_size: int) -> Setup:
         mode=t.mode, zero_stage=cfg.zero_stage or 0, tp=p.tp_size,
         sequence_parallel=p.sequence_parallel, tp_overlap=p.tp_overlap,
         activation_checkpointing=t.activation_checkpointing, grad_accum=t.grad_accum, precision=t.precision,
-        compile=t.compile, fused_loss=t.fused_kernels == "triton", deepspeed=ds, zero_precision=p.zero_precision)
+        compile=t.compile, fused_loss=t.fused_kernels == "triton", deepspeed=ds, zero_precision=p.zero_precision,
+        zero_engine=p.zero_engine)
 
 
 # ---------------------------------------------------------------- memory
@@ -310,7 +321,11 @@ def predict_memory(s: Setup) -> MemoryPlan:
         copies = e * n_copied
     workspace = float(CUBLAS_WORKSPACE_BYTES)
     step_transient = 0.0
-    if s.mode == "hybrid":
+    if s.fsdp2:
+        held, buffers = fsdp2_memory(s, n_local)
+        copies += FP32_BYTES * held
+        workspace += buffers
+    elif s.mode == "hybrid":
         ds = s.deepspeed
         workspace += ds.reduce_bucket_size * e
         if s.zero_stage == 3:  # gathered weights held to their backward, in the weights' dtype
@@ -323,12 +338,51 @@ def predict_memory(s: Setup) -> MemoryPlan:
                       step_transient)
 
 
+def fsdp2_units(s: Setup) -> tuple[float, float]:
+    """Elements of one rank's FSDP2 units (gpt2.engines.fsdp2_engine.shard_model): one transformer block (TP-local)
+    and the root (token embedding shard, tied to the head; position embedding; final LayerNorm)."""
+    d, t = s.model.n_embd, s.tp
+    block = (12 * d * d + 9 * d) / t + 4 * d  # c_attn, c_fc, both projections (their biases whole), two LayerNorms
+    root = s.model.padded_vocab_size * d / t + s.model.n_positions * d + 2 * d
+    return block, root
+
+
+def fsdp2_memory(s: Setup, n_local: float) -> tuple[float, float]:
+    """(fp32 elements of gathered weights held when backward starts, bytes of FSDP2's buffers), for `predict_memory`.
+
+    --zero-stage 3 (reshard_after_forward=True): the root unit stays gathered from forward to backward (FSDP2 does
+    not reshard the root after forward) and the last block with it; backward gathers one block and prefetches the
+    next. --zero-stage 2 (False): every unit stays gathered from its forward to its backward: the whole TP-local
+    model. Buffers: the unsharded fp32 gradients of the two blocks in flight before their reduce-scatter (with
+    --grad-accum > 1 FSDP2 keeps every unsharded gradient across the micro-steps, without sync: all of them).
+    """
+    block, root = fsdp2_units(s)
+    held = root + 2 * block if s.zero_stage == 3 else n_local
+    grads = n_local if s.grad_accum > 1 else 2 * block
+    return held, FP32_BYTES * grads
+
+
+def fsdp2_communication(s: Setup, ops: list[CommOp]) -> list[CommOp]:
+    """perf_model's ZeRO DP collectives replaced by FSDP2's (fp32): each unit gathered before its forward on every
+    micro-step and, at stage 3, again before its backward (not the root: FSDP2 keeps it gathered); the gradients
+    reduce-scattered once a step (set_requires_gradient_sync(False) on the other micro-steps)."""
+    block, root = fsdp2_units(s)
+    n, m, param, grad = s.model.n_layer * block + root, s.grad_accum, FP32_BYTES, FP32_BYTES
+    ops = [op for op in ops if op.group != "dp"]
+    if s.dp > 1:
+        ops.append(CommOp("FSDP2 param all-gather (fwd)", "dp", "all_gather", s.dp, n * param, m))
+        if s.zero_stage == 3:
+            ops.append(CommOp("FSDP2 param all-gather (bwd)", "dp", "all_gather", s.dp, (n - root) * param, m))
+        ops.append(CommOp("FSDP2 grad reduce-scatter", "dp", "reduce_scatter", s.dp, n * grad, 1))
+    return ops
+
+
 def checkpoint_bytes(s: Setup) -> float:
     """One checkpoint's size, every rank's files together: the weights and optimizer states each GPU holds, each
     distinct shard once (data-parallel replicas save theirs once; the per-rank RNG files are a few KB). GPT-2 tiny
     single: 40.03 MB predicted, 40.08 MB written."""
     mem = predict_memory(s)
-    zero = s.zero_stage  # 0 unless hybrid (Setup)
+    zero = 3 if s.fsdp2 else s.zero_stage  # 0 unless hybrid (Setup); FSDP2 saves sharded weights at either stage
     return s.tp * (mem.params * (s.dp if zero == 3 else 1) + mem.optimizer * (s.dp if zero >= 1 else 1))
 
 
@@ -338,7 +392,9 @@ def predict_communication(s: Setup) -> list[CommOp]:
     """Collectives one GPU takes part in per optimizer step: perf_model's, plus our TP implementation's extras."""
     num = numerics(s)
     ops = step_communication(s.model, s.workload, s.layout, num.comm)
-    if s.zero_stage == 3 and s.dp > 1:  # zero_stage is 0 unless hybrid (Setup)
+    if s.fsdp2:
+        ops = fsdp2_communication(s, ops)
+    elif s.zero_stage == 3 and s.dp > 1:  # zero_stage is 0 unless hybrid (Setup)
         ops = zero3_gathers(s, ops, num.comm.param_bytes)
     if s.tp > 1:
         t, m, tokens = s.tp, s.grad_accum, s.micro_batch * s.seq_len
@@ -354,10 +410,10 @@ def predict_communication(s: Setup) -> list[CommOp]:
             d, L = s.model.n_embd, s.model.n_layer
             ops.append(CommOp("position-embedding grad all-gather (SP)", "tp", "all_gather", t,
                               s.seq_len * d * num.states.activation_bytes, m))
-            # DDP/single: one coalesced all-reduce after the last micro-step; DeepSpeed: per-parameter hooks
+            # DDP/single/FSDP2: one coalesced all-reduce after the last micro-step; DeepSpeed: per-parameter hooks
             # in every backward (ZeRO consumes gradients during backward), so once per micro-step
             ops.append(CommOp("SP replicated-param grad all-reduce", "tp", "all_reduce", t,
-                              (6 * L + 2) * d * num.states.grad_bytes, m if s.mode == "hybrid" else 1))
+                              (6 * L + 2) * d * num.states.grad_bytes, m if s.mode == "hybrid" and not s.fsdp2 else 1))
             if s.tp_overlap:  # the overlapped backward re-gathers c_attn's and the LM head's inputs
                 ops.append(CommOp("recomputed input all-gather (SP overlap)", "tp", "all_gather", t, act,
                                   m * (L + 1)))

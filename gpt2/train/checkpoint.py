@@ -13,6 +13,8 @@ Layout of `--save-dir`::
       optimizer-tp00.pt ... (written by data-parallel rank 0 of each TP rank; `gpt2.train.export` gathers them)
       zero/                 hybrid: DeepSpeed's sharded checkpoint (engine.save_checkpoint, tag "zero"; with
                             TP its files carry the TP rank as DeepSpeed's `mp_rank_XX`)
+      fsdp2/tp00/ ...       hybrid, --zero-engine fsdp2: torch.distributed.checkpoint's shards of each TP rank's model
+                            and optimizer, + fsdp2/schedule.pt (gpt2.engines.fsdp2_engine)
     step-000020.tmp/        a save in progress, or one a crash interrupted: never read, removed by the next save
     latest.pending          "step-000020": written just before the rename, removed once `latest` names it
     step-000004.deleting/   a --keep-last deletion in progress (renamed first): never read, removed by the next save
@@ -77,6 +79,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from gpt2.config.layout import RunLayout
 from gpt2.config.schema import CheckpointConfig, ConfigError, RunConfig
@@ -153,7 +156,9 @@ def build_meta(layout: RunLayout, step: int) -> dict[str, Any]:
         "seed": cfg.train.seed, "max_steps": cfg.train.max_steps,
         "torch_version": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    if layout.mode == "hybrid":
+    if layout.fsdp2:  # absent from DeepSpeed's (and older) hybrid checkpoints: check_compatible reads that as deepspeed
+        meta["zero_engine"] = layout.zero_engine
+    elif layout.mode == "hybrid":
         meta["deepspeed_version"] = importlib.metadata.version("deepspeed")  # no import: it picks an accelerator
     return meta
 
@@ -196,6 +201,9 @@ def check_compatible(meta: dict[str, Any], layout: RunLayout, where: Path) -> No
     diffs = [f"model.{k}: checkpoint {v!r}, this run {ours['model'].get(k)!r}"
              for k, v in meta["model"].items() if ours["model"].get(k) != v]
     diffs += [f"{k}: checkpoint {meta.get(k)!r}, this run {ours[k]!r}" for k in _LAYOUT_KEYS if meta.get(k) != ours[k]]
+    if meta["mode"] == ours["mode"] == "hybrid" and meta.get("zero_engine", "deepspeed") != layout.zero_engine:
+        diffs.append(f"zero_engine: checkpoint {meta.get('zero_engine', 'deepspeed')!r}, this run "
+                     f"{layout.zero_engine!r} (--zero-engine)")
     if diffs:
         raise CheckpointError(
             f"checkpoint {where} does not match this run: " + "; ".join(diffs)
@@ -448,8 +456,10 @@ def newest_checkpoint(save_dir: Path) -> str:
 def check_weights_finite(ctx: DistContext, engine: Engine, step: int, save_dir: Path) -> None:
     """Refuse, on every rank, to checkpoint weights that hold a NaN or an infinity, whatever let them through (the
     guard judges a step by its loss and gradient norm, not by the update: a huge --lr applies a finite gradient as
-    an infinite step). Each rank checks what it holds: its ZeRO-3 partition (`ds_tensor`), else its parameters."""
+    an infinite step). Each rank checks what it holds: its ZeRO-3 partition (`ds_tensor`), its FSDP2 shards, else its
+    parameters."""
     held = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
+    held = [t.to_local() if isinstance(t, DTensor) else t for t in held]  # FSDP2: this rank's shard
     # each flag moved to this rank's device: a --ds-config may offload the partitions to the CPU
     flags = [t.isfinite().all().to(ctx.device) for t in held]
     finite = (torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=ctx.device)).float()

@@ -5,7 +5,9 @@
     GPT2LMHeadModel.from_pretrained("exported/")               # or use it with transformers
 
 single/baseline checkpoints hold the full model (model.pt); hybrid ones are DeepSpeed ZeRO shards, gathered
-into one fp32 state dict by `deepspeed.utils.zero_to_fp32` (from the fp32 master weights, any stage).
+into one fp32 state dict by `deepspeed.utils.zero_to_fp32` (from the fp32 master weights, any stage), or, with
+--zero-engine fsdp2, torch.distributed.checkpoint shards read back whole on the CPU
+(`gpt2.engines.fsdp2_engine.read_model_state`).
 
 Tensor-parallel checkpoints are saved in the TP layout (no gather at save time, so saving costs no extra
 memory or communication) and consolidated here, on the CPU: first each TP rank's state dict (its
@@ -69,7 +71,15 @@ def consolidated_state_dict(step_dir: Path) -> tuple[ModelConfig, dict[str, torc
     verify_checkpoint(step_dir)  # before DeepSpeed's loader unpickles anything
     cfg = ModelConfig(**meta["model"])
     tp = meta["tp_size"]
-    if meta["mode"] == "hybrid":
+    if meta.get("zero_engine") == "fsdp2":  # torch.distributed.checkpoint folders, one per TP rank
+        from gpt2.engines.fsdp2_engine import read_model_state
+
+        shards = [read_model_state(step_dir, r) for r in range(tp)]
+        for sd in shards:
+            sd.setdefault("lm_head.weight", sd["wte.weight"])  # tied: one tensor, whichever key it is kept under
+        if tp == 1:
+            return cfg, shards[0]
+    elif meta["mode"] == "hybrid":
         if tp == 1:
             return cfg, _zero_fp32_state_dict(step_dir)
         shards = [_zero_tp_rank_state_dict(step_dir, r) for r in range(tp)]

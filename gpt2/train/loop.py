@@ -309,7 +309,8 @@ def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, m
     `profile`: `--profile`'s per-step figures (`profile/device_busy_pct`, ...; rank 0's, the rank that profiles)."""
     cfg, t = layout.cfg, layout.cfg.train
     return {
-        "mode": t.mode, "model": t.model, "n_params": model_params_for_flops(cfg.model),
+        "mode": t.mode, "zero_engine": layout.zero_engine, "model": t.model,
+        "n_params": model_params_for_flops(cfg.model),
         "world_size": layout.world_size, "tp_size": layout.tp_size, "dp_size": layout.dp_size,
         "batch_size_per_gpu": t.batch_size, "grad_accum": layout.grad_accum, "seq_len": t.seq_len,
         "tokens_per_step": layout.tokens_per_step, "precision": layout.precision,

@@ -12,11 +12,10 @@ Each fault tried and the outcome asserted:
 - a real single run, `loss@3,grad@6-8`, --max-bad-steps 3, --save-interval 1 --keep-last 1: step 3 is skipped and
   training continues (its save waits for step 4); steps 6-8 stop the run with exit 65 and a message naming the steps
   and --lr; no checkpoint after step 5 exists and --keep-last kept step 5, whose weights are finite.
-- the same faults on rank 1 only of a 2-rank ZeRO-3 run (2 gloo ranks): rank 0's own numbers are finite, yet both
-  ranks skip the same steps (DeepSpeed's skip, our gate and schedule step), keep the single run's losses and
-  gradient norms (tests/integration/test_zero.py's tolerances) and stop together with exit 65; the save dir ends as the
-  single
-  run's.
+- the same faults on rank 1 only of a 2-rank ZeRO-3 run (2 gloo ranks), DeepSpeed's and FSDP2's: rank 0's own numbers
+  are finite, yet both ranks skip the same steps (DeepSpeed's skip or the fused AdamW's, our gate and schedule
+  step), keep the single run's losses and gradient norms (tests/integration/test_zero.py's tolerances) and stop
+  together with exit 65; the save dir ends as the single run's.
 - a DeepSpeed config that turns off the checks the guard relies on is refused.
 """
 
@@ -185,16 +184,19 @@ def test_no_checkpoint_holds_or_follows_a_bad_step_and_keep_last_keeps_the_good_
 
 
 @pytest.mark.slow
-def test_zero3_ranks_skip_and_stop_together_on_one_rank_s_fault(single, tmp_path: Path) -> None:
-    """The faults hit rank 1 only: the gate turns its gradients NaN, the ZeRO gradient reduction carries that to
-    rank 0, and both ranks skip, count and stop at the same steps, as the single run did."""
+@pytest.mark.parametrize(("name", "engine"), [("zero3", ["--zero-stage", "3"]), ("fsdp2", ["--zero-engine", "fsdp2"])])
+def test_zero3_ranks_skip_and_stop_together_on_one_rank_s_fault(single, tmp_path: Path, name: str,
+                                                                 engine: list[str]) -> None:
+    """The faults hit rank 1 only: the gate turns its gradients NaN, the ZeRO gradient reduction (DeepSpeed's, or
+    FSDP2's reduce-scatter) carries that to rank 0, and both ranks skip, count and stop at the same steps, as the
+    single run did."""
     proc, root = single
-    args = ARGS + ["--mode", "hybrid", "--zero-stage", "3", "--batch-size", "2", "--run-name", "zero3",
+    args = ARGS + ["--mode", "hybrid", *engine, "--batch-size", "2", "--run-name", name,
                    "--save-dir", str(tmp_path / "ck")]
     faults = ",".join(f"{fault}/1" for fault in FAULTS.split(","))
     zero = _faulty_run(args, tmp_path, faults, nproc=2)
     assert zero.returncode != 0 and f"exitcode  : {EXIT_NONFINITE}" in zero.stderr, zero.stderr[-3000:]
-    ours, theirs = _steps(tmp_path / "zero3"), _steps(root / "single")
+    ours, theirs = _steps(tmp_path / name), _steps(root / "single")
     assert sorted(ours) == sorted(theirs)
     for n, record in ours.items():
         for key, rel in (("loss", 1e-5), ("grad_norm", 2e-4)):  # tests/integration/test_zero.py's tolerances

@@ -84,6 +84,17 @@ def test_every_float_flag_must_be_finite(value: str, capsys: pytest.CaptureFixtu
         (["--mode", "baseline", "--zero-stage", "3", "--zero3-fetch", "module"], "drop them or use --mode hybrid"),
         (["--zero-precision", "deepspeed"], "--zero-precision: DeepSpeed ZeRO settings, used only by --mode hybrid"),
         (["--deepspeed-nvtx"], "--deepspeed-nvtx: DeepSpeed ZeRO settings, used only by --mode hybrid"),
+        (["--zero-engine", "deepspeed"], "--zero-engine: DeepSpeed ZeRO settings, used only by --mode hybrid"),
+        # --zero-engine fsdp2 (gpt2.engines.fsdp2_engine): what FSDP2 cannot take, before any work
+        (["--mode", "baseline", "--zero-engine", "fsdp2"], "--mode baseline shards nothing: use --mode hybrid"),
+        (["--mode", "hybrid", "--zero-engine", "fsdp2", "--zero-stage", "1"], "has no FSDP2 equivalent"),
+        (["--mode", "hybrid", "--zero-engine", "fsdp2", "--precision", "fp16"], "use --precision bf16"),
+        (["--mode", "hybrid", "--zero-engine", "fsdp2", "--ds-config", "ds_configs/zero3.json"],
+         "--ds-config: DeepSpeed settings, which --zero-engine fsdp2 does not read; drop it or use --zero-engine"),
+        (["--mode", "hybrid", "--zero-engine", "fsdp2", "--compile", "--compiler", "deepcompile"],
+         "--compiler deepcompile: DeepSpeed settings, which --zero-engine fsdp2 does not read"),
+        (["--mode", "hybrid", "--zero-engine", "fsdp2", "--zero3-fetch", "block", "--zero-precision", "autocast"],
+         "--zero3-fetch / --zero-precision: DeepSpeed settings, which --zero-engine fsdp2 does not read; drop them"),
         (["--plan", "--search", "--busbw-gbs", "1", "2", "3"], "--busbw-gbs takes one or two values"),
         (["--data", "synthetic", "--data-path", "x"], "drop one of the two"),
         (["--ds-config", "ds_configs/zero3.json"], "--ds-config only applies to --mode hybrid"),
@@ -164,6 +175,10 @@ def test_validate_accepts_the_supported_neighbours() -> None:
         False, True]
     parse_args(["--device", "cuda:1", "--seed", "0", "--min-lr", "0"])
     parse_args(["--mode", "hybrid", "--compile"])  # ZeRO-3 with per-block gathers (the default --zero3-fetch)
+    fsdp2 = parse_args(["--mode", "hybrid", "--zero-engine", "fsdp2", "--zero-stage", "2", "--tp-size", "2",
+                        "--compile"])
+    assert (fsdp2.zero_engine, fsdp2.zero_stage, parse_args(["--mode", "hybrid"]).zero_engine) == (
+        "fsdp2", 2, "deepspeed")
     parse_args(["--mode", "hybrid", "--tp-size", "2", "--precision", "fp16"])  # DeepSpeed's scaler syncs over TP
     parse_args(["--mode", "baseline", "--tp-size", "2", "--precision", "bf16"])
     assert parse_args([]).train.attn == "sdpa"  # the default

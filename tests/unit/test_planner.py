@@ -89,6 +89,32 @@ def test_zero3_autocast_terms_by_hand():
     assert zero and zero == [op for op in bytes_16 if op.group == "dp"]
 
 
+def test_fsdp2_terms_by_hand():
+    """FSDP2 (--zero-engine fsdp2) holds ZeRO-3's sharded states at both stages; it gathers and reduces in fp32; its
+    stage 3 holds the root unit and two blocks gathered at backward start, its stage 2 the whole model."""
+    from gpt2.planning.planner import checkpoint_bytes, fsdp2_units
+
+    fsdp2 = LARGE + ["--mode", "hybrid", "--zero-engine", "fsdp2"]
+    z3 = setup_from_config(parse_args(fsdp2), world_size=4)
+    z2 = setup_from_config(parse_args(fsdp2 + ["--zero-stage", "2", "--grad-accum", "2"]), world_size=4)
+    block, root = fsdp2_units(z3)
+    assert 36 * block + root == N_LARGE  # every parameter once
+    deepspeed = predict_memory(setup_from_config(parse_args(LARGE + ["--mode", "hybrid"]), world_size=4))
+    m3, m2 = predict_memory(z3), predict_memory(z2)
+    for m in (m3, m2):
+        assert (m.params, m.grads, m.optimizer) == (deepspeed.params, deepspeed.grads, deepspeed.optimizer)
+    assert m3.weight_copies == 2 * N_LARGE + 4 * (root + 2 * block)  # autocast's bf16 copies + held fp32 units
+    assert m2.weight_copies == 2 * N_LARGE + 4 * N_LARGE  # every unit held from its forward to its backward
+    assert checkpoint_bytes(z2) == checkpoint_bytes(z3)
+    n = 36 * block + root
+    ops3 = {op.name: op for op in predict_communication(z3) if op.group == "dp"}
+    assert ops3["FSDP2 param all-gather (fwd)"].message_bytes == 4 * n  # fp32
+    assert ops3["FSDP2 param all-gather (bwd)"].message_bytes == 4 * (n - root)  # the root stays gathered
+    ops2 = {op.name: op for op in predict_communication(z2) if op.group == "dp"}
+    assert "FSDP2 param all-gather (bwd)" not in ops2 and ops2["FSDP2 param all-gather (fwd)"].calls == 2
+    assert ops2["FSDP2 grad reduce-scatter"].calls == 1  # once a step: no sync on the first micro-step
+
+
 def test_zero3_deepspeed_16bit_terms_by_hand():
     mem = predict_memory(setup_from_config(parse_args(LARGE + DS16), world_size=4))
     # bf16 weights and grads, fp32 master + 2 moments, all over dp = 4

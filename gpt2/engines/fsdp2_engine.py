@@ -1,0 +1,234 @@
+"""`--mode hybrid --zero-engine fsdp2`: ZeRO by PyTorch FSDP2 (`torch.distributed.fsdp.fully_shard`) behind the
+engine interface, beside DeepSpeed's (`gpt2.engines.deepspeed_engine`, the default).
+
+    torchrun --nproc_per_node=4 train.py --mode hybrid --zero-engine fsdp2                 # ZeRO-3 by FSDP2
+    deepspeed --num_gpus=4 train.py --mode hybrid --zero-engine fsdp2 --tp-size 2 --compile  # + our TP, per block
+
+Sharding. Each transformer block is one `fully_shard` unit (one all-gather of its parameters before its forward and
+again before its backward, one reduce-scatter of its gradients), and the root module is the last: the token and
+position embeddings, the final LayerNorm and the LM head, whose weight IS `wte.weight` (GPT-2 ties them; `LMHead`
+registers the same Parameter), so the tie lives inside one unit: FSDP2 shards it once, swaps the gathered tensor
+into both modules and accumulates both gradient contributions before its reduce-scatter. The root stays gathered
+from its forward to its backward (`reshard_after_forward=False`: the head runs last in forward, first in backward;
+resharding it would gather the largest unit twice a micro-step). The mesh is a 1-D
+DeviceMesh over this rank's data-parallel group (`DeviceMesh.from_group(dims.dp_group)`: the existing group, no
+new communicator). With --tp-size N the TP groups are consecutive ranks and the DP groups strided
+(`parallel.dims`: world 4, tp 2 -> DP groups [0, 2] and [1, 3]): our TP plan runs first and leaves each rank its
+TP shard as a plain tensor; FSDP2 then shards that shard over the DP group (dim 0), so a weight is split tp x dp
+ways, as under DeepSpeed with the mpu. Both TP ranks of a DP position hold the same FSDP2 layout.
+
+--zero-stage (FSDP2's `reshard_after_forward`):
+- 3 (default): True. Parameters are freed after each unit's forward and gathered again for its backward:
+  ZeRO-3's memory and traffic (2 all-gathers + 1 reduce-scatter of the weights a step).
+- 2: False. Each unit's parameters stay gathered from its forward until its backward has used them, then are
+  freed: one all-gather + one reduce-scatter a step, DeepSpeed ZeRO-2's traffic; the whole (TP-local) model is
+  held gathered at the end of forward, as ZeRO-2 holds it always, but between steps only the shards stay (less
+  than ZeRO-2 outside forward/backward). Gradients and optimizer states are sharded, as in ZeRO-2.
+- 1: refused at the command line (gpt2.config.cli.check_zero_engine): FSDP2 always shards gradients.
+
+Precision (`MixedPrecisionPolicy(param_dtype=None, reduce_dtype=float32)` + torch.autocast): single's recipe. The
+sharded and the gathered parameters are fp32 (the master weights), the forward runs under torch.autocast in the
+run's dtype (bf16 on GPU; CPU runs are fp32, no autocast), and gradients are fp32, reduce-scattered in fp32 and
+averaged over the DP group (FSDP2 divides by its size; the loss is divided by --grad-accum, as TorchEngine does):
+the function single trains, so the parity gate holds at single's tolerance. A bf16 `param_dtype` would halve the
+all-gather bytes, but it casts every parameter and the residual stream to bf16 (LayerNorms included): another
+function, as DeepSpeed's own 16-bit model is (--zero-precision deepspeed), so it is not offered.
+
+The step: fused AdamW over the sharded DTensor parameters (`parallelize.param_groups`: the same groups and weight
+decay as every engine), the LambdaLR schedule, TP-aware clipping (`parallel.grads.clip_grad_norm_`: each DTensor
+gradient's sum of squares is reduced over DP, then the TP-sharded ones over TP; replicated ones counted once), the
+non-finite guard (`step_if_finite`: the fused AdamW skips the step on the device when the global norm is not
+finite). Gradient accumulation: `set_requires_gradient_sync(False)` on every micro-step but the last (FSDP2 keeps
+the unsharded gradients and reduce-scatters their sum once). --sequence-parallel: the marked parameters'
+gradients are summed over the TP group after the last micro-step's reduce-scatter, on this rank's DP shard (both
+TP ranks of a DP position hold the same shard of a replicated parameter; sums commute with the DP average).
+--compile compiles each block's (and the final LayerNorm's and LM head's) forward before `fully_shard`
+(`gpt2.runtime.compiling.compile_forwards`): FSDP2's gather hooks stay eager, outside the graphs.
+
+Checkpoints (through `save_state`/`load_state`, so `gpt2.train.checkpoint`'s kill-safe folder protocol, manifest
+and resume apply unchanged): `torch.distributed.checkpoint` writes the model and optimizer state sharded, one DCP
+folder per TP rank, `fsdp2/tp00`, `fsdp2/tp01`, ..., each by that TP rank's DP group (its ranks' shards, the same
+keys on every TP rank: one folder for them all would merge different tensors under one name), and rank 0 writes
+`fsdp2/schedule.pt` (LR schedule and step, weights_only). `python -m gpt2.train.export` reads the folders on the CPU
+without a process group (`read_model_state`) and joins the TP shards by the TP plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from gpt2.config.layout import RunLayout
+from gpt2.engines.base import resync_lr
+from gpt2.engines.torch_engine import TorchEngine
+from gpt2.model.gpt import GPT
+from gpt2.observe.run_logging import log
+from gpt2.runtime.distributed import DistContext
+from parallel.grads import clip_grad_norm_
+
+FSDP2_DIR = "fsdp2"  # the engine's sub-folder inside one of our step folders (gpt2.train.checkpoint)
+SCHEDULE_FILE = "schedule.pt"
+# attributes the TP plan sets on a Parameter (parallel.tp_plan); fully_shard replaces every Parameter by a DTensor
+# one, so they are carried over by name
+PARAM_MARKS = ("tensor_model_parallel", "sequence_parallel")
+MODEL_KEY, OPTIM_KEY = "model", "optimizer"
+
+
+def tp_dir(folder: Path, tp_rank: int) -> Path:
+    """The DCP folder of one TP rank inside a step folder."""
+    return folder / FSDP2_DIR / f"tp{tp_rank:02d}"
+
+
+def dp_mesh(ctx: DistContext) -> DeviceMesh:
+    """A 1-D DeviceMesh over this rank's data-parallel group (strided ranks under TP), reusing the group."""
+    return DeviceMesh.from_group(ctx.dims.dp_group, ctx.device.type)
+
+
+def mixed_precision() -> MixedPrecisionPolicy:
+    """fp32 parameters gathered and gradients reduced in fp32; compute precision comes from torch.autocast."""
+    return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+
+
+def shard_model(model: GPT, mesh: DeviceMesh, reshard_after_forward: bool) -> list[nn.Module]:
+    """`fully_shard` each block (`reshard_after_forward` as --zero-stage says), then the root (embeddings, final
+    LayerNorm, tied LM head; never resharded after forward), in place; the TP plan's marks move to the new DTensor
+    parameters. Returns the sharded units, root last."""
+    marks = {name: {m: getattr(p, m) for m in PARAM_MARKS if hasattr(p, m)} for name, p in model.named_parameters()}
+    policy = mixed_precision()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    # the root stays gathered from forward to backward at either stage: its LM head runs last in forward and first
+    # in backward (an explicit True would free and re-gather it there: measured, 2x the all-gather bytes of gpt2-tiny)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    units: list[nn.Module] = [*model.blocks, model]
+    for name, p in model.named_parameters():
+        for mark, value in marks.get(name, {}).items():
+            setattr(p, mark, value)
+    return units
+
+
+class _Counted:
+    """An FSDP2 collective (its default all-gather or reduce-scatter) that adds the full tensor's bytes to `counts`."""
+
+    def __init__(self, inner: Any, kind: str, counts: Counter, full: str):
+        self.inner, self.kind, self.counts, self.full = inner, kind, counts, full
+
+    def allocate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.inner.allocate(*args, **kwargs)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        full = output_tensor if self.full == "output" else input_tensor
+        self.counts[self.kind] += full.numel() * full.element_size()
+        return self.inner(output_tensor, input_tensor, *args, **kwargs)
+
+
+class FSDP2CommLog:
+    """`--comm-log` under FSDP2: bytes per collective kind of the units' all-gathers and reduce-scatters, in
+    CommStats' convention (the full, unsharded tensor of each collective: an all-gather's output, a reduce-scatter's
+    input, FSDP2's padding of the shards to equal sizes included), counted by wrapping FSDP2's default collectives
+    (`FSDPModule.set_custom_all_gather` / `set_custom_reduce_scatter`; only under --comm-log). The interface of
+    `gpt2.engines.deepspeed_engine.ZeroCommLog`, which `gpt2.observe.metrics.TrainingCommMeter` reads."""
+
+    def __init__(self, units: list[nn.Module]):
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+        self.counts: Counter = Counter()
+        for unit in units:
+            unit.set_custom_all_gather(_Counted(DefaultAllGather(), "all_gather", self.counts, "output"))
+            unit.set_custom_reduce_scatter(_Counted(DefaultReduceScatter(), "reduce_scatter", self.counts, "input"))
+
+    def reset(self) -> None:
+        self.counts.clear()
+
+    def bytes_by_collective(self) -> dict[str, float]:
+        return {kind: float(n) for kind, n in self.counts.items()}
+
+
+class FSDP2Engine(TorchEngine):
+    """ZeRO-2/3 by FSDP2 with our TP inside: TorchEngine's step (autocast, fused AdamW over `param_groups`, the
+    schedule, the guard, evaluation) with FSDP2's sharding where DDP would wrap; `module` is our GPT (its units
+    FSDPModules)."""
+
+    def __init__(self, layout: RunLayout, ctx: DistContext):
+        super().__init__(layout, ctx)  # TP plan -> act. checkpointing -> compiled forwards -> wrap: fully_shard
+        self.zero_comm_log = FSDP2CommLog(self.units) if layout.cfg.parallel.comm_log else None
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """fully_shard the blocks and the root over the DP group (before the optimizer is built over the shards)."""
+        layout, dims = self.layout, self.ctx.dims
+        reshard = layout.zero_stage == 3
+        self.units = shard_model(model, dp_mesh(self.ctx), reshard_after_forward=reshard)
+        self.root: FSDPModule = model  # type: ignore[assignment]
+        log.info("FSDP2: %d units (%d blocks + embeddings/head) sharded over the data-parallel group of %d "
+                 "(reshard_after_forward=%s: ZeRO-%d), fp32 parameters and gradient reduction, autocast %s",
+                 len(self.units), len(self.units) - 1, dims.dp_size, reshard, layout.zero_stage,
+                 layout.autocast_dtype or "off")
+        return model
+
+    def no_sync(self, last_micro_step: bool) -> contextlib.AbstractContextManager:
+        """Gradients are reduce-scattered only on the step's last micro-step (FSDP2 accumulates them unsharded)."""
+        self.root.set_requires_gradient_sync(last_micro_step)
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """The global norm of the DTensor gradients: reduced over DP, the TP-sharded ones' squares over TP."""
+        return clip_grad_norm_(params, max_norm, self.ctx.dims)
+
+    def evaluate(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """TorchEngine's evaluation, then every unit back to its shards: a forward without backward leaves the units
+        that are not resharded after forward (the root; every block at --zero-stage 2) gathered."""
+        result = super().evaluate(batches)
+        for unit in self.units:
+            unit.reshard()
+        return result
+
+    def _state(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        return {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
+
+    def save_state(self, folder: Path, step: int) -> None:
+        """Model and optimizer shards by torch.distributed.checkpoint into folder/fsdp2/tpXX (each TP rank's DP
+        group writes its own), the schedule and step by rank 0 (collective)."""
+        dims = self.ctx.dims
+        dcp.save(self._state(), checkpoint_id=tp_dir(folder, dims.tp_rank), process_group=dims.dp_group)
+        if self.ctx.is_main:
+            torch.save({"scheduler": self.scheduler.state_dict(), "step": step}, folder / FSDP2_DIR / SCHEDULE_FILE)
+
+    def load_state(self, folder: Path) -> int | None:
+        """Load this TP rank's shards into the model and optimizer, the schedule; returns the step it records."""
+        dims = self.ctx.dims
+        state = self._state()
+        dcp.load(state, checkpoint_id=tp_dir(folder, dims.tp_rank), process_group=dims.dp_group)
+        set_state_dict(self.module, self.optimizer, model_state_dict=state[MODEL_KEY],
+                       optim_state_dict=state[OPTIM_KEY])
+        saved = torch.load(folder / FSDP2_DIR / SCHEDULE_FILE, map_location="cpu", weights_only=True)
+        self.scheduler.load_state_dict(saved["scheduler"])
+        resync_lr(self.scheduler, self.cfg.train.lr)
+        return saved["step"]
+
+
+def read_model_state(step_dir: Path, tp_rank: int) -> dict[str, torch.Tensor]:
+    """One TP rank's full (DP-gathered) fp32 model state dict from an fsdp2 checkpoint, on the CPU and without a
+    process group (for `gpt2.train.export`): tensors of the shapes DCP's metadata records, filled by `dcp.load`."""
+    path = tp_dir(step_dir, tp_rank)
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    prefix = MODEL_KEY + "."
+    state = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in metadata.state_dict_metadata.items()
+             if key.startswith(prefix) and isinstance(meta, dcp.metadata.TensorStorageMetadata)}
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": yes
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({MODEL_KEY: state}, checkpoint_id=path, no_dist=True)
+    return state
+
