@@ -315,10 +315,3 @@ def compile_label(enabled: bool, compile_scope: str, compiler: str = "torch") ->
     if not enabled:
         return "off"
     return "deepcompile" if compiler == "deepcompile" else compile_scope
-
-
-def check_sequence_parallel(tp_size: int, sequence_parallel: bool) -> None:
-    """Sequence parallelism shards the sequence over the tensor-parallel group: it needs tp_size > 1."""
-    if sequence_parallel and tp_size == 1:
-        raise ConfigError("--sequence-parallel shards the sequence over the tensor-parallel group; "
-                          "pass --tp-size > 1 or drop --sequence-parallel")

@@ -88,6 +88,7 @@ def test_every_float_flag_must_be_finite(value: str, capsys: pytest.CaptureFixtu
         (["--data", "synthetic", "--data-path", "x"], "drop one of the two"),
         (["--ds-config", "ds_configs/zero3.json"], "--ds-config only applies to --mode hybrid"),
         (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+        (["--sequence-parallel"], "--sequence-parallel shards the sequence over the tensor-parallel group"),
         # engine-level limits, caught here rather than after tokenisation and the run folder
         (["--mode", "hybrid", "--compile", "--zero3-fetch", "module"], "--compile with ZeRO-3 needs"),
         (["--mode", "hybrid", "--compile", "--compile-scope", "model"], "--compile-scope model (one graph cut at DDP"),
