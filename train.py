@@ -37,10 +37,6 @@ def check_before_work(layout: RunLayout) -> None:
     cfg = layout.cfg
     check_backends(cfg)
     wandb_mode(cfg.log.wandb)  # --wandb online without credentials
-    if cfg.train.mode == "hybrid":  # a missing or broken --ds-config, or one that contradicts the flags
-        from gpt2.engines.ds_config import build_ds_config
-
-        build_ds_config(layout)
     if cfg.train.init_from:  # its architecture must be this run's
         from gpt2.model.hf_weights import check_init_from
 

@@ -15,7 +15,7 @@ above one that already ran out are not tried.
 
 Every run: `python -m torch.distributed.run --standalone --nproc_per_node=N train.py ...` (or `-m
 benchmarks.hf_reference`), `--max-steps` steps of which the first `--warmup` are excluded from tokens/s and
-MFU (with `--extra-args=--profile`, also the profiled steps after them, `gpt2.observe.profiling.PROFILED_STEPS`: each
+MFU (with `--extra-args=--profile`, also the profiled steps after them, `gpt2.config.schema.PROFILED_STEPS`: each
 row
 then gets the device's busy share and the kernels launched per step), its output in OUT/logs/NAME.log and its run
 folder in OUT/runs/NAME. A run that fails, runs out of memory or passes `--run-timeout` is recorded with its last
@@ -56,7 +56,7 @@ from benchmarks.common import (
     write_csv,
 )
 from benchmarks.parity_verdict import read_verdicts, verdict_of
-from gpt2.observe.profiling import PROFILED_STEPS
+from gpt2.config.schema import PROFILED_STEPS
 
 
 @dataclass(frozen=True)

@@ -207,6 +207,9 @@ THROUGHPUT_WARMUP_STEPS = 3
 # in the step after this many (deepspeed/compile/init_z3.py WARMUP, DeepSpeed 0.19.8): on GPT-2 Large on one H100
 # the two compiles took over 8 minutes, which tokens/s must not count.
 DEEPCOMPILE_RECOMPILE_STEP = 5
+# --profile's window after the throughput warm-up: the profiler's warm-up step and its 3 recorded (active) steps;
+# tokens/s and MFU leave them out (gpt2.observe.profiling)
+PROFILED_STEPS = 4
 
 
 @dataclass
@@ -271,6 +274,11 @@ class TrainConfig:
     device: str | None = option(None, "cpu | cuda", OPTIM, default_text="cuda when available")
     profile: bool = option(False, "profile 3 steps after the throughput warm-up: kernel table + Chrome trace in the "
                                   "run folder", OPTIM)
+
+    @property
+    def untimed_steps(self) -> int:
+        """Steps of a run (from its start) that tokens/s and MFU leave out: the warm-up, then any profiled steps."""
+        return self.throughput_warmup_steps + (PROFILED_STEPS if self.profile else 0)
 
 
 @dataclass

@@ -48,17 +48,15 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 import math
 import sys
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from gpt2.config.cli import resolve_compile_scope
+from gpt2.config.deepspeed_file import persistence_threshold_default
 from gpt2.config.layout import RunLayout, check_tp_divides_world, sequence_splits, tp_divides_model
 from gpt2.config.schema import MODEL_PRESETS, ConfigError, RunConfig
-from gpt2.engines.ds_config import persistence_threshold_default
 from gpt2.model.flops import hardware_flops_per_token
 from gpt2.observe.run_logging import run_label
 from gpt2.planning.perf_model import (
@@ -92,21 +90,16 @@ class DeepSpeedSettings:
     max_reuse_distance: int = 1_000_000_000
 
     @classmethod
-    @functools.cache  # --search resolves hundreds of layouts that read the same few files
-    def from_file(cls, path: Path, zero3_fetch: str = "block") -> DeepSpeedSettings:
-        zero = json.loads(path.read_text()).get("zero_optimization", {})
-        zero.setdefault("stage3_param_persistence_threshold", persistence_threshold_default(zero3_fetch))
+    def of(cls, layout: RunLayout) -> DeepSpeedSettings:
+        """A hybrid run's settings, from the DeepSpeed file its layout read (the defaults for other modes)."""
+        if layout.ds_file is None:
+            return cls()
+        zero = {"stage3_param_persistence_threshold": persistence_threshold_default(layout.cfg.parallel.zero3_fetch),
+                **layout.ds_file.get("zero_optimization", {})}
         keys = {"reduce_bucket_size": "reduce_bucket_size", "prefetch_bucket_size": "stage3_prefetch_bucket_size",
                 "param_persistence_threshold": "stage3_param_persistence_threshold",
                 "max_reuse_distance": "stage3_max_reuse_distance"}
         return cls(**{ours: int(zero[theirs]) for ours, theirs in keys.items() if theirs in zero})
-
-
-def deepspeed_settings(layout: RunLayout) -> DeepSpeedSettings:
-    """The ZeRO settings of a hybrid run's DeepSpeed file (the defaults for other modes, which read none)."""
-    if layout.mode != "hybrid":
-        return DeepSpeedSettings()
-    return DeepSpeedSettings.from_file(layout.ds_config_path, layout.cfg.parallel.zero3_fetch)
 
 
 def model_name(cfg: RunConfig) -> str:
@@ -186,7 +179,7 @@ def zero3_held_params(layout: RunLayout) -> float:
     backward in reverse); parameters under `stage3_param_persistence_threshold` are never partitioned.
     The LM head reuses the tied word embedding, so that one is held from the embedding onwards.
     """
-    cfg, ds = layout.cfg.model, deepspeed_settings(layout)
+    cfg, ds = layout.cfg.model, DeepSpeedSettings.of(layout)
     return _zero3_held(cfg.n_layer, cfg.n_embd, cfg.n_positions, cfg.padded_vocab_size, layout.tp_size,
                        ds.param_persistence_threshold, ds.max_reuse_distance)
 
@@ -223,7 +216,7 @@ def _zero3_held(n_layer: int, d: int, n_positions: int, padded_vocab: int, t: in
 
 def zero3_persistent_params(layout: RunLayout) -> float:
     """Elements of the parameters ZeRO-3 never partitions (each under `stage3_param_persistence_threshold`)."""
-    cfg, t, threshold = layout.cfg.model, layout.tp_size, deepspeed_settings(layout).param_persistence_threshold
+    cfg, t, threshold = layout.cfg.model, layout.tp_size, DeepSpeedSettings.of(layout).param_persistence_threshold
     d = cfg.n_embd
     block = [d, d, 3 * d * d / t, 3 * d / t, d * d / t, d, d, d, 4 * d * d / t, 4 * d / t, 4 * d * d / t, d]
     once = [cfg.padded_vocab_size * d / t, cfg.n_positions * d, d, d]
@@ -271,7 +264,7 @@ def predict_memory(layout: RunLayout) -> MemoryPlan:
     workspace = float(CUBLAS_WORKSPACE_BYTES)
     step_transient = 0.0
     if layout.mode == "hybrid":
-        ds, zero = deepspeed_settings(layout), zero_stage_of(layout)
+        ds, zero = DeepSpeedSettings.of(layout), zero_stage_of(layout)
         workspace += ds.reduce_bucket_size * e
         if zero == 3:  # gathered weights held to their backward, in the weights' dtype
             workspace += ds.prefetch_bucket_size * e

@@ -171,6 +171,23 @@ def test_validate_accepts_the_supported_neighbours() -> None:
     assert [parse_args(["--attn", a]).train.attn for a in ("auto", "sdpa-cudnn")] == ["auto", "sdpa-cudnn"]
 
 
+def test_settings_that_run_but_surprise_are_warned_about_once_in_the_layout() -> None:
+    """RunLayout.warnings (the loop only logs them): a run of only warm-up steps (a resumed one counts from its start
+    step), dropout under TP, an LR warm-up longer than the run; a plain run has none."""
+    def warnings(flags: list[str], start_step: int = 0, world_size: int = 1) -> list[str]:
+        return RunLayout.resolve(parse_args(flags), world_size, "cpu").warnings(start_step)
+
+    assert warnings(["--max-steps", "10"]) == []
+    assert warnings(["--max-steps", "3", "--warmup-steps", "1"]) == [
+        "all 3 steps are throughput warm-up: no tokens/s or MFU; raise --max-steps above 3"]
+    assert warnings(["--max-steps", "10"], start_step=8)[0].startswith("all 2 steps are throughput warm-up")
+    assert "or profiled (4 after --throughput-warmup-steps)" in warnings(["--max-steps", "7", "--profile"])[0]
+    assert "dropout masks repeat" in warnings(["--mode", "baseline", "--tp-size", "2", "--dropout", "0.1"],
+                                              world_size=2)[0]
+    assert warnings(["--warmup-steps", "20", "--max-steps", "10"]) == [
+        "--warmup-steps 20 exceeds --max-steps 10: the LR never reaches --lr 0.0006"]
+
+
 def test_global_batch_must_divide() -> None:
     cfg = parse_args(["--mode", "baseline", "--batch-size", "8", "--global-batch-size", "20"])
     with pytest.raises(ConfigError, match="not divisible by --batch-size 8 x dp-size 2 = 16; use a multiple of 16"):
