@@ -62,13 +62,13 @@ def _clean(record: dict[str, Any]) -> dict[str, Any]:
 def run_label(mode: str, zero_stage: int, tp: int, sequence_parallel: bool) -> str:
     """The configuration's name in reports and wandb job types: single, ddp, zero3, zero3-tp2-sp, ...
 
-    Modes other than ours (e.g. `hf-ddp`, `hf-zero3` from benchmarks/hf_reference.py) keep their own name."""
+    Modes other than ours (e.g. `hf-ddp`, `hf-zero3` from tools/hf_reference.py) keep their own name."""
     name = {"single": "single", "baseline": "ddp", "hybrid": f"zero{zero_stage}"}.get(mode, mode)
     return name + (f"-tp{tp}" if tp > 1 else "") + ("-sp" if sequence_parallel else "")
 
 
 def wandb_identity(cfg: RunConfig) -> dict[str, Any]:
-    """group / job_type / tags, so a wandb workspace groups and filters runs the way benchmarks.report does.
+    """group / job_type / tags, so a wandb workspace groups and filters runs the way tools.report does.
 
     group: --wandb-group, else model and sequence length (runs that are comparable); job_type: the
     configuration label; tags: --wandb-tags plus label, model, batch/GPU, precision, compile and kernels.

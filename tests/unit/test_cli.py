@@ -336,7 +336,7 @@ def test_a_file_where_a_folder_goes_is_rejected_at_parse_time(flag: str, tmp_pat
 
 def _launched_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """The environment of a one-process torchrun launch (train.main then creates a gloo group in-process)."""
-    from benchmarks.common import free_port
+    from tools.common import free_port
 
     for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", str(free_port()))):

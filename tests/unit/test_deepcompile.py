@@ -18,14 +18,14 @@ import pytest
 import torch
 
 import train
-from benchmarks.parity_matrix import matrix, plan
-from benchmarks.parity_verdict import config_key
-from benchmarks.train_sweep import MODES
 from gpt2.config.cli import parse_args
 from gpt2.config.layout import RunLayout, check_deepcompile_runs_here
 from gpt2.config.schema import ConfigError
 from gpt2.engines.ds_config import build_ds_config
 from gpt2.observe.run_logging import wandb_identity
+from tools.parity_matrix import matrix, plan
+from tools.parity_verdict import config_key
+from tools.train_sweep import MODES
 
 DC = ["--mode", "hybrid", "--compile", "--compiler", "deepcompile"]
 
@@ -99,7 +99,7 @@ def test_deepcompile_needs_cuda_and_torch_2_6() -> None:
 
 
 def test_deepcompile_on_cpu_fails_before_data_and_run_folder(tmp_path, monkeypatch, capsys) -> None:
-    from benchmarks.common import free_port
+    from tools.common import free_port
 
     for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", str(free_port()))):
