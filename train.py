@@ -37,10 +37,6 @@ def check_before_work(layout: RunLayout) -> None:
     cfg = layout.cfg
     check_backends(cfg)
     wandb_mode(cfg.log.wandb)  # --wandb online without credentials
-    if layout.zero_engine == "deepspeed":  # a missing or broken --ds-config, or one that contradicts the flags
-        from gpt2.engines.ds_config import build_ds_config
-
-        build_ds_config(layout)
     if cfg.train.init_from:  # its architecture must be this run's
         from gpt2.model.hf_weights import check_init_from
 
@@ -78,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         from gpt2.model.flops import model_params_for_flops
         from gpt2.observe.profiling import check_profile_window
         from gpt2.observe.run_logging import MetricsLogger, log, make_run_dir, setup_console
-        from gpt2.planning.planner import checkpoint_bytes, compare_with_run, format_plan, plan_for_run
+        from gpt2.planning.planner import compare_with_run, format_plan, plan_for_run
         from gpt2.runtime.distributed import init_distributed, shutdown_distributed
         from gpt2.train.checkpoint import (
             EXIT_SAVE_FAILED,
@@ -111,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         setup_console(None, ctx.is_main)
         # the plan is made once, here: the checkpoints get its size, the loop adds its comparison to the summary
         plan = plan_for_run(layout)
-        checkpoint_size = checkpoint_bytes(plan.setup)
+        checkpoint_size = plan.checkpoint_bytes
         # a bad --resume or a colliding --save-dir fails before data, a run folder or a model exist
         resume = prepare_resume(layout, ctx, checkpoint_size)  # recorded in the new run folder's config.json
         check_profile_window(cfg.train, resume.step if resume else 0)  # a resumed run profiles its own steps

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import device_tag, markdown_table, median_ms, peak_alloc_mib, tag_line, write_csv
+from benchmarks.measure import median_ms, peak_alloc_mib
 from fused_kernels.attention import (
     SDPA_BACKENDS,
     AttentionFn,
@@ -39,6 +39,7 @@ from fused_kernels.attention import (
     resolve_attention,
     sdpa_backend_used,
 )
+from tools.common import device_tag, markdown_table, tag_line, write_csv
 
 BACKENDS = ("flash", "cudnn", "efficient", "math", "flash-attn")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import device_tag, markdown_table, tag_line, write_csv
 from benchmarks.ring_allreduce import ring_all_reduce
 from gpt2.planning.perf_model import Collective, bus_factor
+from tools.common import device_tag, markdown_table, tag_line, write_csv
 
 OPS: dict[str, Collective] = {
     "all_reduce": "all_reduce",

@@ -3,7 +3,7 @@
 # TOTAL_S, default 540 s), GPT-2 Large unless MODEL says otherwise:
 #   OUT=/tmp/fsdp2-parity-large STEP=parity MODEL=gpt2-large bash benchmarks/gpu_fsdp2.sh
 #   OUT=/tmp/fsdp2-parity-gpt2 STEP=parity MODEL=gpt2 bash benchmarks/gpu_fsdp2.sh
-#       loss parity (python -m benchmarks.parity) of the rows fsdp2-w4, fsdp2-compile-w4, fsdp2-tp2-w4,
+#       loss parity (python -m tools.parity) of the rows fsdp2-w4, fsdp2-compile-w4, fsdp2-tp2-w4,
 #       fsdp2-tp2-compile-w4, and PARITY_EXTRA (default ddp-compile-w4 zero3-compile-w4: the verdicts of the speed
 #       steps' DDP and ZeRO-3 rows), against single and its noise row: global batch 32, micro-batch 2, 10 steps,
 #       lr 2.5e-4, 3 rows per GPU at once (the settings of gpu_sweep.sh's PARITY_ROWS), WikiText-2 from .gpudata/
@@ -34,13 +34,13 @@ mkdir -p "$OUT"
   "$PYTHON" -c "import torch, deepspeed; print('torch', torch.__version__, '| deepspeed', deepspeed.__version__)"; } |
   tee "$OUT/gpus.txt"
 
-sweep() {  # sweep BATCHES MODES...: benchmarks.train_sweep with the time left
+sweep() {  # sweep BATCHES MODES...: tools.train_sweep with the time left
   local batches=$1 left
   shift
   left=$((TOTAL_S - SECONDS - 20))
   echo "[${SECONDS}s] train sweep (batches $batches, modes $*) with ${left}s left"
   # shellcheck disable=SC2086
-  "$PYTHON" -m benchmarks.train_sweep --gpus "$NGPU" --model "$MODEL" --seq-len 1024 --steps 25 --warmup 10 \
+  "$PYTHON" -m tools.train_sweep --gpus "$NGPU" --model "$MODEL" --seq-len 1024 --steps 25 --warmup 10 \
     --modes "$@" --fused none --batches $batches --max-batches ${MAX_BATCHES:-48 32 24 16} --extra-args="--compile" \
     --run-timeout 200 --budget-s "$left" --out "$OUT/sweep" ${INCLUDE:+--include $INCLUDE} \
     ${PARITY:+--parity $PARITY} 2>&1 | tail -40
@@ -49,7 +49,7 @@ sweep() {  # sweep BATCHES MODES...: benchmarks.train_sweep with the time left
 case "$STEP" in
   parity)
     # shellcheck disable=SC2086
-    timeout --kill-after=15 "$((TOTAL_S - 20))" "$PYTHON" -m benchmarks.parity --models "$MODEL" --batch-size 32 \
+    timeout --kill-after=15 "$((TOTAL_S - 20))" "$PYTHON" -m tools.parity --models "$MODEL" --batch-size 32 \
       --micro-batch 2 --steps 10 --warmup-steps 5 --lr 2.5e-4 --jobs 3 --run-timeout "$((TOTAL_S - 40))" \
       --out "$OUT/parity" --data-path .gpudata/wikitext-2 --tokenizer .gpudata/gpt2-tokenizer/tokenizer.json \
       --cache-dir .gpudata/cache --rows fsdp2-w4 fsdp2-compile-w4 fsdp2-tp2-w4 fsdp2-tp2-compile-w4 \

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The loss-parity matrix on every GPU of one machine, beside the multi-GPU tests, within one time limit.
-#   OUT=/tmp/out MODEL=gpt2 bash benchmarks/gpu_parity.sh [benchmarks.parity flags...]
+#   OUT=/tmp/out MODEL=gpt2 bash benchmarks/gpu_parity.sh [tools.parity flags...]
 #   OUT=/tmp/out MODEL=gpt2-large TESTS=0 bash benchmarks/gpu_parity.sh --batch-size 32 --micro-batch 8 --steps 20
 # - installs the wheels carried in .whl/ (DeepSpeed, pytest) where they are missing (a GPU machine with no index);
 # - data: .gpudata/ (wikitext-2, gpt2-tokenizer/tokenizer.json and a token cache built where `datasets` exists:
 #   python -m gpt2.data --data-path .gpudata/wikitext-2 --tokenizer .gpudata/gpt2-tokenizer/tokenizer.json
 #   --cache-dir .gpudata/cache);
-# - runs `python -m benchmarks.parity` for $MODEL on all visible GPUs (--jobs $JOBS rows at once on each GPU,
+# - runs `python -m tools.parity` for $MODEL on all visible GPUs (--jobs $JOBS rows at once on each GPU,
 #   stopped at $LIMIT s: its tables keep the rows that ended) and, with TESTS=1, beside it on the last two GPUs:
 #   the 2-GPU pytest tests (`-m gpu`, TP under --compile and preemption over NCCL) and the TP harness checks;
 # - packs into $OUT: parity-$MODEL.tgz (parity.csv/.md/.png, every run's log, metrics.jsonl, config.json and
@@ -49,7 +49,7 @@ if [ "$TESTS" = 1 ] && [ "$ngpu" -ge 2 ]; then
   tests_pid=$!
 fi
 
-timeout --kill-after=15 "$LIMIT" "$PYTHON" -m benchmarks.parity --models "$MODEL" --jobs "$JOBS" --out "$WORK/$MODEL" \
+timeout --kill-after=15 "$LIMIT" "$PYTHON" -m tools.parity --models "$MODEL" --jobs "$JOBS" --out "$WORK/$MODEL" \
   --data-path .gpudata/wikitext-2 --tokenizer .gpudata/gpt2-tokenizer/tokenizer.json --cache-dir .gpudata/cache \
   "$@" 2>&1 | tail -n 70
 if [ -n "${tests_pid:-}" ]; then

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # 4 GPUs, about 9 minutes a call (TOTAL_S): GPT-2 Large, seq 1024, bf16, synthetic tokens.
-#   1. what users run today (benchmarks.hf_reference), HF_RUNS="MODE:BATCH ..." (default HF DDP and ZeRO-3 at
+#   1. what users run today (tools.hf_reference), HF_RUNS="MODE:BATCH ..." (default HF DDP and ZeRO-3 at
 #      batch 8; "" skips), 25 steps each (5 warm-up) -> $OUT/hf/runs/*
 #   2. TP scaling of our column/row-parallel layers at 1, 2 and 4 GPUs (benchmarks.tp_scaling; TP_SCALING=0 skips)
 #      -> $OUT/tp_scaling
 #   3. with the time left: our modes (SWEEP_MODES, default DDP, ZeRO-3, ZeRO-3 + TP2), all with --compile (+ EXTRA),
 #      at BATCHES (default "8 max"; max: the largest of MAX_BATCHES that fits), fused kernels FUSED (default "none
 #      triton"), STEPS (25) of which WARMUP (10) untimed, each run at most RUN_TIMEOUT s (150), in the time left
-#      (benchmarks.train_sweep --budget-s),
+#      (tools.train_sweep --budget-s),
 #      with the HF runs and any run folders in INCLUDE added to its tables -> $OUT/sweep/{sweep.md,sweep.csv,...}
 #   OUT=/tmp/out bash benchmarks/gpu_sweep.sh
 #   OUT=/tmp/out2 HF_RUNS="" TP_SCALING=0 SWEEP_MODES="hybrid-tp2" INCLUDE="/tmp/out/sweep/runs/*" bash ...  # a 2nd call
-# No speed without parity: PARITY="a/parity.csv [b/parity.csv]" (python -m benchmarks.parity) gives each sweep row the
+# No speed without parity: PARITY="a/parity.csv [b/parity.csv]" (python -m tools.parity) gives each sweep row the
 # loss-parity verdict of its configuration, and report.md keeps only the runs that pass; without it every row reads
 # "unchecked". PARITY_ROWS="ddp-compile-w4 zero3-compile-w4 ..." runs those rows first, in the same call (gpt2-large,
 # global batch 32, micro-batch 2, 10 steps, 3 rows per GPU, at most PARITY_S seconds, needs .gpudata/ as
@@ -37,7 +37,7 @@ transformers.__version__, '| deepspeed', deepspeed.__version__)" | tee -a "$OUT/
 
 if [ -n "${PARITY_ROWS:-}" ]; then
   # shellcheck disable=SC2086
-  timeout "${PARITY_S:-220}" "$PYTHON" -m benchmarks.parity --models gpt2-large --batch-size 32 --micro-batch 2 \
+  timeout "${PARITY_S:-220}" "$PYTHON" -m tools.parity --models gpt2-large --batch-size 32 --micro-batch 2 \
     --steps 10 --warmup-steps 5 --lr 2.5e-4 --jobs 3 --run-timeout "${PARITY_S:-220}" --out "$OUT/parity" \
     --data-path .gpudata/wikitext-2 --tokenizer .gpudata/gpt2-tokenizer/tokenizer.json --cache-dir .gpudata/cache \
     --rows $PARITY_ROWS >"$OUT/parity.log" 2>&1
@@ -49,7 +49,7 @@ fi
 hf() {  # hf MODE BATCH
   local name
   name=$(free_run_name "$OUT/hf" "$OUT/hf/runs" "hf-$1-b$2")  # a rerun gets NAME-1.log and runs/NAME-1
-  timeout 150 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" -m benchmarks.hf_reference \
+  timeout 150 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" -m tools.hf_reference \
     --mode "$1" --model gpt2-large --seq-len 1024 --batch-size "$2" --max-steps 25 --throughput-warmup-steps 5 \
     --log-interval 5 --out-dir "$OUT/hf/runs" --run-name "$name" --wandb disabled >"$OUT/hf/$name.log" 2>&1
   echo "[${SECONDS}s] $name rc=$? $(grep -ho 'summary:.*' "$OUT/hf/$name.log" | tail -1)"
@@ -71,7 +71,7 @@ left=$((TOTAL_S - SECONDS - 20))
 echo "[${SECONDS}s] train sweep with ${left}s left"
 if [ "$left" -gt 60 ]; then
   # shellcheck disable=SC2086
-  "$PYTHON" -m benchmarks.train_sweep --gpus "$NGPU" --model gpt2-large --seq-len 1024 --steps "${STEPS:-25}" \
+  "$PYTHON" -m tools.train_sweep --gpus "$NGPU" --model gpt2-large --seq-len 1024 --steps "${STEPS:-25}" \
     --warmup "${WARMUP:-10}" --modes ${SWEEP_MODES:-baseline hybrid hybrid-tp2} --fused ${FUSED:-none triton} \
     --batches ${BATCHES:-8 max} --max-batches ${MAX_BATCHES:-64 48 32 24 16} --extra-args="--compile ${EXTRA:-}" \
     --run-timeout "${RUN_TIMEOUT:-150}" --budget-s "$left" --out "$OUT/sweep" \

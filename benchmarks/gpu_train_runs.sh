@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPT-2 Large, seq 1024, bf16, synthetic data on NGPU GPUs: each run prints its summary line; at the end
-# benchmarks/report.py writes the comparison table (with the planner's predicted vs measured peak memory)
+# tools/report.py writes the comparison table (with the planner's predicted vs measured peak memory)
 # and plots to $OUT/report.
 #   NGPU=4 OUT=benchmarks/results/raw bash benchmarks/gpu_train_runs.sh "ddp-b8:--mode baseline --batch-size 8 --compile" ...
 # Each argument is NAME:FLAGS. Defaults: DDP with --compile at 8/16/32, ZeRO-3 and ZeRO-3 + TP 2 at 8/32 (the
@@ -40,12 +40,12 @@ for spec in "${runs[@]}"; do
   echo "$name rc=$? $(grep -ho 'summary:.*' "$OUT/$name.log" | tail -1)"
   grep -hE "Error|error:|OutOfMemory" "$OUT/$name.log" | tail -3
 done
-"$PYTHON" -m benchmarks.report "$OUT"/runs/* --out "$OUT/report"
+"$PYTHON" -m tools.report "$OUT"/runs/* --out "$OUT/report"
 
-# no speed without parity: each run's loss-parity verdict, from PARITY="a/parity.csv ..." (python -m benchmarks.parity)
+# no speed without parity: each run's loss-parity verdict, from PARITY="a/parity.csv ..." (python -m tools.parity)
 if [ -n "${PARITY:-}" ]; then
   # shellcheck disable=SC2086  # PARITY is a list of files
-  "$PYTHON" -m benchmarks.parity_verdict "$OUT/runs"/*/ --parity $PARITY | tee "$OUT/parity_verdicts.txt"
+  "$PYTHON" -m tools.parity_verdict "$OUT/runs"/*/ --parity $PARITY | tee "$OUT/parity_verdicts.txt"
 else
-  echo "no PARITY=parity.csv given: these runs carry no loss-parity verdict (make one with the benchmarks.parity module)"
+  echo "no PARITY=parity.csv given: these runs carry no loss-parity verdict (make one with the tools.parity module)"
 fi

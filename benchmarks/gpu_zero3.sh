@@ -50,10 +50,10 @@ run ddp-b8 --mode baseline --batch-size 8
 run ddp-b32 --mode baseline --batch-size 32
 run zero3-fp16-b8 --mode hybrid --zero-stage 3 --batch-size 8 --precision fp16 --max-steps 10
 
-# no speed without parity: each run's loss-parity verdict, from PARITY="a/parity.csv ..." (python -m benchmarks.parity)
+# no speed without parity: each run's loss-parity verdict, from PARITY="a/parity.csv ..." (python -m tools.parity)
 if [ -n "${PARITY:-}" ]; then
   # shellcheck disable=SC2086  # PARITY is a list of files
-  "$PYTHON" -m benchmarks.parity_verdict "$RUNS"/*/ --parity $PARITY | tee "$OUT/parity_verdicts.txt"
+  "$PYTHON" -m tools.parity_verdict "$RUNS"/*/ --parity $PARITY | tee "$OUT/parity_verdicts.txt"
 else
-  echo "no PARITY=parity.csv given: these runs carry no loss-parity verdict (make one with the benchmarks.parity module)"
+  echo "no PARITY=parity.csv given: these runs carry no loss-parity verdict (make one with the tools.parity module)"
 fi

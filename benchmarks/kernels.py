@@ -41,8 +41,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import device_tag, markdown_table, peak_alloc_mib, tag_line, write_csv
+from benchmarks.measure import peak_alloc_mib
 from fused_kernels import reference
+from tools.common import device_tag, markdown_table, tag_line, write_csv
 
 SHAPES = {
     "small": (4, 512, 1024),

@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import device_tag, markdown_table, median_ms, tag_line, write_csv
+from benchmarks.measure import median_ms
 from fused_kernels import REFERENCE_OPS
 from gpt2.config.schema import MODEL_PRESETS, ModelConfig
 from gpt2.model.gpt import Block, Embedding, LayerNorm, LMHead, sdpa_attention
+from tools.common import device_tag, markdown_table, tag_line, write_csv
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -18,9 +18,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import markdown_table
 from gpt2.planning.perf_model import bus_factor
 from parallel.dims import ParallelDims
+from tools.common import markdown_table
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

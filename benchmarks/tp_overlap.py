@@ -19,13 +19,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import device_tag, time_ms, write_csv
+from benchmarks.measure import time_ms
 from gpt2.config.schema import MODEL_PRESETS, ModelConfig
 from gpt2.model.gpt import GPT
 from parallel.comm import CommStats
 from parallel.dims import ParallelDims
 from parallel.grads import allreduce_sequence_parallel_grads
 from parallel.tp_plan import apply_tensor_parallel
+from tools.common import device_tag, write_csv
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -40,9 +40,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import device_tag, tag_line, time_ms, torchrun, write_csv
+from benchmarks.measure import time_ms
 from fused_kernels import get_ops
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
+from tools.common import device_tag, tag_line, torchrun, write_csv
 
 LAYERS = ("column", "row", "mlp")
 

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     profiler.disable()
 
     if ctx.is_main:
-        # the step time only: a throughput figure belongs next to a parity verdict (benchmarks.train_sweep)
+        # the step time only: a throughput figure belongs next to a parity verdict (tools.train_sweep)
         lines = [f"flags: {' '.join(train_argv)}", f"device: {ctx.device} "
                  f"({torch.cuda.get_device_name() if ctx.device.type == 'cuda' else 'cpu'}), torch {torch.__version__}",
                  f"step: {step_s * 1e3:.1f} ms over {args.steps} steps", ""]

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.common import free_port
 from parallel.dims import ParallelDims
+from tools.common import free_port
 
 Check = Callable[..., None]  # check(dims, *args), run on every rank
 CHECK_NAMES = ("groups", "layers", "model")  # --check choices (torchrun entry)

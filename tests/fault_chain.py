@@ -36,8 +36,16 @@ BEFORE_RENAME = SAVE_STAGES[:SAVE_STAGES.index("renamed")]
 PRUNE_STAGES = ("prune-renamed", "prune-partial")  # reached only when --keep-last deletes an older checkpoint
 FLAGS = {"ddp": ["--mode", "baseline"], "zero3": ["--mode", "hybrid", "--zero-stage", "3"],
          "fsdp2": ["--mode", "hybrid", "--zero-engine", "fsdp2"]}
-STEPS = 40  # 12 stage kills advance the run 5 steps, 20 random ones about 0.6 steps each (24 in all, measured)
+STEPS = 24  # 12 stage kills advance the run 5 steps, a random one about 0.6 (at most 2): 8 of them, 21 at most
 RANDOM_WINDOW_S = 0.4  # a random kill comes 0-0.4 s after the launch's first step record: 1-2 steps and saves
+
+
+def kill_delays(n: int, rng: random.Random, window: float = RANDOM_WINDOW_S) -> list[float]:
+    """`n` instants in [0, window), the i-th drawn from the i-th of n equal slices, in random order: however few the
+    kills, they spread over the window (inside a step, a save, a prune) instead of clustering by chance."""
+    delays = [rng.uniform(i * window / n, (i + 1) * window / n) for i in range(n)]
+    rng.shuffle(delays)
+    return delays
 
 
 def chain_args(name: str) -> list[str]:
@@ -68,16 +76,16 @@ def _start_of(run_dir: Path) -> int:
     return checkpoint._step_of(Path(resumed)) if resumed else 0
 
 
-def _kill_at_random(proc: subprocess.Popen, run_dir: Path, kind: str, rng: random.Random) -> str:
-    """SIGKILL the job or one rank at a random instant after the launch's first step record; what was killed
-    ("" if the launch ended first)."""
+def _kill_at_random(proc: subprocess.Popen, run_dir: Path, kind: str, delay: float, rng: random.Random) -> str:
+    """SIGKILL the job or one rank `delay` seconds after the launch's first step record; what was killed ("" if the
+    launch ended first)."""
     deadline = time.monotonic() + 120
     while proc.poll() is None and time.monotonic() < deadline:
         path = run_dir / "metrics.jsonl"
         if path.is_file() and '"type": "step"' in path.read_text():
             break
         time.sleep(0.02)
-    time.sleep(rng.uniform(0.0, RANDOM_WINDOW_S))
+    time.sleep(delay)
     workers = psutil.Process(proc.pid).children() if proc.poll() is None else []
     if len(workers) != 2:
         return ""
@@ -93,16 +101,18 @@ def _kill_at_random(proc: subprocess.Popen, run_dir: Path, kind: str, rng: rando
 
 
 def run_chain(name: str, tmp: Path, n_random: int, seed: int) -> list[Launch]:
-    """The uninterrupted run, then the chain: every stage of SAVE_STAGES once and `n_random` random kills, in a
-    seeded random order, then a launch that finishes. Returns the launches (for timing and messages)."""
+    """The uninterrupted run, then the chain: every stage of SAVE_STAGES once and `n_random` random kills (half of
+    the whole job, half of one rank; instants spread over the window by `kill_delays`), in a seeded random order,
+    then a launch that finishes. Returns the launches (for timing and messages)."""
     args = chain_args(name)
     run_train(args + ["--run-name", "full", "--save-dir", str(tmp / "ck-full")], tmp, nproc=2)
     reference = {key: step_values(tmp / "full", key) for key in ("loss", "grad_norm")}
     assert len(reference["loss"]) == STEPS
 
     rng = random.Random(seed)
-    faults = list(SAVE_STAGES) + [rng.choice(("job", "rank")) for _ in range(n_random)]
+    faults = list(SAVE_STAGES) + [("job", "rank")[i % 2] for i in range(n_random)]
     rng.shuffle(faults)
+    delays = iter(kill_delays(n_random, rng))
     ck, out = tmp / "ck", tmp / "runs"
     launches: list[Launch] = []
     start = 0
@@ -115,12 +125,13 @@ def run_chain(name: str, tmp: Path, n_random: int, seed: int) -> list[Launch]:
                "--out-dir", str(out), "--run-name", run_dir.name]
         launch = Launch(fault, run_dir)
         launches.append(launch)
+        had_latest = (ck / checkpoint.LATEST).is_file()
         t0 = time.monotonic()
         with open(tmp / f"{run_dir.name}.log", "w") as log_file:
             proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
             try:
                 if fault in ("job", "rank"):
-                    launch.fault = _kill_at_random(proc, run_dir, fault, rng)
+                    launch.fault = _kill_at_random(proc, run_dir, fault, next(delays), rng)
                 launch.returncode = proc.wait(timeout=300)
             finally:
                 if proc.poll() is None:
@@ -136,7 +147,9 @@ def run_chain(name: str, tmp: Path, n_random: int, seed: int) -> list[Launch]:
         assert (run_dir / "config.json").is_file(), f"{run_dir.name} never started training\n{log_tail}"
         assert _start_of(run_dir) == start, f"{run_dir.name} resumed from {_start_of(run_dir)}, not {start}"
         if launches[-2:-1] and launches[-2].fault == "renamed":  # `latest.pending` named the newer checkpoint
-            assert f"resuming from the newer {checkpoint.step_dir_name(start)}" in log_text, run_dir.name
+            # (before any `latest` was written, the warning says there is none yet)
+            newer = "resuming from the newer" if had_latest else "before writing it): resuming from"
+            assert f"{newer} {checkpoint.step_dir_name(start)}" in log_text, run_dir.name
 
         records = [r for r in read_killed_records(run_dir) if r["type"] == "step" and "loss" in r]
         assert records and records[0]["step"] == start + 1, (run_dir.name, records[:1])

@@ -16,7 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from benchmarks.common import free_port
+from tools.common import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SBIN_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])

@@ -35,8 +35,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import device_tag, markdown_table, median_ms, tag_line, time_ms, write_csv
+from benchmarks.measure import median_ms, time_ms
 from fused_kernels.cuda.mlp import hopper, load_wgmma_extension
+from tools.common import device_tag, markdown_table, tag_line, write_csv
 
 HERE = Path(__file__).resolve().parent
 CUDA_KERNELS = ["naive", "smem", "regblock", "wmma", "mma_128x128", "mma_128x256"]

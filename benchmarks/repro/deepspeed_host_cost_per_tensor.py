@@ -35,10 +35,11 @@ if not torch.cuda.is_available():
 import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.common import ROOT, free_port, report_table, time_ms  # noqa: E402
+from benchmarks.measure import report_table, time_ms  # noqa: E402
+from gpt2.config.deepspeed_file import persistence_threshold_default  # noqa: E402
 from gpt2.config.schema import ParallelConfig  # noqa: E402
-from gpt2.planning.planner import persistence_threshold_default  # noqa: E402
 from gpt2.runtime.distributed import run_as_process  # noqa: E402
+from tools.common import ROOT, free_port  # noqa: E402
 
 ENGINES = ("torch", "ddp", "zero1", "zero2", "zero3")
 GPT2_LARGE_TENSORS = 436  # 36 blocks x 12 (4 Linear weights + 4 biases, 2 LayerNorms x 2) + wte, wpe, ln_f x 2

@@ -42,7 +42,7 @@ if not torch.cuda.is_available():
 import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.common import report_table  # noqa: E402
+from benchmarks.measure import report_table  # noqa: E402
 from benchmarks.repro.deepspeed_host_cost_per_tensor import MICRO_BATCH, init_single_process  # noqa: E402
 from benchmarks.repro.deepspeed_host_cost_per_tensor import ds_config as host_cost_ds_config  # noqa: E402
 from gpt2.runtime.distributed import run_as_process  # noqa: E402

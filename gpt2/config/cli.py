@@ -33,7 +33,6 @@ from gpt2.config.schema import (
     PlanConfig,
     RunConfig,
     TrainConfig,
-    check_sequence_parallel,
     compile_label,
     finite_float,
     flag_of,
@@ -301,7 +300,9 @@ def validate(cfg: RunConfig) -> None:
         # GradScaler finds inf/NaN per rank; TP ranks hold different shards and could skip different steps
         raise ConfigError("--precision fp16 with --tp-size > 1 needs a GradScaler synchronised over the TP "
                           "group, which --mode baseline lacks; use --precision bf16, or --mode hybrid")
-    check_sequence_parallel(cfg.parallel.tp_size, cfg.parallel.sequence_parallel)
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp_size == 1:
+        raise ConfigError("--sequence-parallel shards the sequence over the tensor-parallel group; "
+                          "pass --tp-size > 1 or drop --sequence-parallel")
     if cfg.checkpoint.resume == "auto" and not cfg.checkpoint.save_dir:
         raise ConfigError("--resume auto looks for the latest checkpoint in --save-dir; pass --save-dir "
                           "or --resume <checkpoint folder>")

@@ -11,13 +11,22 @@ checked in `RunLayout.resolve`, in the order a launch meets them. The parsed con
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gpt2.config.schema import ConfigError, ModelConfig, ParallelConfig, RunConfig, compile_label
+from gpt2.config.deepspeed_file import ds_config_file, read_ds_file
+from gpt2.config.schema import (
+    DEEPCOMPILE_RECOMPILE_STEP,
+    PROFILED_STEPS,
+    ConfigError,
+    ModelConfig,
+    RunConfig,
+    compile_label,
+)
 from parallel.dims import dp_size_of, tp_divides_world
 
 
@@ -90,18 +99,6 @@ def check_deepcompile_runs_here(device_type: str, torch_version: str = torch.__v
                           f"is torch {torch_version}; upgrade torch or use --compiler torch")
 
 
-DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
-
-
-def default_ds_config_path(zero_stage: int) -> Path:
-    return DS_CONFIG_DIR / f"zero{zero_stage}.json"
-
-
-def ds_config_file(p: ParallelConfig) -> Path:
-    """The DeepSpeed JSON a hybrid run reads: --ds-config, else ds_configs/zero{--zero-stage}.json."""
-    return Path(p.ds_config) if p.ds_config else default_ds_config_path(p.zero_stage)
-
-
 def resolve_grad_accum(cfg: RunConfig, dp_size: int) -> int:
     """--grad-accum, or --global-batch-size / (--batch-size x dp-size), which must divide."""
     t = cfg.train
@@ -130,11 +127,16 @@ class RunLayout:
     world_size: int
     device_type: str  # "cuda" or "cpu": decides the precision that runs
     grad_accum: int
+    # --mode hybrid under DeepSpeed: the DeepSpeed file, read and checked against the flags once
+    # (gpt2.config.deepspeed_file); gpt2.engines.ds_config builds from it, the planner reads its ZeRO settings. None
+    # for other modes and for --zero-engine fsdp2.
+    ds_file: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def resolve(cls, cfg: RunConfig, world_size: int, device: torch.device | str) -> RunLayout:
         """Every check that needs the world size, in launch order: the mode vs the process count, tp x dp = world,
-        --global-batch-size, the model shapes and the sequence split vs --tp-size."""
+        --global-batch-size, the model shapes and the sequence split vs --tp-size, DeepCompile vs the device, and a
+        hybrid run's DeepSpeed file against the flags."""
         t, p = cfg.train, cfg.parallel
         if t.mode == "single" and world_size > 1:
             raise ConfigError(f"--mode single was launched on {world_size} processes; "
@@ -146,7 +148,10 @@ class RunLayout:
         device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
         if t.compile and t.compiler == "deepcompile":
             check_deepcompile_runs_here(device_type)
-        return cls(cfg=cfg, world_size=world_size, device_type=device_type, grad_accum=grad_accum)
+        layout = cls(cfg=cfg, world_size=world_size, device_type=device_type, grad_accum=grad_accum)
+        if t.mode != "hybrid" or layout.fsdp2:  # FSDP2 reads no DeepSpeed file (cli refuses --ds-config with it)
+            return layout
+        return replace(layout, ds_file=read_ds_file(cfg, grad_accum, layout.dp_size, layout.deepcompile))
 
     # ------------------------------------------------------------ parallel sizes
     @property
@@ -233,6 +238,30 @@ class RunLayout:
     @property
     def ds_config_path(self) -> Path:
         return ds_config_file(self.cfg.parallel)
+
+    # ------------------------------------------------------------ warnings
+    def warnings(self, start_step: int) -> list[str]:
+        """Settings that run but may not do what the user expects, for the loop to log: they need the layout and
+        the step this launch starts from (a resumed run trains fewer steps)."""
+        t, out = self.cfg.train, []
+        steps = t.max_steps - start_step
+        if steps <= t.untimed_steps:
+            profiled = f" or profiled ({PROFILED_STEPS} after --throughput-warmup-steps)" if t.profile else ""
+            out.append(f"all {steps} steps are throughput warm-up{profiled}: no tokens/s or MFU; raise --max-steps "
+                       f"above {start_step + t.untimed_steps}")
+        if self.cfg.model.dropout > 0 and self.tp_size > 1:  # no Megatron-style per-TP-rank RNG tracker here
+            out.append(f"--dropout {self.cfg.model.dropout:g} with --tp-size {self.tp_size}: every rank draws from one "
+                       "RNG stream, so dropout masks repeat across TP ranks' heads (and sequence shards with SP): "
+                       "correlated, unlike single's; training stays consistent across ranks but is not the same "
+                       "function as --mode single")
+        if self.deepcompile and t.throughput_warmup_steps <= DEEPCOMPILE_RECOMPILE_STEP < steps:
+            out.append(f"--throughput-warmup-steps {t.throughput_warmup_steps}: tokens/s and MFU count DeepCompile's "
+                       f"second compile (after step {DEEPCOMPILE_RECOMPILE_STEP}, minutes on a large model); use "
+                       f"--throughput-warmup-steps {DEEPCOMPILE_RECOMPILE_STEP + 1} or more for its trained speed")
+        if t.warmup_steps > t.max_steps:
+            out.append(f"--warmup-steps {t.warmup_steps} exceeds --max-steps {t.max_steps}: the LR never reaches "
+                       f"--lr {t.lr:g}")
+        return out
 
     # ------------------------------------------------------------ records
     def config_record(self, resumed_from: str | None = None) -> dict[str, Any]:

@@ -214,6 +214,9 @@ THROUGHPUT_WARMUP_STEPS = 3
 # in the step after this many (deepspeed/compile/init_z3.py WARMUP, DeepSpeed 0.19.8): on GPT-2 Large on one H100
 # the two compiles took over 8 minutes, which tokens/s must not count.
 DEEPCOMPILE_RECOMPILE_STEP = 5
+# --profile's window after the throughput warm-up: the profiler's warm-up step and its 3 recorded (active) steps;
+# tokens/s and MFU leave them out (gpt2.observe.profiling)
+PROFILED_STEPS = 4
 
 
 @dataclass
@@ -280,6 +283,11 @@ class TrainConfig:
     profile: bool = option(False, "profile 3 steps after the throughput warm-up: kernel table + Chrome trace in the "
                                   "run folder", OPTIM)
 
+    @property
+    def untimed_steps(self) -> int:
+        """Steps of a run (from its start) that tokens/s and MFU leave out: the warm-up, then any profiled steps."""
+        return self.throughput_warmup_steps + (PROFILED_STEPS if self.profile else 0)
+
 
 @dataclass
 class PlanConfig:
@@ -328,10 +336,3 @@ def compile_label(enabled: bool, compile_scope: str, compiler: str = "torch") ->
     if not enabled:
         return "off"
     return "deepcompile" if compiler == "deepcompile" else compile_scope
-
-
-def check_sequence_parallel(tp_size: int, sequence_parallel: bool) -> None:
-    """Sequence parallelism shards the sequence over the tensor-parallel group: it needs tp_size > 1."""
-    if sequence_parallel and tp_size == 1:
-        raise ConfigError("--sequence-parallel shards the sequence over the tensor-parallel group; "
-                          "pass --tp-size > 1 or drop --sequence-parallel")

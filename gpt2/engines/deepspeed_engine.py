@@ -24,7 +24,7 @@ one device. Our modules initialise in their constructors (see `gpt2.model.gpt`),
 full tensor before partitioning it: with the same seed the weights equal those of the plain build
 (tests/integration/test_zero.py checks it). bf16/fp16 is DeepSpeed's torch_autocast by default (`--zero-precision
 autocast`,
-gpt2.engines.ds_config.precision_values): fp32 weights and the forward under torch.autocast, as in single and DDP.
+gpt2.config.deepspeed_file.precision_values): fp32 weights and the forward under torch.autocast, as in single and DDP.
 With `--zero-precision deepspeed`, zero.Init creates 16-bit parameters, the rounded fp32 ones, and DeepSpeed
 keeps fp32 master copies from there: another function (see the parity results). The tied LM
 head is the same Parameter as `wte.weight`, registered in `LMHead` as well: ZeRO-3 gathers it in both

@@ -1,73 +1,17 @@
-"""The DeepSpeed config of a `--mode hybrid` run: ds_configs/zero{stage}.json (or --ds-config) + our CLI values.
-
-Our CLI stays the single source of truth: batch size, gradient accumulation, clipping, precision and ZeRO stage
-(and the two checks the non-finite guard relies on) are written into the DeepSpeed config, and a JSON file that
-sets one of them to another value is an error naming both. Needs no DeepSpeed import (train.py checks the config
-before any work; the planner reads its ZeRO settings).
+"""The DeepSpeed config of a `--mode hybrid` run: the file `RunLayout.resolve` read and checked
+(`gpt2.config.deepspeed_file`: ds_configs/zero{stage}.json or --ds-config) + our CLI values. Only builds: every
+check on the file is the layout's, made before any work.
 """
 
 from __future__ import annotations
 
-import json
+import copy
 from typing import TYPE_CHECKING, Any
 
-from gpt2.config.schema import ConfigError
+from gpt2.config.deepspeed_file import harness_values, persistence_threshold_default, precision_values
 
 if TYPE_CHECKING:
     from gpt2.config.layout import RunLayout
-
-def persistence_threshold_default(zero3_fetch: str) -> int:
-    """ZeRO-3's `stage3_param_persistence_threshold` where the DeepSpeed JSON leaves it out. Per-block gathers: 0,
-    so a block's LayerNorms and biases travel in its one coalesced all-gather; persistent (unpartitioned) ones
-    would instead be re-gathered after every optimizer step with one blocking all-gather each (DeepSpeed's
-    `_post_step`: ~290 for GPT-2 Large; 1.8x steps/s on a 2-rank CPU proxy without them). Per-module hooks:
-    DeepSpeed's own 1e5, which spares those hooks a gather per small module."""
-    return 0 if zero3_fetch == "block" else 100_000
-
-
-def _harness_values(layout: RunLayout) -> list[tuple[tuple[str, ...], Any, str]]:
-    """(key path, our value, the flag that sets it) for every DeepSpeed key the CLI owns."""
-    cfg, t, accum, dp_size = layout.cfg, layout.cfg.train, layout.grad_accum, layout.dp_size
-    return [
-        (("train_micro_batch_size_per_gpu",), t.batch_size, f"--batch-size is {t.batch_size}"),
-        (("gradient_accumulation_steps",), accum, f"--grad-accum is {accum}"),
-        (("train_batch_size",), t.batch_size * accum * dp_size,
-         f"--batch-size x --grad-accum x dp-size is {t.batch_size} x {accum} x {dp_size} = "
-         f"{t.batch_size * accum * dp_size}"),
-        (("gradient_clipping",), float(t.grad_clip), f"--grad-clip is {t.grad_clip}"),
-        (("zero_optimization", "stage"), cfg.parallel.zero_stage, f"--zero-stage is {cfg.parallel.zero_stage}"),
-        *[(keys, value, f"--precision is {t.precision} with --zero-precision {cfg.parallel.zero_precision}")
-          for keys, value in precision_values(t.precision, cfg.parallel.zero_precision).items()],
-        # the non-finite guard (gpt2.engines.guard) relies on DeepSpeed skipping every step whose global gradient norm
-        # is
-        # not finite: ZeRO-1/2 over DeepSpeed's bf16 model (--zero-precision deepspeed) skips only with this check
-        # on (over fp32 weights, torch_autocast, it checks the norm anyway), and the norm must be computed
-        (("bf16", "check_grad_overflow"), True, "the non-finite guard needs DeepSpeed to skip a step whose gradient "
-                                                "norm is not finite"),
-        (("zero_optimization", "compute_grad_norm"), True, "the non-finite guard reads the global gradient norm"),
-        # DeepCompile (ZeRO-3): DeepSpeed reads compile.deepcompile in initialize(); engine.compile() then applies it
-        (("compile", "deepcompile"), layout.deepcompile,
-         "--compile --compiler deepcompile " + ("is given" if layout.deepcompile else "is not given")),
-    ]
-
-
-def precision_values(precision: str, recipe: str) -> dict[tuple[str, ...], Any]:
-    """DeepSpeed's mixed-precision keys for `precision` (bf16 | fp16 | fp32) and --zero-precision `recipe`.
-
-    autocast: DeepSpeed's torch_autocast section, the recipe of single and DDP: fp32 weights (partitions, master
-    copy and gradients), the forward under torch.autocast, so a Linear's matmul sees the same bf16-rounded weight as
-    in single. deepspeed: its bf16/fp16 section, a 16-bit model (weights, residual stream and LayerNorms in 16
-    bits) stepped from fp32 master weights; on gpt2 it ends 0.09 off single after 30 steps where single's own
-    run-to-run noise is 0.01 (benchmarks/results/parity/h200-2026-11-23), so it is not the default."""
-    autocast = recipe == "autocast" and precision != "fp32"
-    values: dict[tuple[str, ...], Any] = {
-        ("bf16", "enabled"): recipe == "deepspeed" and precision == "bf16",
-        ("fp16", "enabled"): recipe == "deepspeed" and precision == "fp16",
-        ("torch_autocast", "enabled"): autocast,
-    }
-    if autocast:
-        values["torch_autocast", "dtype"] = {"bf16": "bfloat16", "fp16": "float16"}[precision]
-    return values
 
 
 def lower_precision_modules() -> list[str]:
@@ -80,30 +24,16 @@ def lower_precision_modules() -> list[str]:
 
 
 def build_ds_config(layout: RunLayout) -> dict[str, Any]:
-    """The DeepSpeed config: the JSON file (--ds-config, else ds_configs/zero{stage}.json) + our CLI values.
-
-    A file value that disagrees with the CLI is a ConfigError naming both; optimizer and scheduler
-    sections are rejected (we pass our own objects). CPU runs are fp32 whatever --precision says.
-    """
+    """The DeepSpeed config: the run's file + our CLI values (which the layout checked it agrees with), ZeRO-3's
+    defaults where the file leaves them out, and the precision that runs (CPU runs are fp32 whatever --precision
+    says)."""
+    assert layout.ds_file is not None, "a hybrid run's layout carries its DeepSpeed file"
     cfg = layout.cfg
-    path = layout.ds_config_path
-    if not path.is_file():
-        raise ConfigError(f"DeepSpeed config {path} does not exist; pass an existing file to --ds-config")
-    try:
-        ds = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {err}") from err
-    for section in ("optimizer", "scheduler"):
-        if section in ds:
-            raise ConfigError(f"{path} has a {section!r} section; remove it: the optimizer (AdamW) and LR schedule "
-                              "come from the command line (--lr, --min-lr, --warmup-steps, --weight-decay)")
-    for keys, ours, flag in _harness_values(layout):
+    ds = copy.deepcopy(dict(layout.ds_file))
+    for keys, ours, _ in harness_values(cfg, layout.grad_accum, layout.dp_size, layout.deepcompile):
         node = ds
         for k in keys[:-1]:
             node = node.setdefault(k, {})
-        if keys[-1] in node and node[keys[-1]] != ours:
-            raise ConfigError(f"{path} sets {'.'.join(keys)}={json.dumps(node[keys[-1]])} but {flag}; "
-                              "make them agree or drop the key from the file (the command line sets it)")
         node[keys[-1]] = ours
     if layout.zero_stage == 3:
         zero = ds["zero_optimization"]
@@ -116,12 +46,8 @@ def build_ds_config(layout: RunLayout) -> dict[str, Any]:
         # blocks' and the head's Linears stopped learning (GPT-2, 4 layers: 8.28 after 15 steps where single reaches
         # 6.08). With false the model calls torch's linear like every other mode, and eager and compiled ZeRO-3
         # match single within 0.01; the saving it offers is moot here, a block's weights are re-gathered before
-        # its backward either way.
+        # its backward either way. A file that turns it on under --compile is refused by the layout.
         zero.setdefault("memory_efficient_linear", False)
-        if zero["memory_efficient_linear"] and cfg.train.compile:
-            raise ConfigError(f"{path} sets zero_optimization.memory_efficient_linear=true, which trains the wrong "
-                              "function under --compile (DeepSpeed's linear loses its weight gradients in the "
-                              "compiled graph); drop the key or set it to false")
     # the precision that runs (the layout's: CPU runs are fp32 whatever --precision says)
     for (section, key), value in precision_values(layout.precision, cfg.parallel.zero_precision).items():
         ds.setdefault(section, {})[key] = value

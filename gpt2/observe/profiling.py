@@ -22,11 +22,10 @@ from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from gpt2.config.schema import ConfigError, TrainConfig
+from gpt2.config.schema import PROFILED_STEPS, ConfigError, TrainConfig
 from gpt2.observe.run_logging import log
 
-ACTIVE_STEPS = 3
-PROFILED_STEPS = 1 + ACTIVE_STEPS  # the schedule's warm-up step and its active steps
+ACTIVE_STEPS = PROFILED_STEPS - 1  # after the schedule's warm-up step
 # the breakdown's per-step figures that go into the run's summary.json, as profile/<name>
 SUMMARY_FIELDS = ("step_wall_ms", "device_busy_pct", "host_op_ms_per_step", "kernels_per_step",
                   "collective_calls_per_step", "module_hooks_per_forward_backward")
@@ -48,7 +47,7 @@ DEVICE_WAIT = re.compile(r"Synchronize", re.I)
 def check_profile_window(t: TrainConfig, start_step: int) -> None:
     """--profile writes its profile after the run's step W + PROFILED_STEPS (W: --throughput-warmup-steps, counted
     from this run's first step): a run that ends before would write none."""
-    steps, needed = t.max_steps - start_step, t.throughput_warmup_steps + PROFILED_STEPS
+    steps, needed = t.max_steps - start_step, t.untimed_steps
     if t.profile and steps < needed:
         resumed = f" (resumed at step {start_step})" if start_step else ""
         raise ConfigError(f"--profile records steps {t.throughput_warmup_steps + 2}-{needed} of a run (after "

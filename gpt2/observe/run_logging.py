@@ -63,7 +63,7 @@ def run_label(mode: str, zero_stage: int, tp: int, sequence_parallel: bool, zero
     """The configuration's name in reports and wandb job types: single, ddp, zero3, zero3-tp2-sp, fsdp2 (ZeRO-3 by
     FSDP2), fsdp2-zero2, fsdp2-tp2, ...
 
-    Modes other than ours (e.g. `hf-ddp`, `hf-zero3` from benchmarks/hf_reference.py) keep their own name."""
+    Modes other than ours (e.g. `hf-ddp`, `hf-zero3` from tools/hf_reference.py) keep their own name."""
     hybrid = f"zero{zero_stage}"
     if zero_engine == "fsdp2":
         hybrid = "fsdp2" if zero_stage == 3 else f"fsdp2-{hybrid}"
@@ -72,7 +72,7 @@ def run_label(mode: str, zero_stage: int, tp: int, sequence_parallel: bool, zero
 
 
 def wandb_identity(cfg: RunConfig) -> dict[str, Any]:
-    """group / job_type / tags, so a wandb workspace groups and filters runs the way benchmarks.report does.
+    """group / job_type / tags, so a wandb workspace groups and filters runs the way tools.report does.
 
     group: --wandb-group, else model and sequence length (runs that are comparable); job_type: the
     configuration label; tags: --wandb-tags plus label, model, batch/GPU, precision, compile and kernels.

@@ -1,4 +1,4 @@
-"""Analytical model of one GPT-2 training step: bytes communicated and memory per GPU, for a layout.
+"""Analytical model of one GPT-2 training step: bytes communicated and memory per GPU, for a run's `RunLayout`.
 
 Communication uses the ring cost model of nccl-tests: a collective on a message of `size` bytes
 moves `size x factor` bytes through each rank's link (all-reduce 2(n-1)/n, all-gather and
@@ -15,22 +15,27 @@ score, softmax and dropout tensors are never stored; only the fp32 log-sum-exp (
 is, so the default here replaces 5*a*s^2*b by 4*a*s*b. Without dropout the two 1-byte masks
 (2*s*b*h) disappear. Symbols: s sequence, b micro-batch, h width, a heads, t TP size, V vocab.
 
-    from gpt2.planning.perf_model import Layout, Workload, step_communication, comm_time, memory_per_gpu
-    ops = step_communication(cfg, Workload(batch=128, seq_len=1024), Layout(dp=4, tp=2, zero_stage=3))
-    seconds = comm_time(ops, {"dp": 80e9, "tp": 350e9, "pp": 40e9})
+The split (dp, tp, ZeRO stage, sequence parallelism, activation checkpointing) and the workload (micro-batch,
+accumulation, sequence length) are the layout's: a plan reads the same object a launch does. The harness has no
+pipeline parallelism, so neither has this model.
+
+    from gpt2.planning.perf_model import step_communication, comm_time, memory_per_gpu
+    ops = step_communication(layout)  # layout = RunLayout.resolve(cfg, world_size, "cuda")
+    seconds = comm_time(ops, {"dp": 80e9, "tp": 350e9})
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from gpt2.config.layout import check_tp_divides_model
-from gpt2.config.schema import ModelConfig, check_sequence_parallel
+if TYPE_CHECKING:
+    from gpt2.config.layout import RunLayout
+    from gpt2.config.schema import ModelConfig
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv"]
-Group = Literal["dp", "tp", "pp"]
+Group = Literal["dp", "tp"]
 
 LSE_BYTES = 4  # flash/SDPA keeps one fp32 log-sum-exp per (head, token)
 MASK_BYTES = 1  # dropout masks are stored as bytes
@@ -51,44 +56,6 @@ def bus_factor(collective: Collective, n: int) -> float:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """How the world is split. zero_stage 0 is plain DDP; 3 is ZeRO-3 / FSDP full sharding."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    zero_stage: int = 0
-    sequence_parallel: bool = False
-    activation_checkpointing: bool = False
-    micro_batches: int = 1  # per optimizer step: gradient-accumulation or pipeline micro-batches
-    pipeline_schedule: Literal["gpipe", "1f1b"] = "gpipe"
-
-    def __post_init__(self) -> None:
-        if min(self.dp, self.tp, self.pp, self.micro_batches) < 1:
-            raise ValueError(f"dp, tp, pp and micro_batches must be >= 1: {self}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0..3, got {self.zero_stage}")
-        check_sequence_parallel(self.tp, self.sequence_parallel)
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
-
-
-@dataclass(frozen=True)
-class Workload:
-    batch: int  # sequences per optimizer step, all data-parallel replicas together
-    seq_len: int
-
-    def micro_batch(self, layout: Layout) -> int:
-        """Sequences in one forward pass of one GPU."""
-        per = layout.dp * layout.micro_batches
-        if self.batch % per:
-            raise ValueError(f"batch {self.batch} is not divisible by dp x micro_batches = {per}")
-        return self.batch // per
-
-
-@dataclass(frozen=True)
 class StateBytes:
     """Bytes per element of each kind of state."""
 
@@ -102,29 +69,25 @@ MIXED_PRECISION = StateBytes()  # 16-bit weights and grads, fp32 master + moment
 AMP_FP32_WEIGHTS = StateBytes(param_bytes=4, grad_bytes=4, optimizer_bytes=8)  # torch.autocast: fp32 weights
 
 
-def _check_layout(cfg: ModelConfig, layout: Layout) -> None:
-    if cfg.n_layer % layout.pp:
-        raise ValueError(f"pp {layout.pp} does not divide n_layer {cfg.n_layer}")
-    check_tp_divides_model(cfg, layout.tp)
+def zero_stage_of(layout: RunLayout) -> int:
+    """The ZeRO stage as this model counts it: 0 for DDP and single (the layout's None); 3 for FSDP2 at either
+    --zero-stage (it shards weights, gradients and optimizer states; its 2 only keeps a unit gathered from forward to
+    backward, which the planner's `fsdp2_memory` and `fsdp2_communication` model)."""
+    return 3 if layout.fsdp2 else layout.zero_stage or 0
 
 
-def stage_params(cfg: ModelConfig, layout: Layout, stage: int = 0) -> float:
-    """Parameters one GPU of pipeline `stage` holds before ZeRO sharding (one TP shard).
+def local_params(layout: RunLayout) -> float:
+    """Parameters one GPU holds before ZeRO sharding (one TP shard).
 
     Under TP the column-parallel QKV and MLP-up weights and biases, the row-parallel weights and
     the vocab-parallel embedding are split; row-parallel biases (2d), LayerNorms (4d), the
-    position table and ln_f are replicated: (12d^2 + 7d)/t + 6d per layer. Stage 0 holds the
-    embeddings; the last stage holds ln_f and, when pp > 1, a copy of the tied word embedding.
+    position table and ln_f are replicated: (12d^2 + 7d)/t + 6d per layer, + V d / t + P d + 2d.
     """
-    _check_layout(cfg, layout)
-    d, t, pp = cfg.n_embd, layout.tp, layout.pp
-    n = cfg.n_layer // pp * ((12 * d * d + 7 * d) / t + 6 * d)
-    word_embedding = cfg.padded_vocab_size * d / t
-    if stage == 0:
-        n += word_embedding + cfg.n_positions * d
-    if stage == pp - 1:
-        n += 2 * d + (word_embedding if pp > 1 else 0)
-    return n
+    cfg, t = layout.cfg.model, layout.tp_size
+    d = cfg.n_embd
+    n = cfg.n_layer * ((12 * d * d + 7 * d) / t + 6 * d)
+    n += cfg.padded_vocab_size * d / t + cfg.n_positions * d  # (the sums in this order: the planner's tests are exact)
+    return n + 2 * d
 
 
 @dataclass(frozen=True)
@@ -146,14 +109,8 @@ class CommOp:
         return self.wire_bytes / busbw
 
 
-def step_communication(
-    cfg: ModelConfig,
-    work: Workload,
-    layout: Layout,
-    precision: StateBytes = MIXED_PRECISION,
-    stage: int = 0,
-) -> list[CommOp]:
-    """Collectives one GPU of pipeline `stage` takes part in during one optimizer step.
+def step_communication(layout: RunLayout, precision: StateBytes = MIXED_PRECISION) -> list[CommOp]:
+    """Collectives one GPU takes part in during one optimizer step.
 
     DP: DDP all-reduces the gradients once per step (accumulation under no_sync). ZeRO-1
     reduce-scatters gradients once and all-gathers the updated 16-bit weights; ZeRO-2
@@ -162,21 +119,17 @@ def step_communication(
     TP (Megatron): per layer and micro-batch two all-reduces of [b, s, h] in forward (g after the
     attention and MLP output projections) and two in backward (f before QKV and MLP-up), two more
     with activation checkpointing (recomputed forward); one for the vocab-parallel embedding
-    (stage 0) and one for the LM-head input's gradient (last stage), plus three fp32 [b, s]
+    and one for the LM-head input's gradient, plus three fp32 [b, s]
     all-reduces of the vocab-parallel cross-entropy (max, sum-exp, target logit). With sequence
     parallelism each [b, s, h] all-reduce becomes an all-gather + reduce-scatter (same bytes).
-    PP: point-to-point activations forward and their gradients backward ([b, s, h], split by t
-    under sequence parallelism); bytes sent by this stage, plus the tied embedding's gradient
-    all-reduce between the first and last stage.
     """
-    _check_layout(cfg, layout)
+    cfg, t_cfg = layout.cfg.model, layout.cfg.train
     ops: list[CommOp] = []
-    b, s, d, m = work.micro_batch(layout), work.seq_len, cfg.n_embd, layout.micro_batches
-    first, last = stage == 0, stage == layout.pp - 1
-    n = stage_params(cfg, layout, stage)
+    b, s, d, m = t_cfg.batch_size, t_cfg.seq_len, cfg.n_embd, layout.grad_accum
+    n = local_params(layout)
 
-    if layout.dp > 1:
-        dp, z = layout.dp, layout.zero_stage
+    if layout.dp_size > 1:
+        dp, z = layout.dp_size, zero_stage_of(layout)
         grads, weights = n * precision.grad_bytes, n * precision.param_bytes
         if z == 0:
             ops.append(CommOp("grad all-reduce", "dp", "all_reduce", dp, grads, 1))
@@ -188,31 +141,22 @@ def step_communication(
             else:
                 ops.append(CommOp("updated param all-gather", "dp", "all_gather", dp, weights, 1))
 
-    if layout.tp > 1:
-        t = layout.tp
+    if layout.tp_size > 1:
+        t = layout.tp_size
         act = b * s * d * precision.activation_bytes
-        per_layer = 4 + (2 if layout.activation_checkpointing else 0)
-        calls = m * (cfg.n_layer // layout.pp * per_layer + int(first) + int(last))
+        per_layer = 4 + (2 if t_cfg.activation_checkpointing else 0)
+        calls = m * (cfg.n_layer * per_layer + 2)  # + the embedding's and the LM-head input's
         if layout.sequence_parallel:
             ops.append(CommOp("activation all-gather (SP)", "tp", "all_gather", t, act, calls))
             ops.append(CommOp("activation reduce-scatter (SP)", "tp", "reduce_scatter", t, act, calls))
         else:
             ops.append(CommOp("activation all-reduce", "tp", "all_reduce", t, act, calls))
-        if last:
-            ops.append(CommOp("vocab-parallel CE all-reduce", "tp", "all_reduce", t, b * s * FP32_BYTES, 3 * m))
-
-    if layout.pp > 1:
-        act = b * s * d * precision.activation_bytes / (layout.tp if layout.sequence_parallel else 1)
-        sends = m * (int(not last) + int(not first))  # activations forward, gradients backward
-        ops.append(CommOp("stage boundary send", "pp", "send_recv", 2, act, sends))
-        if first or last:
-            wte = cfg.padded_vocab_size * d / layout.tp * precision.grad_bytes
-            ops.append(CommOp("tied embedding grad all-reduce", "pp", "all_reduce", 2, wte, 1))
+        ops.append(CommOp("vocab-parallel CE all-reduce", "tp", "all_reduce", t, b * s * FP32_BYTES, 3 * m))
     return ops
 
 
 def comm_time(ops: list[CommOp], busbw: float | Mapping[str, float]) -> float:
-    """Seconds per step with no overlap. busbw: bytes/s for every group, or per group ("dp", "tp", "pp")."""
+    """Seconds per step with no overlap. busbw: bytes/s for every group, or per group ("dp", "tp")."""
     return sum(op.time(busbw if isinstance(busbw, int | float) else busbw[op.group]) for op in ops)
 
 
@@ -253,65 +197,44 @@ def layer_activation_bytes(
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes per GPU (one pipeline stage)."""
+    """Bytes per GPU."""
 
     params: float
     grads: float
     optimizer: float
     activations: float  # the blocks' saved tensors (and, with checkpointing, one recomputed block)
-    logits: float  # final LayerNorm, logits and cross-entropy buffers (last stage only)
+    logits: float  # final LayerNorm, logits and cross-entropy buffers
 
     @property
     def total(self) -> float:
         return self.params + self.grads + self.optimizer + self.activations + self.logits
 
 
-def memory_per_gpu(
-    cfg: ModelConfig,
-    work: Workload,
-    layout: Layout,
-    precision: StateBytes = MIXED_PRECISION,
-    flash: bool = True,
-    stage: int | None = None,
-) -> MemoryBreakdown:
-    """Model states and activations of one GPU of pipeline `stage` (None: the stage with the largest total).
+def memory_per_gpu(layout: RunLayout, precision: StateBytes = MIXED_PRECISION, flash: bool = True) -> MemoryBreakdown:
+    """Model states and activations of one GPU.
 
     ZeRO shards optimizer states (stage >= 1), gradients (>= 2) and weights (3) over dp.
-    Micro-batches whose activations are alive at once: 1 without pipelining (accumulation runs
-    them one after another), all m under GPipe, min(pp - stage, m) under 1F1B.
+    Gradient accumulation runs its micro-batches one after another: one micro-batch's activations are alive.
     With full activation checkpointing every block keeps only its input (e sbh, /t with SP)
-    and one block is recomputed at a time during backward. The last stage also holds ln_f's
-    input and output (2 e sbh, /t with SP) per live micro-batch, and during the loss the 16-bit
-    logits, their fp32 copy and the fp32 log-softmax saved for backward (e + 4 + 4 bytes per
-    [b, s, V/t] element), of which the log-softmax stays alive for every live micro-batch.
+    and one block is recomputed at a time during backward. ln_f's input and output (2 e sbh, /t with SP),
+    and during the loss the 16-bit logits, their fp32 copy and the fp32 log-softmax saved for backward
+    (e + 4 + 4 bytes per [b, s, V/t] element).
     """
-    if stage is None:
-        stages = {0, layout.pp - 1}
-        return max((memory_per_gpu(cfg, work, layout, precision, flash, st) for st in stages), key=lambda r: r.total)
-    n = stage_params(cfg, layout, stage)
-    z, dp, e = layout.zero_stage, layout.dp, precision.activation_bytes
+    cfg, t_cfg = layout.cfg.model, layout.cfg.train
+    n = local_params(layout)
+    z, dp, e = zero_stage_of(layout), layout.dp_size, precision.activation_bytes
     params = n * precision.param_bytes / (dp if z >= 3 else 1)
     grads = n * precision.grad_bytes / (dp if z >= 2 else 1)
     optimizer = n * precision.optimizer_bytes / (dp if z >= 1 else 1)
 
-    b, s, h = work.micro_batch(layout), work.seq_len, cfg.n_embd
-    t, sp = layout.tp, layout.sequence_parallel
-    if layout.pp == 1:
-        live = 1
-    elif layout.pipeline_schedule == "gpipe":
-        live = layout.micro_batches
-    else:
-        live = min(layout.pp - stage, layout.micro_batches)
+    b, s, h = t_cfg.batch_size, t_cfg.seq_len, cfg.n_embd
+    t, sp = layout.tp_size, layout.sequence_parallel
     layer = layer_activation_bytes(cfg, b, s, t, sp, flash, activation_bytes=e)
-    n_layers = cfg.n_layer // layout.pp
-    if layout.activation_checkpointing:
-        activations = n_layers * live * e * s * b * h / (t if sp else 1) + layer
+    if t_cfg.activation_checkpointing:
+        activations = cfg.n_layer * e * s * b * h / (t if sp else 1) + layer
     else:
-        activations = n_layers * live * layer
-
-    logits = 0.0
-    if stage == layout.pp - 1:
-        tokens = b * s
-        logits = live * 2 * e * tokens * h / (t if sp else 1)
-        logits += tokens * cfg.padded_vocab_size / t * (e + FP32_BYTES + FP32_BYTES * live)
+        activations = cfg.n_layer * layer
+    tokens = b * s
+    logits = 2 * e * tokens * h / (t if sp else 1)
+    logits += tokens * cfg.padded_vocab_size / t * (e + FP32_BYTES + FP32_BYTES)
     return MemoryBreakdown(params, grads, optimizer, activations, logits)

@@ -48,16 +48,15 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 import math
 import sys
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from gpt2.config.layout import RunLayout, check_tp_divides_world, ds_config_file, sequence_splits, tp_divides_model
-from gpt2.config.schema import MODEL_PRESETS, ConfigError, ModelConfig, RunConfig
-from gpt2.engines.ds_config import persistence_threshold_default
+from gpt2.config.cli import resolve_compile_scope
+from gpt2.config.deepspeed_file import persistence_threshold_default
+from gpt2.config.layout import RunLayout, check_tp_divides_world, sequence_splits, tp_divides_model
+from gpt2.config.schema import MODEL_PRESETS, ConfigError, RunConfig
 from gpt2.model.flops import hardware_flops_per_token
 from gpt2.observe.run_logging import run_label
 from gpt2.planning.perf_model import (
@@ -65,13 +64,12 @@ from gpt2.planning.perf_model import (
     FP32_BYTES,
     MIXED_PRECISION,
     CommOp,
-    Layout,
     StateBytes,
-    Workload,
     layer_activation_bytes,
+    local_params,
     memory_per_gpu,
-    stage_params,
     step_communication,
+    zero_stage_of,
 )
 from gpt2.runtime.distributed import env_int
 from parallel.dims import dp_size_of, tp_divides_world
@@ -92,65 +90,28 @@ class DeepSpeedSettings:
     max_reuse_distance: int = 1_000_000_000
 
     @classmethod
-    def from_file(cls, path: str | Path, zero3_fetch: str = "block") -> DeepSpeedSettings:
-        zero = json.loads(Path(path).read_text()).get("zero_optimization", {})
-        zero.setdefault("stage3_param_persistence_threshold", persistence_threshold_default(zero3_fetch))
+    def of(cls, layout: RunLayout) -> DeepSpeedSettings:
+        """A hybrid run's settings, from the DeepSpeed file its layout read (the defaults for other modes)."""
+        if layout.ds_file is None:
+            return cls()
+        zero = {"stage3_param_persistence_threshold": persistence_threshold_default(layout.cfg.parallel.zero3_fetch),
+                **layout.ds_file.get("zero_optimization", {})}
         keys = {"reduce_bucket_size": "reduce_bucket_size", "prefetch_bucket_size": "stage3_prefetch_bucket_size",
                 "param_persistence_threshold": "stage3_param_persistence_threshold",
                 "max_reuse_distance": "stage3_max_reuse_distance"}
         return cls(**{ours: int(zero[theirs]) for ours, theirs in keys.items() if theirs in zero})
 
 
-@dataclass(frozen=True)
-class Setup:
-    """One run's layout, as the planner sees it. mode: single | baseline (DDP) | hybrid (DeepSpeed)."""
+def model_name(cfg: RunConfig) -> str:
+    """The --model preset's name, or "custom" when --n-layer/--n-head/--n-embd changed it."""
+    preset = MODEL_PRESETS[cfg.train.model]
+    custom = any(getattr(cfg.model, k) != v for k, v in preset.items() if k != "n_positions")
+    return "custom" if custom else cfg.train.model
 
-    model: ModelConfig
-    model_name: str
-    seq_len: int
-    micro_batch: int
-    world_size: int = 1
-    mode: str = "single"
-    zero_stage: int = 0  # 0 unless hybrid
-    tp: int = 1
-    sequence_parallel: bool = False
-    tp_overlap: bool = True
-    activation_checkpointing: bool = False
-    grad_accum: int = 1
-    precision: str = "bf16"
-    compile: bool = False
-    fused_loss: bool = False  # --fused-kernels triton: chunked LM-head cross-entropy
-    zero_precision: str = "autocast"  # hybrid: torch_autocast over fp32 weights, or DeepSpeed's 16-bit model
-    deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
-    zero_engine: str = "deepspeed"  # hybrid: deepspeed or fsdp2 (gpt2.engines.fsdp2_engine; see fsdp2_memory)
 
-    @property
-    def fsdp2(self) -> bool:
-        return self.mode == "hybrid" and self.zero_engine == "fsdp2"
-
-    @property
-    def dp(self) -> int:
-        return dp_size_of(self.world_size, self.tp)
-
-    @property
-    def layout(self) -> Layout:
-        # FSDP2 keeps only shards of the weights between steps at either stage (its 2 only keeps them gathered from
-        # forward to backward): the states of ZeRO-3; its traffic is `fsdp2_communication`'s
-        return Layout(dp=self.dp, tp=self.tp, zero_stage=3 if self.fsdp2 else self.zero_stage,
-                      sequence_parallel=self.sequence_parallel,
-                      activation_checkpointing=self.activation_checkpointing, micro_batches=self.grad_accum)
-
-    @property
-    def workload(self) -> Workload:
-        return Workload(batch=self.dp * self.micro_batch * self.grad_accum, seq_len=self.seq_len)
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.workload.batch * self.seq_len
-
-    @property
-    def label(self) -> str:
-        return run_label(self.mode, self.zero_stage, self.tp, self.sequence_parallel, self.zero_engine)
+def layout_label(layout: RunLayout) -> str:
+    return run_label(layout.mode, layout.zero_stage or 0, layout.tp_size, layout.sequence_parallel,
+                     layout.zero_engine or "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -161,36 +122,21 @@ class Numerics:
     comm: StateBytes  # bytes per element of the weights and gradients ZeRO/DDP communicate
 
 
-def numerics(s: Setup) -> Numerics:
-    if s.precision == "fp32":
+def numerics(layout: RunLayout) -> Numerics:
+    precision, mode = layout.precision, layout.mode
+    if precision == "fp32":
         fp32 = StateBytes(param_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4)
         return Numerics(fp32, 4, False, fp32)
-    if s.fsdp2:  # fp32 weights gathered and fp32 gradients reduced, autocast for compute (fsdp2_engine.mixed_precision)
+    if layout.fsdp2:  # fp32 weights gathered and fp32 gradients reduced, autocast for compute
+        # (fsdp2_engine.mixed_precision)
         return Numerics(AMP_FP32_WEIGHTS, 4, True, AMP_FP32_WEIGHTS)
-    if s.mode == "hybrid" and s.zero_precision == "deepspeed":  # a 16-bit model, fp32 master weights and moments
+    if mode == "hybrid" and layout.cfg.parallel.zero_precision == "deepspeed":  # a 16-bit model, fp32 master
+        # weights and moments
         return Numerics(MIXED_PRECISION, 2, False, MIXED_PRECISION)
-    if s.mode == "hybrid":  # DeepSpeed torch_autocast: Linear weights and gradients travel in 16 bits (the
+    if mode == "hybrid":  # DeepSpeed torch_autocast: Linear weights and gradients travel in 16 bits (the
         # embeddings and LayerNorms in fp32: not modelled, 5% of GPT-2 Large's parameters, 31% of GPT-2's)
         return Numerics(AMP_FP32_WEIGHTS, 4, True, MIXED_PRECISION)
     return Numerics(AMP_FP32_WEIGHTS, 4, True, AMP_FP32_WEIGHTS)  # torch.autocast over fp32 weights
-
-
-def setup_from_config(cfg: RunConfig, world_size: int) -> Setup:
-    """The flags as given (--grad-accum, --precision) on `world_size` GPUs; a launch plans `setup_for_run`."""
-    t, p = cfg.train, cfg.parallel
-    ds = DeepSpeedSettings()
-    if cfg.zero_engine == "deepspeed":
-        ds = DeepSpeedSettings.from_file(ds_config_file(p), p.zero3_fetch)
-    preset = MODEL_PRESETS[t.model]
-    custom = any(getattr(cfg.model, k) != v for k, v in preset.items() if k != "n_positions")
-    return Setup(
-        model=cfg.model, model_name="custom" if custom else t.model, seq_len=t.seq_len, micro_batch=t.batch_size,
-        world_size=world_size,
-        mode=t.mode, zero_stage=cfg.zero_stage or 0, tp=p.tp_size,
-        sequence_parallel=p.sequence_parallel, tp_overlap=p.tp_overlap,
-        activation_checkpointing=t.activation_checkpointing, grad_accum=t.grad_accum, precision=t.precision,
-        compile=t.compile, fused_loss=t.fused_kernels == "triton", deepspeed=ds, zero_precision=p.zero_precision,
-        zero_engine=p.zero_engine)
 
 
 # ---------------------------------------------------------------- memory
@@ -229,7 +175,7 @@ class MemoryPlan:
         return {**terms, "peak": self.peak / GIB}
 
 
-def zero3_held_params(s: Setup) -> float:
+def zero3_held_params(layout: RunLayout) -> float:
     """Elements of gathered weights ZeRO-3 keeps alive when backward starts.
 
     DeepSpeed releases a module's gathered weights after its forward unless one of them appears again
@@ -237,8 +183,8 @@ def zero3_held_params(s: Setup) -> float:
     backward in reverse); parameters under `stage3_param_persistence_threshold` are never partitioned.
     The LM head reuses the tied word embedding, so that one is held from the embedding onwards.
     """
-    cfg, ds = s.model, s.deepspeed
-    return _zero3_held(cfg.n_layer, cfg.n_embd, cfg.n_positions, cfg.padded_vocab_size, s.tp,
+    cfg, ds = layout.cfg.model, DeepSpeedSettings.of(layout)
+    return _zero3_held(cfg.n_layer, cfg.n_embd, cfg.n_positions, cfg.padded_vocab_size, layout.tp_size,
                        ds.param_persistence_threshold, ds.max_reuse_distance)
 
 
@@ -272,82 +218,83 @@ def _zero3_held(n_layer: int, d: int, n_positions: int, padded_vocab: int, t: in
     return sum(held.values())
 
 
-def zero3_persistent_params(s: Setup) -> float:
+def zero3_persistent_params(layout: RunLayout) -> float:
     """Elements of the parameters ZeRO-3 never partitions (each under `stage3_param_persistence_threshold`)."""
-    cfg, t, threshold = s.model, s.tp, s.deepspeed.param_persistence_threshold
+    cfg, t, threshold = layout.cfg.model, layout.tp_size, DeepSpeedSettings.of(layout).param_persistence_threshold
     d = cfg.n_embd
     block = [d, d, 3 * d * d / t, 3 * d / t, d * d / t, d, d, d, 4 * d * d / t, 4 * d / t, 4 * d * d / t, d]
     once = [cfg.padded_vocab_size * d / t, cfg.n_positions * d, d, d]
     return sum(n for n in once if n < threshold) + cfg.n_layer * sum(n for n in block if n < threshold)
 
 
-def loss_bytes(s: Setup, tokens: int, e: int) -> float:
+def loss_bytes(layout: RunLayout, tokens: int, e: int) -> float:
     """Peak bytes of the LM head's loss per GPU (see the module docstring)."""
-    cfg = s.model
+    cfg, t = layout.cfg.model, layout.cfg.train
     vp, v = cfg.padded_vocab_size, cfg.vocab_size
-    if s.tp > 1:
-        return tokens * vp / s.tp * (2 * FP32_BYTES + (e if e < FP32_BYTES else 0))
-    if s.fused_loss:
+    if layout.tp_size > 1:
+        return tokens * vp / layout.tp_size * (2 * FP32_BYTES + (e if e < FP32_BYTES else 0))
+    if t.fused_kernels == "triton":  # the chunked LM-head cross-entropy
         return CE_CHUNK_ELEMENTS * e + FP32_BYTES * vp * cfg.n_embd + FP32_BYTES * tokens * cfg.n_embd
-    if s.compile:
+    if t.compile:
         return tokens * vp * 2 * e
     return tokens * v * 3 * FP32_BYTES
 
 
-def predict_memory(s: Setup) -> MemoryPlan:
-    cfg, layout, num = s.model, s.layout, numerics(s)
+def predict_memory(layout: RunLayout) -> MemoryPlan:
+    cfg, tc, num = layout.cfg.model, layout.cfg.train, numerics(layout)
     e, r = num.states.activation_bytes, num.residual_bytes
-    states = memory_per_gpu(cfg, s.workload, layout, num.states)
-    b, seq, d, t = s.micro_batch, s.seq_len, cfg.n_embd, s.tp
-    sbh_shard = seq * b * d / (t if s.sequence_parallel else 1)  # one replicated [b, s, h] element count
-    layer = layer_activation_bytes(cfg, b, seq, t, s.sequence_parallel, activation_bytes=e, residual_bytes=r)
-    if s.compile:
+    states = memory_per_gpu(layout, num.states)
+    b, seq, d, t, sp = tc.batch_size, tc.seq_len, cfg.n_embd, layout.tp_size, layout.sequence_parallel
+    sbh_shard = seq * b * d / (t if sp else 1)  # one replicated [b, s, h] element count
+    layer = layer_activation_bytes(cfg, b, seq, t, sp, activation_bytes=e, residual_bytes=r)
+    if tc.compile:
         layer -= (r - e) * sbh_shard  # inductor keeps one fp32 residual-stream tensor in 16 bits
         if not num.autocast_copies:  # 16-bit model (DeepSpeed): the GELU output is recomputed in backward
             layer -= 4 * e * b * seq * d / t
-    if s.activation_checkpointing:
+    if tc.activation_checkpointing:
         activations = cfg.n_layer * r * sbh_shard + layer  # block inputs + one recomputed block
     else:
         activations = cfg.n_layer * layer
     activations += (r + e) * sbh_shard  # ln_f input (residual stream) and output
-    logits = loss_bytes(s, b * seq, e)
+    logits = loss_bytes(layout, b * seq, e)
 
-    n_local = stage_params(cfg, layout)
+    n_local = local_params(layout)
     copies = 0.0
     if num.autocast_copies:
         n_copied = n_local
-        if s.activation_checkpointing:  # recomputation makes the copies again, one block at a time
+        if tc.activation_checkpointing:  # recomputation makes the copies again, one block at a time
             n_copied = cfg.padded_vocab_size * d / t + (12 * d * d + 7 * d) / t
         copies = e * n_copied
     workspace = float(CUBLAS_WORKSPACE_BYTES)
     step_transient = 0.0
-    if s.fsdp2:
-        held, buffers = fsdp2_memory(s, n_local)
+    if layout.fsdp2:
+        held, buffers = fsdp2_memory(layout, n_local)
         copies += FP32_BYTES * held
         workspace += buffers
-    elif s.mode == "hybrid":
-        ds = s.deepspeed
+    elif layout.mode == "hybrid":
+        ds, zero = DeepSpeedSettings.of(layout), zero_stage_of(layout)
         workspace += ds.reduce_bucket_size * e
-        if s.zero_stage == 3:  # gathered weights held to their backward, in the weights' dtype
+        if zero == 3:  # gathered weights held to their backward, in the weights' dtype
             workspace += ds.prefetch_bucket_size * e
-            held = zero3_held_params(s)
+            held = zero3_held_params(layout)
             copies = copies + FP32_BYTES * held if num.autocast_copies else e * held
-        if s.precision != "fp32" and not num.autocast_copies:  # the 16-bit model's fp32 gradient copy
-            step_transient = FP32_BYTES * n_local / (s.dp if s.zero_stage >= 1 else 1)
+        if layout.precision != "fp32" and not num.autocast_copies:  # the 16-bit model's fp32 gradient copy
+            step_transient = FP32_BYTES * n_local / (layout.dp_size if zero >= 1 else 1)
     return MemoryPlan(states.params, states.grads, states.optimizer, activations, logits, copies, workspace,
                       step_transient)
 
 
-def fsdp2_units(s: Setup) -> tuple[float, float]:
+def fsdp2_units(layout: RunLayout) -> tuple[float, float]:
     """Elements of one rank's FSDP2 units (gpt2.engines.fsdp2_engine.shard_model): one transformer block (TP-local)
     and the root (token embedding shard, tied to the head; position embedding; final LayerNorm)."""
-    d, t = s.model.n_embd, s.tp
+    cfg, t = layout.cfg.model, layout.tp_size
+    d = cfg.n_embd
     block = (12 * d * d + 9 * d) / t + 4 * d  # c_attn, c_fc, both projections (their biases whole), two LayerNorms
-    root = s.model.padded_vocab_size * d / t + s.model.n_positions * d + 2 * d
+    root = cfg.padded_vocab_size * d / t + cfg.n_positions * d + 2 * d
     return block, root
 
 
-def fsdp2_memory(s: Setup, n_local: float) -> tuple[float, float]:
+def fsdp2_memory(layout: RunLayout, n_local: float) -> tuple[float, float]:
     """(fp32 elements of gathered weights held when backward starts, bytes of FSDP2's buffers), for `predict_memory`.
 
     --zero-stage 3 (reshard_after_forward=True): the root unit stays gathered from forward to backward (FSDP2 does
@@ -356,77 +303,69 @@ def fsdp2_memory(s: Setup, n_local: float) -> tuple[float, float]:
     model. Buffers: the unsharded fp32 gradients of the two blocks in flight before their reduce-scatter (with
     --grad-accum > 1 FSDP2 keeps every unsharded gradient across the micro-steps, without sync: all of them).
     """
-    block, root = fsdp2_units(s)
-    held = root + 2 * block if s.zero_stage == 3 else n_local
-    grads = n_local if s.grad_accum > 1 else 2 * block
+    block, root = fsdp2_units(layout)
+    held = root + 2 * block if layout.zero_stage == 3 else n_local
+    grads = n_local if layout.grad_accum > 1 else 2 * block
     return held, FP32_BYTES * grads
 
 
-def fsdp2_communication(s: Setup, ops: list[CommOp]) -> list[CommOp]:
+def fsdp2_communication(layout: RunLayout, ops: list[CommOp]) -> list[CommOp]:
     """perf_model's ZeRO DP collectives replaced by FSDP2's (fp32): each unit gathered before its forward on every
     micro-step and, at stage 3, again before its backward (not the root: FSDP2 keeps it gathered); the gradients
     reduce-scattered once a step (set_requires_gradient_sync(False) on the other micro-steps)."""
-    block, root = fsdp2_units(s)
-    n, m, param, grad = s.model.n_layer * block + root, s.grad_accum, FP32_BYTES, FP32_BYTES
+    block, root = fsdp2_units(layout)
+    n, m, dp = layout.cfg.model.n_layer * block + root, layout.grad_accum, layout.dp_size
     ops = [op for op in ops if op.group != "dp"]
-    if s.dp > 1:
-        ops.append(CommOp("FSDP2 param all-gather (fwd)", "dp", "all_gather", s.dp, n * param, m))
-        if s.zero_stage == 3:
-            ops.append(CommOp("FSDP2 param all-gather (bwd)", "dp", "all_gather", s.dp, (n - root) * param, m))
-        ops.append(CommOp("FSDP2 grad reduce-scatter", "dp", "reduce_scatter", s.dp, n * grad, 1))
+    if dp > 1:
+        ops.append(CommOp("FSDP2 param all-gather (fwd)", "dp", "all_gather", dp, n * FP32_BYTES, m))
+        if layout.zero_stage == 3:
+            ops.append(CommOp("FSDP2 param all-gather (bwd)", "dp", "all_gather", dp, (n - root) * FP32_BYTES, m))
+        ops.append(CommOp("FSDP2 grad reduce-scatter", "dp", "reduce_scatter", dp, n * FP32_BYTES, 1))
     return ops
-
-
-def checkpoint_bytes(s: Setup) -> float:
-    """One checkpoint's size, every rank's files together: the weights and optimizer states each GPU holds, each
-    distinct shard once (data-parallel replicas save theirs once; the per-rank RNG files are a few KB). GPT-2 tiny
-    single: 40.03 MB predicted, 40.08 MB written."""
-    mem = predict_memory(s)
-    zero = 3 if s.fsdp2 else s.zero_stage  # 0 unless hybrid (Setup); FSDP2 saves sharded weights at either stage
-    return s.tp * (mem.params * (s.dp if zero == 3 else 1) + mem.optimizer * (s.dp if zero >= 1 else 1))
 
 
 # ---------------------------------------------------------------- communication
 
-def predict_communication(s: Setup) -> list[CommOp]:
+def predict_communication(layout: RunLayout) -> list[CommOp]:
     """Collectives one GPU takes part in per optimizer step: perf_model's, plus our TP implementation's extras."""
-    num = numerics(s)
-    ops = step_communication(s.model, s.workload, s.layout, num.comm)
-    if s.fsdp2:
-        ops = fsdp2_communication(s, ops)
-    elif s.zero_stage == 3 and s.dp > 1:  # zero_stage is 0 unless hybrid (Setup)
-        ops = zero3_gathers(s, ops, num.comm.param_bytes)
-    if s.tp > 1:
-        t, m, tokens = s.tp, s.grad_accum, s.micro_batch * s.seq_len
-        if s.activation_checkpointing and s.model.dropout == 0:
+    num, cfg, tc = numerics(layout), layout.cfg.model, layout.cfg.train
+    ops = step_communication(layout, num.comm)
+    if layout.fsdp2:
+        ops = fsdp2_communication(layout, ops)
+    elif layout.zero_stage == 3 and layout.dp_size > 1:
+        ops = zero3_gathers(layout, ops, num.comm.param_bytes)
+    if layout.tp_size > 1:
+        t, m, tokens = layout.tp_size, layout.grad_accum, tc.batch_size * tc.seq_len
+        if tc.activation_checkpointing and cfg.dropout == 0:
             # perf_model counts Megatron's full recomputed forward (2 more collectives per layer). torch's
             # non-reentrant checkpoint stops recomputing at the block's last saved tensor (the MLP c_proj
             # input), so the MLP output's all-reduce / reduce-scatter is not rerun (its dropout mask would be)
-            skip = "activation reduce-scatter (SP)" if s.sequence_parallel else "activation all-reduce"
-            ops = [replace(op, calls=op.calls - m * s.model.n_layer) if op.name == skip else op for op in ops]
-        act = tokens * s.model.n_embd * num.states.activation_bytes
+            skip = "activation reduce-scatter (SP)" if layout.sequence_parallel else "activation all-reduce"
+            ops = [replace(op, calls=op.calls - m * cfg.n_layer) if op.name == skip else op for op in ops]
+        act = tokens * cfg.n_embd * num.states.activation_bytes
         ops.append(CommOp("top-1 all-reduce (int64)", "tp", "all_reduce", t, tokens * 8, m))
-        if s.sequence_parallel:
-            d, L = s.model.n_embd, s.model.n_layer
+        if layout.sequence_parallel:
+            d, L = cfg.n_embd, cfg.n_layer
             ops.append(CommOp("position-embedding grad all-gather (SP)", "tp", "all_gather", t,
-                              s.seq_len * d * num.states.activation_bytes, m))
+                              tc.seq_len * d * num.states.activation_bytes, m))
             # DDP/single/FSDP2: one coalesced all-reduce after the last micro-step; DeepSpeed: per-parameter hooks
             # in every backward (ZeRO consumes gradients during backward), so once per micro-step
             ops.append(CommOp("SP replicated-param grad all-reduce", "tp", "all_reduce", t,
-                              (6 * L + 2) * d * num.states.grad_bytes, m if s.mode == "hybrid" and not s.fsdp2 else 1))
-            if s.tp_overlap:  # the overlapped backward re-gathers c_attn's and the LM head's inputs
+                              (6 * L + 2) * d * num.states.grad_bytes,
+                              m if layout.mode == "hybrid" and not layout.fsdp2 else 1))
+            if layout.cfg.parallel.tp_overlap:  # the overlapped backward re-gathers c_attn's and the LM head's inputs
                 ops.append(CommOp("recomputed input all-gather (SP overlap)", "tp", "all_gather", t, act,
                                   m * (L + 1)))
     return ops
 
 
-def zero3_gathers(s: Setup, ops: list[CommOp], param_bytes: int) -> list[CommOp]:
+def zero3_gathers(layout: RunLayout, ops: list[CommOp], param_bytes: int) -> list[CommOp]:
     """perf_model's ZeRO-3 all-gathers (every weight in forward and again in backward), as DeepSpeed runs them
     after its first step (the one that records the parameter trace and gathers every use separately):
     persistent parameters are not gathered in forward or backward but refreshed once after the optimizer step;
     weights reused within `stage3_max_reuse_distance` stay gathered from forward to backward
     (`zero3_held_params`, the memory model's term), so backward gathers only the others."""
-    persistent, held = zero3_persistent_params(s), zero3_held_params(s)
+    persistent, held = zero3_persistent_params(layout), zero3_held_params(layout)
     out = []
     for op in ops:
         if op.name == "param all-gather (fwd)":
@@ -458,7 +397,7 @@ def payload_by_collective(ops: list[CommOp], group: str) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Plan:
-    setup: Setup
+    layout: RunLayout
     memory: MemoryPlan
     comm: list[CommOp]
     gpu_memory_gib: float
@@ -467,6 +406,15 @@ class Plan:
     @property
     def fits(self) -> bool:
         return self.memory.peak / GIB <= self.gpu_memory_gib * (1 - self.headroom)
+
+    @property
+    def checkpoint_bytes(self) -> float:
+        """One checkpoint's size, every rank's files together: the weights and optimizer states each GPU holds, each
+        distinct shard once (data-parallel replicas save theirs once; the per-rank RNG files are a few KB). GPT-2
+        tiny single: 40.03 MB predicted, 40.08 MB written."""
+        layout, mem = self.layout, self.memory
+        zero, dp = zero_stage_of(layout), layout.dp_size
+        return layout.tp_size * (mem.params * (dp if zero == 3 else 1) + mem.optimizer * (dp if zero >= 1 else 1))
 
     def record(self) -> dict[str, Any]:
         """Flat `plan/...` keys for the summary record, JSONL and wandb."""
@@ -481,8 +429,8 @@ class Plan:
         return out
 
 
-def make_plan(s: Setup, gpu_memory_gib: float) -> Plan:
-    return Plan(s, predict_memory(s), predict_communication(s), gpu_memory_gib)
+def make_plan(layout: RunLayout, gpu_memory_gib: float) -> Plan:
+    return Plan(layout, predict_memory(layout), predict_communication(layout), gpu_memory_gib)
 
 
 def device_memory_gib(requested: float | None) -> float:
@@ -497,12 +445,13 @@ def device_memory_gib(requested: float | None) -> float:
 
 
 def format_plan(plan: Plan) -> str:
-    s, m = plan.setup, plan.memory
+    layout, m = plan.layout, plan.memory
+    cfg, t = layout.cfg.model, layout.cfg.train
     lines = [
-        f"plan: {s.model_name} ({s.model.n_layer} layers, d={s.model.n_embd}, {s.model.n_head} heads), {s.label}, "
-        f"{s.world_size} GPUs (tp {s.tp} x dp {s.dp}), micro-batch {s.micro_batch} x accum {s.grad_accum}, "
-        f"seq {s.seq_len}, {s.precision}{', compile' if s.compile else ''}"
-        f"{', activation checkpointing' if s.activation_checkpointing else ''}",
+        f"plan: {model_name(layout.cfg)} ({cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head} heads), "
+        f"{layout_label(layout)}, {layout.world_size} GPUs (tp {layout.tp_size} x dp {layout.dp_size}), micro-batch "
+        f"{t.batch_size} x accum {layout.grad_accum}, seq {t.seq_len}, {layout.precision}"
+        f"{', compile' if t.compile else ''}{', activation checkpointing' if t.activation_checkpointing else ''}",
         "memory per GPU (GiB):",
     ]
     names = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
@@ -522,20 +471,14 @@ def format_plan(plan: Plan) -> str:
     for op in plan.comm:
         lines.append(f"  {op.group} {op.name:<42} {op.calls:5d} x {op.message_bytes / 2**20:10.2f} MiB  "
                      f"wire {op.wire_bytes / GIB:8.3f} GiB")
-    if s.tp > 1:
+    if layout.tp_size > 1:
         lines.append(f"  TP payload (what CommStats counts): {tp_payload_bytes(plan.comm) / GIB:.3f} GiB")
     return "\n".join(lines)
 
 
-def setup_for_run(layout: RunLayout) -> Setup:
-    """The resolved run: its gradient accumulation (from --global-batch-size) and the precision that runs."""
-    return replace(setup_from_config(layout.cfg, layout.world_size), grad_accum=layout.grad_accum,
-                   precision=layout.precision)
-
-
 def plan_for_run(layout: RunLayout) -> Plan:
     """The plan of a launched run (CPU runs train in fp32 whatever --precision says: the layout's precision)."""
-    return make_plan(setup_for_run(layout), device_memory_gib(layout.cfg.plan.gpu_memory_gib))
+    return make_plan(layout, device_memory_gib(layout.cfg.plan.gpu_memory_gib))
 
 
 def compare_with_run(plan: Plan, summary: dict[str, Any], tp_bytes_per_step: dict[str, float] | None,
@@ -550,7 +493,7 @@ def compare_with_run(plan: Plan, summary: dict[str, Any], tp_bytes_per_step: dic
     on_gpu = summary.get("device", "cpu") != "cpu"
     out["plan/measured_peak_gib"] = measured if on_gpu else None
     out["plan/peak_error"] = (plan.memory.peak / GIB - measured) / measured if on_gpu and measured else None
-    if plan.setup.tp > 1:
+    if plan.layout.tp_size > 1:
         if tp_bytes_per_step is None:
             out["plan/measured_tp_payload_bytes"] = None
             out["plan/comm_note"] = "TP bytes not measured: the engine exposes no CommStats; predicted only"
@@ -596,31 +539,48 @@ class Candidate:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.plan.setup.tokens_per_step / self.step_s
+        return self.plan.layout.tokens_per_step / self.step_s
 
 
 def step_time(plan: Plan, hw: Hardware) -> Candidate:
-    s = plan.setup
-    flops = hardware_flops_per_token(s.model, s.seq_len, s.activation_checkpointing) * s.tokens_per_step
-    compute = flops / (s.world_size * hw.achievable_tflops * 1e12)
+    layout, t = plan.layout, plan.layout.cfg.train
+    flops = (hardware_flops_per_token(layout.cfg.model, t.seq_len, t.activation_checkpointing)
+             * layout.tokens_per_step)
+    compute = flops / (layout.world_size * hw.achievable_tflops * 1e12)
     intra, inter = hw.busbw_intra_gbs * 1e9, hw.busbw_inter_gbs * 1e9
-    dp_bw = intra if s.world_size <= hw.gpus_per_node else inter
+    dp_bw = intra if layout.world_size <= hw.gpus_per_node else inter
     tp_s = sum(op.time(intra) for op in plan.comm if op.group == "tp")
     dp_s = sum(op.time(dp_bw) for op in plan.comm if op.group == "dp")
     return Candidate(plan, compute, tp_s, dp_s)
 
 
-def search(base: Setup, global_batch: int, hw: Hardware) -> list[Candidate]:
-    """Every layout of `base.world_size` GPUs that fits, fastest first (ties: less memory first).
+def candidate_layout(cfg: RunConfig, world_size: int, mode: str, zero_stage: int, tp_size: int,
+                     sequence_parallel: bool, activation_checkpointing: bool, micro_batch: int,
+                     grad_accum: int) -> RunLayout:
+    """`cfg` with the layout flags a search varies, compiled per block (torch.compile, no fused loss), resolved on
+    `world_size` GPUs as its launch would be: the same RunLayout, DeepSpeed file (that --zero-stage's stock one)
+    and checks."""
+    t, p = cfg.train, cfg.parallel
+    train = replace(t, mode=mode, batch_size=micro_batch, grad_accum=grad_accum, global_batch_size=None,
+                    activation_checkpointing=activation_checkpointing, compile=True, compiler="torch",
+                    compile_scope=resolve_compile_scope("auto", mode, tp_size, "torch"),
+                    fused_kernels="none" if t.fused_kernels == "triton" else t.fused_kernels)
+    parallel = replace(p, tp_size=tp_size, sequence_parallel=sequence_parallel, ds_config=None,
+                       zero_stage=zero_stage if mode == "hybrid" else p.zero_stage)
+    return RunLayout.resolve(replace(cfg, train=train, parallel=parallel), world_size, "cuda")
+
+
+def search(cfg: RunConfig, world_size: int, global_batch: int, hw: Hardware) -> list[Candidate]:
+    """Every layout of `world_size` GPUs that fits, fastest first (ties: less memory first).
 
     Varied: mode (DDP, ZeRO-1/2/3), TP size (dividing heads, width and vocab; within a node), sequence
     parallelism, activation checkpointing, micro-batch (powers of two and the whole per-replica batch; the
     rest is gradient accumulation). --compile is on everywhere (ZeRO-3 compiles its blocks inside per-block gathers).
     """
     out = []
-    g = base.world_size
+    g = world_size
     for tp in (t for t in (1, 2, 4, 8)
-               if tp_divides_world(g, t) and t <= hw.gpus_per_node and tp_divides_model(base.model, t)):
+               if tp_divides_world(g, t) and t <= hw.gpus_per_node and tp_divides_model(cfg.model, t)):
         dp = dp_size_of(g, tp)
         if global_batch % dp:
             continue
@@ -630,21 +590,21 @@ def search(base: Setup, global_batch: int, hw: Hardware) -> list[Candidate]:
         modes = [("baseline", 0)] + [("hybrid", z) for z in (1, 2, 3)]
         for (mode, zero), sp, ckpt, mb in (
                 (m, sp, c, mb) for m in modes for sp in ({False, tp > 1}) for c in (False, True) for mb in micros):
-            if sp and not sequence_splits(base.seq_len, tp):
+            if sp and not sequence_splits(cfg.train.seq_len, tp):
                 continue
-            s = replace(base, mode=mode, zero_stage=zero, tp=tp, sequence_parallel=sp, activation_checkpointing=ckpt,
-                        micro_batch=mb, grad_accum=per_replica // mb, compile=True, fused_loss=False)
-            plan = make_plan(s, hw.gpu_memory_gib)
+            layout = candidate_layout(cfg, g, mode, zero, tp, sp, ckpt, mb, per_replica // mb)
+            plan = make_plan(layout, hw.gpu_memory_gib)
             if plan.fits:
                 out.append(step_time(plan, hw))
     return sorted(out, key=lambda c: (c.step_s, c.plan.memory.peak))
 
 
-def format_search(base: Setup, global_batch: int, hw: Hardware, ranked: list[Candidate], top: int = 10) -> str:
-    cfg = base.model
-    lines = [f"search: {base.model_name} ({cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head} heads), "
-             f"{base.world_size} GPUs of {hw.gpu_memory_gib:g} GiB, global batch {global_batch} x seq "
-             f"{base.seq_len}, {base.precision}", hw.describe()]
+def format_search(cfg: RunConfig, world_size: int, global_batch: int, hw: Hardware, ranked: list[Candidate],
+                  top: int = 10) -> str:
+    m = cfg.model
+    lines = [f"search: {model_name(cfg)} ({m.n_layer} layers, d={m.n_embd}, {m.n_head} heads), "
+             f"{world_size} GPUs of {hw.gpu_memory_gib:g} GiB, global batch {global_batch} x seq "
+             f"{cfg.train.seq_len}, {cfg.train.precision}", hw.describe()]
     if not ranked:
         lines.append("no layout fits; try more GPUs, a smaller global batch or a shorter sequence")
         return "\n".join(lines)
@@ -653,11 +613,12 @@ def format_search(base: Setup, global_batch: int, hw: Hardware, ranked: list[Can
                  "| step s | tokens/s |")
     lines.append("|" + "---|" * 11)
     for i, c in enumerate(ranked[:top], 1):
-        s = c.plan.setup
-        lines.append(f"| {i} | {s.label} | {s.tp} x {s.dp} | {s.micro_batch} x {s.grad_accum} | "
-                     f"{'yes' if s.activation_checkpointing else 'no'} | {c.plan.memory.peak / GIB:.1f} | "
-                     f"{c.compute_s:.3f} | {c.tp_comm_s:.3f} | {c.dp_comm_s:.3f} | {c.step_s:.3f} | "
-                     f"{c.tokens_per_s:,.0f} |")
+        layout = c.plan.layout
+        lines.append(f"| {i} | {layout_label(layout)} | {layout.tp_size} x {layout.dp_size} | "
+                     f"{layout.cfg.train.batch_size} x {layout.grad_accum} | "
+                     f"{'yes' if layout.cfg.train.activation_checkpointing else 'no'} | "
+                     f"{c.plan.memory.peak / GIB:.1f} | {c.compute_s:.3f} | {c.tp_comm_s:.3f} | {c.dp_comm_s:.3f} | "
+                     f"{c.step_s:.3f} | {c.tokens_per_s:,.0f} |")
     return "\n".join(lines)
 
 
@@ -670,22 +631,23 @@ def run_plan_cli(cfg: RunConfig) -> int:
     pc = cfg.plan
     try:
         world = planned_world_size(pc.gpus)
-        if pc.search:  # it varies the layout itself; the given tp-size must still fit the world
+        # --search varies the layout itself (each candidate resolved as its launch would be); the given tp-size must
+        # still fit the world. A plain plan makes the launch-time checks, and --global-batch-size -> grad_accum for
+        # this world size, on GPUs.
+        if pc.search:
             check_tp_divides_world(world, cfg.parallel.tp_size)
-            base = setup_from_config(cfg, world)
-        else:  # the launch-time checks, and --global-batch-size -> grad_accum for this world size, on GPUs
-            base = setup_for_run(RunLayout.resolve(cfg, world, "cuda"))
+        else:
+            layout = RunLayout.resolve(cfg, world, "cuda")
     except ConfigError as err:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2
     memory = device_memory_gib(pc.gpu_memory_gib)
     if not pc.search:
-        print(format_plan(make_plan(base, memory)))
+        print(format_plan(make_plan(layout, memory)))
         return 0
     intra, inter = (pc.busbw_gbs + pc.busbw_gbs[-1:])[:2]
     hw = Hardware(gpu_memory_gib=memory, achievable_tflops=pc.achievable_tflops, busbw_intra_gbs=intra,
                   busbw_inter_gbs=inter)
     global_batch = cfg.train.global_batch_size or cfg.train.batch_size * world
-    print(format_search(base, global_batch, hw, search(base, global_batch, hw)))
+    print(format_search(cfg, world, global_batch, hw, search(cfg, world, global_batch, hw)))
     return 0
-

@@ -124,7 +124,7 @@ def shutdown_distributed(all_ranks_finished: bool) -> None:
 
 
 def run_as_process(main: Callable[[], int]) -> None:
-    """Run a launched entry point (train.py, benchmarks.hf_reference, the ZeRO host-cost repro and host profile) and
+    """Run a launched entry point (train.py, tools.hf_reference, the ZeRO host-cost repro and host profile) and
     exit with its status.
 
     faulthandler: a crash in native code (segfault, std::terminate) prints every thread's Python stack on each rank.

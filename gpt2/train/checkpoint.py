@@ -475,7 +475,7 @@ def check_weights_finite(ctx: DistContext, engine: Engine, step: int, save_dir: 
 def save_checkpoint(layout: RunLayout, ctx: DistContext, engine: Engine, train_loader: BatchLoader, step: int,
                     checkpoint_size: float, keep_last: int | None = None) -> Path:
     """Write <save_dir>/step-XXXXXX atomically and point `latest` at it (collective). `checkpoint_size`: the
-    planner's estimate in bytes (`gpt2.planning.planner.checkpoint_bytes`, made by train.py), for a full disk's
+    planner's estimate in bytes (`gpt2.planning.planner.Plan.checkpoint_bytes`, made by train.py), for a full disk's
     message."""
     save_dir = Path(layout.cfg.checkpoint.save_dir)
     check_weights_finite(ctx, engine, step, save_dir)

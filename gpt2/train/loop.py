@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from fused_kernels.attention import AttentionChoice
 from gpt2.config.layout import RunLayout
-from gpt2.config.schema import DEEPCOMPILE_RECOMPILE_STEP, RunConfig, TrainConfig
+from gpt2.config.schema import RunConfig
 from gpt2.data.loader import DataBundle
 from gpt2.engines.base import Engine
 from gpt2.engines.guard import GuardReading, install_fault_injection
@@ -32,7 +32,7 @@ from gpt2.observe.metrics import (
     device_peak_tflops,
     host_cpu,
 )
-from gpt2.observe.profiling import PROFILED_STEPS, StepProfiler
+from gpt2.observe.profiling import StepProfiler
 from gpt2.observe.run_logging import MetricsLogger, log
 from gpt2.runtime.distributed import DistContext
 from gpt2.train.checkpoint import Checkpointer
@@ -155,31 +155,6 @@ def step_record(layout: RunLayout, ctx: DistContext, engine: Engine, meter: Thro
             "tokens_seen": step * layout.tokens_per_step}
 
 
-def untimed_steps(t: TrainConfig) -> int:
-    """Steps of a run (from its start) that tokens/s and MFU leave out: the warm-up, then any profiled steps."""
-    return t.throughput_warmup_steps + (PROFILED_STEPS if t.profile else 0)
-
-
-def _warn_about_settings(layout: RunLayout, start_step: int) -> None:
-    cfg, t = layout.cfg, layout.cfg.train
-    if t.max_steps - start_step <= untimed_steps(t):
-        log.warning("all %d steps are throughput warm-up%s: no tokens/s or MFU; raise --max-steps above %d",
-                    t.max_steps - start_step, f" or profiled ({PROFILED_STEPS} after --throughput-warmup-steps)"
-                    if t.profile else "", start_step + untimed_steps(t))
-    if cfg.model.dropout > 0 and layout.tp_size > 1:  # no Megatron-style per-TP-rank RNG tracker here
-        log.warning("--dropout %g with --tp-size %d: every rank draws from one RNG stream, so dropout masks repeat "
-                    "across TP ranks' heads (and sequence shards with SP): correlated, unlike single's; training "
-                    "stays consistent across ranks but is not the same function as --mode single", cfg.model.dropout,
-                    layout.tp_size)
-    if layout.deepcompile and t.throughput_warmup_steps <= DEEPCOMPILE_RECOMPILE_STEP < t.max_steps - start_step:
-        log.warning("--throughput-warmup-steps %d: tokens/s and MFU count DeepCompile's second compile (after step "
-                    "%d, minutes on a large model); use --throughput-warmup-steps %d or more for its trained speed",
-                    t.throughput_warmup_steps, DEEPCOMPILE_RECOMPILE_STEP, DEEPCOMPILE_RECOMPILE_STEP + 1)
-    if t.warmup_steps > t.max_steps:
-        log.warning("--warmup-steps %d exceeds --max-steps %d: the LR never reaches --lr %g", t.warmup_steps,
-                    t.max_steps, t.lr)
-
-
 def _save_unless_skipped(checkpointer: Checkpointer, step: int, reading: GuardReading) -> tuple[Path | None, bool]:
     """Save after `step` if its update was applied; returns (the checkpoint, whether a save is still owed)."""
     if reading.streak:
@@ -220,7 +195,7 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
     meter = ThroughputMeter(
         tokens_per_step=layout.tokens_per_step, flops_per_token=flops_per_token(cfg.model, t.seq_len),
         hw_flops_per_token=hardware_flops_per_token(cfg.model, t.seq_len, t.activation_checkpointing),
-        n_devices=ctx.world_size, peak_tflops=peak, warmup_steps=start_step + untimed_steps(t))
+        n_devices=ctx.world_size, peak_tflops=peak, warmup_steps=start_step + t.untimed_steps)
     timer = StepTimer(ctx.device)
     memory = PeakMemory(ctx.device)
     log.info("tokens/step %d (dp %d x batch %d x accum %d x seq %d); FLOPs/token %.3e; peak %s TFLOP/s",
@@ -232,7 +207,8 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
     # the profiler counts the steps this process runs, as untimed_steps does: a resumed run profiles its own
     # steps W+2..W+4 after its start, the ones tokens/s leaves out
     profiler = StepProfiler(t.profile, recorder.run_dir, t.throughput_warmup_steps, ctx.device, engine.module)
-    _warn_about_settings(layout, start_step)
+    for warning in layout.warnings(start_step):
+        log.warning("%s", warning)
     guard = engine.guard
     install_fault_injection(engine.module, layout.grad_accum, start_step, ctx.rank)
     last: dict[str, Any] = {}

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.common import torchrun
 from gpt2.config.schema import ModelConfig
 from gpt2.model.gpt import GPT
 from gpt2.runtime.compiling import compile_whole
+from tools.common import torchrun
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 ROOT = Path(__file__).resolve().parents[2]

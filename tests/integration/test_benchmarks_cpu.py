@@ -17,9 +17,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from benchmarks import tp_scaling, train_sweep
-from benchmarks.common import ROOT, free_port
+from benchmarks import tp_scaling
 from gpt2.observe.metrics import host_cpu
+from tools import train_sweep
+from tools.common import ROOT, free_port
 
 TINY = ["--model", "gpt2-tiny", "--seq-len", "32", "--steps", "3", "--warmup", "1", "--log-interval", "1",
         "--device", "cpu", "--precision", "fp32", "--peak-tflops", "1", "--fused", "none"]
@@ -57,7 +58,7 @@ def test_sweep_cpu_runs_modes_and_hf_reference(tmp_path, cpu_env):
     table = (tmp_path / "sweep.md").read_text()
     assert all(f"| {name} |" in table for name in ("DDP", "ZeRO-3", "HF transformers ZeRO-3"))
     assert all((tmp_path / name).stat().st_size > 0 for name in ("tokens_vs_memory.png", "mfu.png", "loss.png"))
-    assert (tmp_path / "report.md").read_text().count("| 2 | 2 |") == 3  # benchmarks.report: GPUs, batch/GPU
+    assert (tmp_path / "report.md").read_text().count("| 2 | 2 |") == 3  # tools.report: GPUs, batch/GPU
     # the reference run folder has train.py's schema for everything a comparison reads
     ours = json.loads((tmp_path / "runs" / "baseline-none-b2" / "summary.json").read_text())
     theirs = json.loads((tmp_path / "runs" / "hf-zero3-b2" / "summary.json").read_text())
@@ -125,7 +126,7 @@ def test_sweep_dry_run_prints_commands(capsys):
     assert len(lines) == 3  # hybrid-tp2-sp x {none, triton}, hf-zero3 once (no fused kernels)
     assert all("--standalone --nproc_per_node=4" in line and "--model gpt2-large" in line for line in lines)
     assert "--tp-size 2 --sequence-parallel" in lines[0] and "--fused-kernels triton" in lines[2]
-    assert lines[0].endswith("--compile") and "-m benchmarks.hf_reference --mode zero3" in lines[1]
+    assert lines[0].endswith("--compile") and "-m tools.hf_reference --mode zero3" in lines[1]
     assert "--compile" not in lines[1] and "--fused-kernels" not in lines[1]
 
 
@@ -165,9 +166,9 @@ def test_tp_scaling_cpu(tmp_path):
 def test_nanogpt_reference_model_is_gpt2_with_our_parameter_count():
     """The compact floor model trains the same architecture: same parameter count as ours (tied embeddings,
     padded vocabulary) and a first loss of about ln V at GPT-2's initialisation."""
-    from benchmarks.nanogpt_reference import CompactGPT
     from gpt2.config.schema import MODEL_PRESETS, ModelConfig
     from gpt2.model.gpt import GPT
+    from tools.nanogpt_reference import CompactGPT
 
     cfg = ModelConfig(**MODEL_PRESETS["gpt2-tiny"])
     torch.manual_seed(0)
@@ -257,7 +258,7 @@ def test_a_signalled_tool_ends_its_launches_and_starts_no_more(tmp_path: Path, s
     tool = f"""import sys
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
-from benchmarks import common
+from tools import common
 common.STOP_GRACE_S = 1.0
 common.stop_launches_on_signal()
 with ThreadPoolExecutor(max_workers=1) as pool:  # as the parity tool: one running, two queued, results awaited
@@ -298,4 +299,4 @@ def test_sweep_refuses_a_missing_parity_file_before_any_run(tmp_path: Path, caps
     its runs and then crashed reading the file)."""
     with pytest.raises(SystemExit):
         train_sweep.parse_args(["--parity", str(tmp_path / "nope" / "parity.csv")])
-    assert "no such file; run python -m benchmarks.parity first" in capsys.readouterr().err
+    assert "no such file; run python -m tools.parity first" in capsys.readouterr().err

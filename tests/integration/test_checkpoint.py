@@ -19,7 +19,7 @@ import torch
 import gpt2.train.checkpoint
 from gpt2.config.cli import parse_args
 from gpt2.config.layout import RunLayout
-from gpt2.planning.planner import checkpoint_bytes, setup_for_run
+from gpt2.planning.planner import plan_for_run
 from gpt2.train.checkpoint import EXIT_SAVE_FAILED, CheckpointError, build_meta, check_compatible, resolve_resume
 from tests.train_runs import (
     TINY_ARGS,
@@ -312,12 +312,12 @@ def test_too_little_space_for_a_checkpoint_fails_at_start_up(tmp_path: Path, cap
     layout = RunLayout.resolve(parse_args(COMMON + ["--save-dir", str(tmp_path / "ck"), "--save-interval", "1"]),
                                world_size=1, device="cpu")
     gpt2.train.checkpoint.check_save_space(layout, start_step=0,
-                                           checkpoint_size=checkpoint_bytes(setup_for_run(layout)))
+                                           checkpoint_size=plan_for_run(layout).checkpoint_bytes)
     assert "the 8 checkpoints this run keeps need about 0.30 GiB" in warned[0] and "--keep-last" in warned[0]
     layout = RunLayout.resolve(parse_args(COMMON + ["--save-dir", str(tmp_path / "ck"), "--save-interval", "1",
                                                     "--keep-last", "1"]), world_size=1, device="cpu")
     gpt2.train.checkpoint.check_save_space(layout, start_step=0,
-                                           checkpoint_size=checkpoint_bytes(setup_for_run(layout)))  # 2 fit
+                                           checkpoint_size=plan_for_run(layout).checkpoint_bytes)  # 2 fit
     assert len(warned) == 1
 
 

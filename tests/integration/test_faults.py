@@ -15,12 +15,12 @@ GPT2_TEST_KILL_AT) and the outcome this file asserts:
 In every case the resumed run's losses equal the uninterrupted run's (bit-identical, CPU fp32), and the save
 dir ends with `latest` and the newest checkpoint only: no `.tmp`, `.deleting` or `latest.pending` left.
 
-- 20 SIGKILLs of one run at random instants (0-0.4 s after each launch's first step record: inside a step, a save
-  or a prune), each followed by `--resume auto` -> every step any launch logged equals the uninterrupted run's
-  (bit-identical), and the run finishes with `latest` and its last checkpoint only.
+- 8 SIGKILLs of one run at random instants (0-0.4 s after each launch's first step record, one in each eighth of
+  that window: inside a step, a save or a prune), each followed by `--resume auto` -> every step any launch logged
+  equals the uninterrupted run's (bit-identical), and the run finishes with `latest` and its last checkpoint only.
 
 The same with 2 gloo ranks under torchrun, DDP and ZeRO-3, in tests/integration/test_faults_ddp.py and
-tests/integration/test_faults_zero3.py (tests/fault_chain.py): every one of the 12 stages and 20 random kills (the whole
+tests/integration/test_faults_zero3.py (tests/fault_chain.py): every one of the 12 stages and 8 random kills (the whole
 job, or one rank) chained in one run, each launch resuming from the newest complete checkpoint (the stage
 outcomes above) within 1e-6 of the uninterrupted run. The commit stages (from meta-written on) run on rank 0
 alone; at tmp-created rank 0 dies, at rank-state-written and model-state-written every rank does.
@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from gpt2.train.checkpoint import FAULT_ENV, SAVE_STAGES
+from tests.fault_chain import RANDOM_WINDOW_S, kill_delays
 from tests.train_runs import (
     ROOT,
     TINY_ARGS,
@@ -110,21 +111,22 @@ def test_a_kill_before_the_rename_after_resuming_from_a_pending_checkpoint_resum
 
 @pytest.mark.slow
 @pytest.mark.soak
-def test_twenty_kills_at_random_instants_then_resume_auto_each_time(tmp_path: Path) -> None:
-    """One run SIGKILLed again and again at a random instant (0-0.4 s after its first new step record: inside a
-    step, a save or a prune), each time continued with --resume auto, until 20 kills; then it finishes. Every
-    step any of its processes logged equals the uninterrupted run's (bit-identical)."""
+def test_kills_at_random_instants_then_resume_auto_each_time(tmp_path: Path) -> None:
+    """One run SIGKILLed again and again at a random instant (0-0.4 s after its first new step record, the instants
+    spread over that window by kill_delays: inside a step, a save or a prune), each time continued with --resume
+    auto, until 8 kills; then it finishes. Every step any of its processes logged equals the uninterrupted run's
+    (bit-identical)."""
     import random
     import signal
     import time
 
-    steps = 60
+    steps, n_kills = 30, 8
     args = [a if a != "4" else str(steps) for a in ARGS]  # --max-steps
     run_train(args + ["--run-name", "full", "--save-dir", str(tmp_path / "ck-full")], tmp_path)
     reference = step_values(tmp_path / "full", "loss")
     assert len(reference) == steps
     ck, out = tmp_path / "ck", tmp_path / "runs"
-    rng = random.Random(17)
+    delays = kill_delays(n_kills, random.Random(17), RANDOM_WINDOW_S)
     kills, cycles = 0, 0
     while True:
         cycles += 1
@@ -134,14 +136,14 @@ def test_twenty_kills_at_random_instants_then_resume_auto_each_time(tmp_path: Pa
                                                                  "--resume", "auto", "--out-dir", str(out)]
         proc = subprocess.Popen(cmd, env=train_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True)
-        if kills < 20:
+        if kills < n_kills:
             deadline = time.monotonic() + 120
             while proc.poll() is None and time.monotonic() < deadline:
                 new = [p / "metrics.jsonl" for p in out.glob("r*") if p.name not in before]
                 if new and new[0].is_file() and '"type": "step"' in new[0].read_text():
                     break
                 time.sleep(0.02)
-            time.sleep(rng.uniform(0.0, 0.4))
+            time.sleep(delays[kills])
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 kills += 1
@@ -149,7 +151,7 @@ def test_twenty_kills_at_random_instants_then_resume_auto_each_time(tmp_path: Pa
         if proc.returncode == 0:
             break
         assert proc.returncode == -9, f"rc {proc.returncode}: {err[-3000:]}"
-    assert kills >= 20
+    assert kills == n_kills
     checked = 0
     for run in out.iterdir():
         for r in read_killed_records(run):  # only a killed writer's last line may be cut

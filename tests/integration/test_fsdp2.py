@@ -131,8 +131,8 @@ def test_fsdp2_zero2_and_compile_match_single(single_reference: ReferenceRun, tm
 def test_fsdp2_under_the_deepspeed_launcher_matches_single(single_reference: ReferenceRun, tmp_path: Path) -> None:
     """`deepspeed --num_gpus 2 train.py --mode hybrid --zero-engine fsdp2` (the launcher users start hybrid runs with;
     CPU ranks under DS_ACCELERATOR=cpu) trains single's function as under torchrun."""
-    from benchmarks.common import free_port
     from tests.train_runs import ROOT, train_env
+    from tools.common import free_port
 
     launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
     proc = subprocess.run([*launcher, str(ROOT / "train.py"), *FSDP2, "--batch-size", "2", "--run-name", "ds-launcher",

@@ -6,8 +6,8 @@ import re
 import subprocess
 from pathlib import Path
 
-from benchmarks.common import torchrun
 from tests.train_runs import ROOT, train_env
+from tools.common import torchrun
 
 
 def test_reports_step_time_and_deepspeeds_host_functions(tmp_path: Path) -> None:

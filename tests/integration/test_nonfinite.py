@@ -46,7 +46,7 @@ from gpt2.engines.guard import (
     install_fault_injection,
 )
 from gpt2.engines.torch_engine import TorchEngine
-from gpt2.planning.planner import checkpoint_bytes, setup_for_run
+from gpt2.planning.planner import plan_for_run
 from gpt2.runtime.distributed import init_distributed
 from gpt2.train.checkpoint import Checkpointer
 from gpt2.train.loop import train_step
@@ -118,7 +118,7 @@ def test_a_checkpoint_of_non_finite_weights_is_refused(tmp_path: Path) -> None:
                       model_vocab_size=cfg.model.vocab_size, dp_rank=0, dp_size=1, seed=cfg.train.seed, is_main=True,
                       barrier=ctx.barrier)
     engine = build_engine(layout, ctx)
-    checkpointer = Checkpointer(layout, ctx, engine, data.train, checkpoint_bytes(setup_for_run(layout)))
+    checkpointer = Checkpointer(layout, ctx, engine, data.train, plan_for_run(layout).checkpoint_bytes)
     checkpointer.save(1)
     with torch.no_grad():
         next(engine.module.parameters())[0, 0] = math.inf

@@ -1,5 +1,5 @@
-"""benchmarks.parity, the loss-parity tool: end to end on CPU (gpt2-tiny, fp32, real text), its verdict API on
-synthetic curves, and the parity gate of benchmarks.train_sweep."""
+"""tools.parity, the loss-parity tool: end to end on CPU (gpt2-tiny, fp32, real text), its verdict API on
+synthetic curves, and the parity gate of tools.train_sweep."""
 
 from __future__ import annotations
 
@@ -13,10 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import parity, parity_verdict, train_sweep
-from benchmarks.common import write_csv
-from benchmarks.parity_matrix import Row, matrix, plan
-from benchmarks.parity_verdict import (
+from gpt2.config.cli import parse_args
+from gpt2.data.loader import build_data
+from gpt2.observe.metrics import host_cpu
+from gpt2.runtime.distributed import LAUNCHER_VARS
+from tests.train_runs import ROOT, SHARED_DATA, train_env
+from tests.unit.test_data import tiny_tokenizer, wiki_lines, write  # noqa: F401 (tiny_tokenizer: a fixture)
+from tools import parity, parity_verdict, train_sweep
+from tools.common import write_csv
+from tools.parity_matrix import Row, matrix, plan
+from tools.parity_verdict import (
     Curve,
     CurveError,
     compare,
@@ -25,12 +31,6 @@ from benchmarks.parity_verdict import (
     read_verdicts,
     tolerance,
 )
-from gpt2.config.cli import parse_args
-from gpt2.data.loader import build_data
-from gpt2.observe.metrics import host_cpu
-from gpt2.runtime.distributed import LAUNCHER_VARS
-from tests.train_runs import ROOT, SHARED_DATA, train_env
-from tests.unit.test_data import tiny_tokenizer, wiki_lines, write  # noqa: F401 (tiny_tokenizer: a fixture)
 
 TINY = ["--models", "gpt2-tiny", "--seq-len", "32", "--batch-size", "8", "--steps", "6", "--warmup-steps", "2",
         "--eval-batches", "2", "--device", "cpu", "--jobs", "2"]
@@ -338,7 +338,7 @@ def test_load_curve_needs_a_finished_run(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     with pytest.raises(CurveError, match="did not finish"):
         load_curve(tmp_path)
-    # a train.py summary carries what benchmarks.report.load_run requires of one (SUMMARY_KEYS)
+    # a train.py summary carries what tools.report.load_run requires of one (SUMMARY_KEYS)
     summary = {"type": "summary", "val_loss": 7.5, "precision": "fp32", "mode": "single", "world_size": 1,
                "batch_size_per_gpu": 2}
     with (tmp_path / "metrics.jsonl").open("a") as f:
@@ -413,7 +413,7 @@ def test_sweep_records_parity_and_publishes_only_passing_runs(tmp_path, monkeypa
 def test_a_failed_torchrun_row_shows_the_worker_s_traceback_not_the_launcher_s() -> None:
     """The first H100 DeepCompile row reported only torchrun's ChildFailedError summary: the rank's RecursionError
     traceback sat above the 20 lines kept. The excerpt now ends at the worker's error line."""
-    from benchmarks.common import error_excerpt, last_error
+    from tools.common import error_excerpt, last_error
 
     log = "\n".join(["$ torchrun ...", "step 1", "[rank0]: Traceback (most recent call last):",
                      '[rank0]:   File "train.py", line 3, in main',
@@ -433,7 +433,7 @@ terminate called without an active exception
 Fatal Python error: Aborted
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ======================================================
-benchmarks.hf_reference FAILED
+tools.hf_reference FAILED
 ------------------------------------------------------
 Failures:
   <NO_OTHER_FAILURES>
@@ -451,7 +451,7 @@ Root Cause (first observed failure):
 
 def test_a_rank_killed_by_a_signal_is_named_with_its_signal_not_torchrun_s_rule_line() -> None:
     """CI's sweep row read `exit 1: =====...` (torchrun's closing rule) for a rank that aborted at exit."""
-    from benchmarks.common import last_error
+    from tools.common import last_error
 
     assert last_error(SIGNALLED_RANK_LOG) == ("rank 1: Signal 6 (SIGABRT) received by PID 18620 "
                                               "(terminate called without an active exception)")

@@ -1,4 +1,4 @@
-"""What a run leaves in its process: a launched entry point (train.py, benchmarks.hf_reference) exits with `main`'s
+"""What a run leaves in its process: a launched entry point (train.py, tools.hf_reference) exits with `main`'s
 status and its output flushed, whatever interpreter finalization would do; `train.main` called in-process puts back
 what it changed.
 

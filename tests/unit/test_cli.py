@@ -99,6 +99,7 @@ def test_every_float_flag_must_be_finite(value: str, capsys: pytest.CaptureFixtu
         (["--data", "synthetic", "--data-path", "x"], "drop one of the two"),
         (["--ds-config", "ds_configs/zero3.json"], "--ds-config only applies to --mode hybrid"),
         (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+        (["--sequence-parallel"], "--sequence-parallel shards the sequence over the tensor-parallel group"),
         # engine-level limits, caught here rather than after tokenisation and the run folder
         (["--mode", "hybrid", "--compile", "--zero3-fetch", "module"], "--compile with ZeRO-3 needs"),
         (["--mode", "hybrid", "--compile", "--compile-scope", "model"], "--compile-scope model (one graph cut at DDP"),
@@ -183,6 +184,23 @@ def test_validate_accepts_the_supported_neighbours() -> None:
     parse_args(["--mode", "baseline", "--tp-size", "2", "--precision", "bf16"])
     assert parse_args([]).train.attn == "sdpa"  # the default
     assert [parse_args(["--attn", a]).train.attn for a in ("auto", "sdpa-cudnn")] == ["auto", "sdpa-cudnn"]
+
+
+def test_settings_that_run_but_surprise_are_warned_about_once_in_the_layout() -> None:
+    """RunLayout.warnings (the loop only logs them): a run of only warm-up steps (a resumed one counts from its start
+    step), dropout under TP, an LR warm-up longer than the run; a plain run has none."""
+    def warnings(flags: list[str], start_step: int = 0, world_size: int = 1) -> list[str]:
+        return RunLayout.resolve(parse_args(flags), world_size, "cpu").warnings(start_step)
+
+    assert warnings(["--max-steps", "10"]) == []
+    assert warnings(["--max-steps", "3", "--warmup-steps", "1"]) == [
+        "all 3 steps are throughput warm-up: no tokens/s or MFU; raise --max-steps above 3"]
+    assert warnings(["--max-steps", "10"], start_step=8)[0].startswith("all 2 steps are throughput warm-up")
+    assert "or profiled (4 after --throughput-warmup-steps)" in warnings(["--max-steps", "7", "--profile"])[0]
+    assert "dropout masks repeat" in warnings(["--mode", "baseline", "--tp-size", "2", "--dropout", "0.1"],
+                                              world_size=2)[0]
+    assert warnings(["--warmup-steps", "20", "--max-steps", "10"]) == [
+        "--warmup-steps 20 exceeds --max-steps 10: the LR never reaches --lr 0.0006"]
 
 
 def test_global_batch_must_divide() -> None:
@@ -333,7 +351,7 @@ def test_a_file_where_a_folder_goes_is_rejected_at_parse_time(flag: str, tmp_pat
 
 def _launched_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """The environment of a one-process torchrun launch (train.main then creates a gloo group in-process)."""
-    from benchmarks.common import free_port
+    from tools.common import free_port
 
     for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", str(free_port()))):

@@ -1,5 +1,6 @@
 """gpt2.planning.perf_model against hand calculations for a 7B GPT (32 layers, d=4096, 32 heads), B=128 sequences
 of L=4096 tokens, 16-bit weights/grads/activations, fp32 AdamW states, flash attention, no dropout, 8 GPUs.
+The layouts are RunLayouts, resolved as a launch on 8 GPUs would be.
 
 Every expected number is spelled out below from the formulas, not from the module's helpers.
 """
@@ -8,22 +9,32 @@ from __future__ import annotations
 
 import pytest
 
-from gpt2.config.schema import MODEL_PRESETS, ModelConfig
+from gpt2.config.layout import RunLayout
+from gpt2.config.schema import MODEL_PRESETS, DataConfig, LogConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from gpt2.model.flops import param_count
 from gpt2.model.gpt import GPT
 from gpt2.planning.perf_model import (
-    Layout,
-    Workload,
     bus_factor,
     comm_time,
     layer_activation_bytes,
+    local_params,
     memory_per_gpu,
-    stage_params,
     step_communication,
 )
 
 CFG_7B = ModelConfig(n_layer=32, n_head=32, n_embd=4096, n_positions=4096)
-WORK = Workload(batch=128, seq_len=4096)
+BATCH, SEQ, GPUS = 128, 4096, 8  # sequences per optimizer step, all data-parallel replicas together
+
+
+def layout_7b(tp: int = 1, zero_stage: int | None = None, sequence_parallel: bool = False,
+              activation_checkpointing: bool = False) -> RunLayout:
+    """The 7B model on 8 GPUs, BATCH sequences per step split over the data-parallel replicas: DDP, or ZeRO."""
+    dp = GPUS // tp
+    train = TrainConfig(mode="hybrid" if zero_stage else "baseline", batch_size=BATCH // dp, seq_len=SEQ,
+                        activation_checkpointing=activation_checkpointing)
+    parallel = ParallelConfig(tp_size=tp, sequence_parallel=sequence_parallel, zero_stage=zero_stage or 3)
+    cfg = RunConfig(train=train, model=CFG_7B, data=DataConfig(), parallel=parallel, log=LogConfig())
+    return RunLayout.resolve(cfg, GPUS, "cuda")
 
 # Parameters. d = 4096, d^2 = 16_777_216.
 # One block: QKV 3d^2+3d, attn-out d^2+d, MLP up 4d^2+4d, down 4d^2+d, 2 LayerNorms 4d
@@ -58,8 +69,8 @@ def test_param_count_matches_model():
 
 
 def test_data_parallel_ddp():
-    layout = Layout(dp=8)
-    ops = step_communication(CFG_7B, WORK, layout)
+    layout = layout_7b()
+    ops = step_communication(layout)
     # One all-reduce of all 16-bit grads: 2 N = 13_333_970_944 bytes; ring moves 2 (n-1)/n = 1.75 x that.
     assert [(op.collective, op.group_size, op.message_bytes, op.calls) for op in ops] == [
         ("all_reduce", 8, 13_333_970_944, 1)]
@@ -67,7 +78,7 @@ def test_data_parallel_ddp():
     # At 100 GB/s bus bandwidth: 23_334_449_152 / 1e11 = 0.233 s.
     assert comm_time(ops, 100e9) == pytest.approx(0.23334449152)
 
-    mem = memory_per_gpu(CFG_7B, WORK, layout)
+    mem = memory_per_gpu(layout)
     assert mem.params == 13_333_970_944  # 2 N
     assert mem.grads == 13_333_970_944  # 2 N
     assert mem.optimizer == 80_003_825_664  # 12 N
@@ -76,20 +87,20 @@ def test_data_parallel_ddp():
 
 
 def test_activation_checkpointing_keeps_block_inputs_plus_one_block():
-    mem = memory_per_gpu(CFG_7B, WORK, Layout(dp=8, activation_checkpointing=True))
+    mem = memory_per_gpu(layout_7b(activation_checkpointing=True))
     # 32 block inputs x 2 bytes x sbh = 32 x 536_870_912 = 17_179_869_184, plus one recomputed block.
     assert mem.activations == 17_179_869_184 + 8_598_323_200
 
 
 def test_fsdp_zero3():
-    layout = Layout(dp=8, zero_stage=3)
-    ops = step_communication(CFG_7B, WORK, layout)
+    layout = layout_7b(zero_stage=3)
+    ops = step_communication(layout)
     # All-gather forward, all-gather backward, reduce-scatter: each of 2 N = 13_333_970_944 bytes,
     # (n-1)/n = 7/8 on the wire: 11_667_224_576 each, 35_001_673_728 in all = 1.5 x the DDP all-reduce.
     assert sorted((op.collective, op.message_bytes, op.calls) for op in ops) == [
         ("all_gather", 13_333_970_944, 1), ("all_gather", 13_333_970_944, 1), ("reduce_scatter", 13_333_970_944, 1)]
     assert sum(op.wire_bytes for op in ops) == 35_001_673_728
-    mem = memory_per_gpu(CFG_7B, WORK, layout)
+    mem = memory_per_gpu(layout)
     assert mem.params == 1_666_746_368  # 2 N / 8
     assert mem.grads == 1_666_746_368
     assert mem.optimizer == 10_000_478_208  # 12 N / 8
@@ -97,12 +108,12 @@ def test_fsdp_zero3():
 
 
 def test_tensor_parallel_8():
-    layout = Layout(tp=8)
+    layout = layout_7b(tp=8)
     # Per TP rank, per block: (12 d^2 + 7 d) / 8 split (QKV, MLP up with their biases, both output weights)
     #   = (201_326_592 + 28_672) / 8 = 25_169_408, plus 6 d = 24_576 replicated (2 output biases, 2 LNs)
     #   = 25_193_984; x 32 = 806_207_488. Word embedding / 8 = 25_755_648; positions 16_777_216; ln_f 8_192.
-    assert stage_params(CFG_7B, layout) == 806_207_488 + 25_755_648 + 16_777_216 + 8_192  # = 848_748_544
-    ops = {op.name: op for op in step_communication(CFG_7B, WORK, layout)}
+    assert local_params(layout) == 806_207_488 + 25_755_648 + 16_777_216 + 8_192  # = 848_748_544
+    ops = {op.name: op for op in step_communication(layout)}
     act = ops["activation all-reduce"]
     # [b=128, s=4096, h=4096] x 2 bytes = 4_294_967_296 per all-reduce; 4 per block (2 fwd, 2 bwd) x 32
     # + embedding + LM-head input = 130 calls; x 1.75 = 7_516_192_768 on the wire each,
@@ -115,40 +126,14 @@ def test_tensor_parallel_8():
 
     # Activations per block at b=128: sbh = 2_147_483_648. Replicated LN in/out 8 sbh = 17_179_869_184;
     # split (24 sbh + 4 x 32 x 4096 x 128 lse) / 8 = (51_539_607_552 + 67_108_864) / 8 = 6_450_839_552.
-    mem = memory_per_gpu(CFG_7B, WORK, layout)
+    mem = memory_per_gpu(layout)
     assert mem.activations == 32 * (17_179_869_184 + 6_450_839_552)  # = 756_182_679_552
     # Sequence parallelism splits the replicated part too: (32 sbh + lse) / 8 = 8_598_323_200 per block.
-    sp = memory_per_gpu(CFG_7B, WORK, Layout(tp=8, sequence_parallel=True))
+    sp = memory_per_gpu(layout_7b(tp=8, sequence_parallel=True))
     assert sp.activations == 32 * 8_598_323_200
-    sp_ops = step_communication(CFG_7B, WORK, Layout(tp=8, sequence_parallel=True))
+    sp_ops = step_communication(layout_7b(tp=8, sequence_parallel=True))
     # all-gather + reduce-scatter at 7/8 each carry the same bytes as the all-reduce at 2 x 7/8.
     assert sum(op.wire_bytes for op in sp_ops) == sum(op.wire_bytes for op in ops.values())
-
-
-def test_gpipe_4_layers_per_stage():
-    layout = Layout(pp=8, micro_batches=8)  # 32 / 8 = 4 blocks per stage; 128 / 8 = 16 sequences per micro-batch
-    # Stage 0: 4 blocks 4 x 201_379_840 = 805_519_360 + word embedding 206_045_184 + positions 16_777_216.
-    assert stage_params(CFG_7B, layout, stage=0) == 1_028_341_760
-    # Last stage: 4 blocks + ln_f 8_192 + its copy of the tied word embedding 206_045_184.
-    assert stage_params(CFG_7B, layout, stage=7) == 1_011_572_736
-
-    # Boundary tensor [16, 4096, 4096] x 2 bytes = 536_870_912. Stage 0 sends 8 activations;
-    # a middle stage sends 8 activations forward and 8 gradients backward.
-    first = {op.name: op for op in step_communication(CFG_7B, WORK, layout, stage=0)}
-    assert first["stage boundary send"].wire_bytes == 8 * 536_870_912
-    # Tied embedding gradient all-reduce, 2 ranks: 206_045_184 x 2 bytes x 2 (1/2) = 412_090_368.
-    assert first["tied embedding grad all-reduce"].wire_bytes == 412_090_368
-    middle = step_communication(CFG_7B, WORK, layout, stage=3)
-    assert [(op.name, op.wire_bytes) for op in middle] == [("stage boundary send", 16 * 536_870_912)]
-
-    # GPipe keeps all 8 micro-batches of its 4 blocks: 4 x 8 x 8_598_323_200 = 275_146_342_400.
-    # The last stage adds ln_f in/out for 8 micro-batches 8 x 1_073_741_824 = 8_589_934_592 and logits
-    # 3_296_722_944 x (2 + 4 + 4 x 8 live log-softmaxes) = 125_275_471_872; it is the largest stage.
-    mem = memory_per_gpu(CFG_7B, WORK, layout)
-    assert mem.activations == 275_146_342_400
-    assert mem.logits == 8_589_934_592 + 125_275_471_872
-    assert mem.params == 2 * 1_011_572_736 and mem.optimizer == 12 * 1_011_572_736
-    assert memory_per_gpu(CFG_7B, WORK, layout, stage=0).logits == 0
 
 
 def test_unfused_attention_reproduces_korthikanti():
@@ -160,12 +145,3 @@ def test_unfused_attention_reproduces_korthikanti():
     # With TP t=4, no SP: s b h (10 + 24 / t + 5 a s / (h t)).
     assert layer_activation_bytes(cfg, b, s, tp=4, flash=False) == s * b * h * 10 + (
         s * b * h * 24 + 5 * a * s * s * b) / 4
-
-
-def test_bad_layouts_rejected():
-    with pytest.raises(ValueError, match="divisible"):
-        Workload(batch=100, seq_len=8).micro_batch(Layout(dp=8))
-    with pytest.raises(ValueError, match="--tp-size 3 does not divide n_head"):  # gpt2.config.layout's rule and message
-        stage_params(CFG_7B, Layout(tp=3))
-    with pytest.raises(ValueError, match="--sequence-parallel shards the sequence"):  # gpt2.config.schema's
-        Layout(sequence_parallel=True)

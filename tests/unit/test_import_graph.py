@@ -1,6 +1,6 @@
 """The import graph of the library packages (gpt2, parallel, fused_kernels): no circles between modules or between
 gpt2's sub-packages, and the one-way rules of docs/design.md (parallel and fused_kernels know nothing of gpt2; the
-training loop and everything under it never import the planner).
+training loop and everything under it never import the planner; tools/ never imports benchmarks/).
 
 Read from the source (every import statement, function-level and TYPE_CHECKING ones included: a circle hidden in a
 function is still a circle in the design), so it needs no imports of its own and runs in milliseconds.
@@ -20,9 +20,9 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+def import_graph(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
     """module -> the project modules it imports (`from a.b import c` counts a.b.c when c is a module, else a.b)."""
-    modules = {module_name(p, root): p for pkg in PACKAGES for p in (root / pkg).rglob("*.py")}
+    modules = {module_name(p, root): p for pkg in packages for p in (root / pkg).rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         deps: set[str] = set()
@@ -108,3 +108,10 @@ def test_only_the_planning_package_imports_the_planner():
     for module, deps in import_graph().items():
         if not module.startswith("gpt2.planning"):
             assert not [d for d in deps if d.startswith("gpt2.planning")], module
+
+
+def test_tools_never_import_the_studies():
+    """tools/ (what users run beside training) stands on the library alone; benchmarks/ (studies) may use tools."""
+    for module, deps in import_graph(packages=(*PACKAGES, "tools", "benchmarks")).items():
+        if module.startswith("tools"):
+            assert not [d for d in deps if d.startswith("benchmarks")], module

@@ -9,24 +9,25 @@ mem/peak_allocated_gib).
 
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 import train
 from gpt2.config.cli import parse_args
-from gpt2.config.schema import MAX_LAYERS, ModelConfig
+from gpt2.config.layout import RunLayout
+from gpt2.config.schema import MAX_LAYERS
 from gpt2.planning.planner import (
     GIB,
-    DeepSpeedSettings,
     Hardware,
-    Setup,
     compare_with_run,
     make_plan,
     predict_communication,
     predict_memory,
     search,
-    setup_from_config,
     zero3_held_params,
 )
 
@@ -52,15 +53,19 @@ MEASURED_4XH200 = [  # (flags, measured peak allocated GiB)
 N_LARGE = 708_387_840 + 64_389_120 + 1_310_720 + 2_560  # = 774_090_240
 
 
+def planned(flags: list[str], world_size: int = 4) -> RunLayout:
+    """The layout `train.py --plan` resolves for these flags on `world_size` GPUs."""
+    return RunLayout.resolve(parse_args(flags), world_size, "cuda")
+
+
 @pytest.mark.parametrize(("flags", "measured"), MEASURED_4XH200, ids=[" ".join(f) for f, _ in MEASURED_4XH200])
 def test_peak_within_15_percent_of_h200_measurement(flags, measured):
-    setup = setup_from_config(parse_args(LARGE + flags), world_size=4)
-    predicted = predict_memory(setup).peak / GIB
+    predicted = predict_memory(planned(LARGE + flags)).peak / GIB
     assert abs(predicted - measured) / measured < 0.15, (predicted, measured)
 
 
 def test_ddp_terms_by_hand():
-    mem = predict_memory(setup_from_config(parse_args(LARGE + ["--mode", "baseline", "--compile"]), world_size=4))
+    mem = predict_memory(planned(LARGE + ["--mode", "baseline", "--compile"]))
     # autocast over fp32 weights: 4 B weights + 4 B grads + 8 B AdamW moments, 2 B bf16 copies of the weights
     assert (mem.params, mem.grads, mem.optimizer, mem.weight_copies) == (4 * N_LARGE, 4 * N_LARGE, 8 * N_LARGE,
                                                                          2 * N_LARGE)
@@ -73,39 +78,39 @@ def test_ddp_terms_by_hand():
 
 
 def test_zero3_autocast_terms_by_hand():
-    setup = setup_from_config(parse_args(LARGE + ["--mode", "hybrid"]), world_size=4)
-    mem = predict_memory(setup)
+    layout = planned(LARGE + ["--mode", "hybrid"])
+    mem = predict_memory(layout)
     # torch_autocast: fp32 weights and grads + 2 fp32 moments, all over dp = 4
     assert (mem.params, mem.grads, mem.optimizer) == (4 * N_LARGE / 4, 4 * N_LARGE / 4, 8 * N_LARGE / 4)
     # eager autocast block: 36 B x sbh = 377_487_360 + lse 655_360 -> 378_142_720; x 36 = 13_613_137_920;
     # ln_f in (fp32) / out (bf16) 6 x sbh = 62_914_560
     assert mem.activations == 13_613_137_920 + 62_914_560
     # autocast's bf16 copy of every (gathered, full) weight + the fp32 gathered weights held to their backward
-    assert mem.weight_copies == 2 * N_LARGE + 4 * zero3_held_params(setup)
+    assert mem.weight_copies == 2 * N_LARGE + 4 * zero3_held_params(layout)
     assert mem.step_transient == 0  # the gradients are fp32 already
     # the gathers and reductions carry the Linear weights in bf16
-    zero = [op for op in predict_communication(setup) if op.group == "dp"]
-    bytes_16 = predict_communication(setup_from_config(parse_args(LARGE + DS16), world_size=4))
+    zero = [op for op in predict_communication(layout) if op.group == "dp"]
+    bytes_16 = predict_communication(planned(LARGE + DS16))
     assert zero and zero == [op for op in bytes_16 if op.group == "dp"]
 
 
 def test_fsdp2_terms_by_hand():
     """FSDP2 (--zero-engine fsdp2) holds ZeRO-3's sharded states at both stages; it gathers and reduces in fp32; its
     stage 3 holds the root unit and two blocks gathered at backward start, its stage 2 the whole model."""
-    from gpt2.planning.planner import checkpoint_bytes, fsdp2_units
+    from gpt2.planning.planner import fsdp2_units, make_plan
 
     fsdp2 = LARGE + ["--mode", "hybrid", "--zero-engine", "fsdp2"]
-    z3 = setup_from_config(parse_args(fsdp2), world_size=4)
-    z2 = setup_from_config(parse_args(fsdp2 + ["--zero-stage", "2", "--grad-accum", "2"]), world_size=4)
+    z3 = planned(fsdp2)
+    z2 = planned(fsdp2 + ["--zero-stage", "2", "--grad-accum", "2"])
     block, root = fsdp2_units(z3)
     assert 36 * block + root == N_LARGE  # every parameter once
-    deepspeed = predict_memory(setup_from_config(parse_args(LARGE + ["--mode", "hybrid"]), world_size=4))
+    deepspeed = predict_memory(planned(LARGE + ["--mode", "hybrid"]))
     m3, m2 = predict_memory(z3), predict_memory(z2)
     for m in (m3, m2):
         assert (m.params, m.grads, m.optimizer) == (deepspeed.params, deepspeed.grads, deepspeed.optimizer)
     assert m3.weight_copies == 2 * N_LARGE + 4 * (root + 2 * block)  # autocast's bf16 copies + held fp32 units
     assert m2.weight_copies == 2 * N_LARGE + 4 * N_LARGE  # every unit held from its forward to its backward
-    assert checkpoint_bytes(z2) == checkpoint_bytes(z3)
+    assert make_plan(z2, 80).checkpoint_bytes == make_plan(z3, 80).checkpoint_bytes
     n = 36 * block + root
     ops3 = {op.name: op for op in predict_communication(z3) if op.group == "dp"}
     assert ops3["FSDP2 param all-gather (fwd)"].message_bytes == 4 * n  # fp32
@@ -116,7 +121,7 @@ def test_fsdp2_terms_by_hand():
 
 
 def test_zero3_deepspeed_16bit_terms_by_hand():
-    mem = predict_memory(setup_from_config(parse_args(LARGE + DS16), world_size=4))
+    mem = predict_memory(planned(LARGE + DS16))
     # bf16 weights and grads, fp32 master + 2 moments, all over dp = 4
     assert (mem.params, mem.grads, mem.optimizer) == (2 * N_LARGE / 4, 2 * N_LARGE / 4, 12 * N_LARGE / 4)
     # all-bf16 block: 32 B x sbh = 335_544_320 + lse 655_360 -> 336_199_680; x 36 = 12_103_188_480;
@@ -143,18 +148,19 @@ TINY = ["--model", "gpt2-tiny"]  # 2 layers, d = 64, 256 positions
     # everything partitioned: wte, wpe and both layers' c_attn, c_fc, mlp c_proj
     (10**9, 3_219_456 + 16_384 + 2 * (12_480 + 16_640 + 16_448)),
 ])
-def test_zero3_reuse_distance_holds(distance, expected):
-    ds = DeepSpeedSettings(param_persistence_threshold=10_000, max_reuse_distance=distance)
-    setup = setup_from_config(parse_args(TINY + ["--mode", "hybrid"]), world_size=2)
-    assert zero3_held_params(Setup(**{**setup.__dict__, "deepspeed": ds})) == expected
+def test_zero3_reuse_distance_holds(distance, expected, tmp_path: Path):
+    ds = tmp_path / "zero3.json"  # the settings come from the run's DeepSpeed file, as DeepSpeed reads them
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10_000,
+                                                    "stage3_max_reuse_distance": distance}}))
+    assert zero3_held_params(planned(TINY + ["--mode", "hybrid", "--ds-config", str(ds)], world_size=2)) == expected
 
 
 @pytest.mark.timeout(120)  # linear: seconds at 100k layers; a scan per module per layout ran for hours
 def test_plan_and_search_are_linear_in_layers(capsys):
     deep = ["--plan", "--search", "--mode", "hybrid", "--gpus", "4", "--n-layer", str(MAX_LAYERS)]
     assert train.main(deep) == 0 and "layouts fit" in capsys.readouterr().out
-    setup = setup_from_config(parse_args(deep), world_size=4)
-    deeper = Setup(**{**setup.__dict__, "model": ModelConfig(**{**setup.model.__dict__, "n_layer": 100_000})})
+    cfg = parse_args(deep)
+    deeper = RunLayout.resolve(replace(cfg, model=replace(cfg.model, n_layer=100_000)), 4, "cuda")
     assert zero3_held_params(deeper) > 0
     assert train.main(["--plan", "--n-layer", str(MAX_LAYERS + 1)]) == 2
     assert f"--n-layer {MAX_LAYERS + 1}: at most {MAX_LAYERS:,}" in capsys.readouterr().err
@@ -188,23 +194,22 @@ def test_search_ranks_fitting_layouts_by_step_time(capsys):
     # nodes: data-parallel bytes dominate, so the fastest layouts shard most (TP 4: the largest TP size that
     # divides 12 heads) and avoid DDP's fp32 all-reduce and ZeRO-3's per-micro-batch gathers.
     cfg = parse_args(["--model", "gpt2", "--seq-len", "1024", "--global-batch-size", "64"])
-    base = setup_from_config(cfg, world_size=16)
     hw = Hardware(gpu_memory_gib=12, achievable_tflops=400, busbw_intra_gbs=300, busbw_inter_gbs=0.5)
-    ranked = search(base, 64, hw)
+    ranked = search(cfg, 16, 64, hw)
     assert ranked and all(c.plan.fits and c.plan.memory.peak <= 0.95 * 12 * GIB for c in ranked)
     times = [c.step_s for c in ranked]
     assert times == sorted(times)
-    best = ranked[0].plan.setup
+    best = ranked[0].plan.layout
     # ZeRO-3 ties with 1/2 on time (ds_configs/zero3.json keeps gathered weights to backward, so its DP
     # traffic hides under compute too) and wins on memory
-    assert best.tp == 4 and best.mode == "hybrid"
+    assert best.tp_size == 4 and best.mode == "hybrid"
     # compute time by hand: (6 N + 12 L d T) FLOPs/token, N = 12 x (12 d^2 + 13 d) + 2 d + 50257 d (unpadded)
     n = 12 * (12 * 768**2 + 13 * 768) + 2 * 768 + 50257 * 768
     fpt = 6 * n + 12 * 12 * 768 * 1024
-    no_ckpt = next(c for c in ranked if not c.plan.setup.activation_checkpointing)
+    no_ckpt = next(c for c in ranked if not c.plan.layout.cfg.train.activation_checkpointing)
     assert no_ckpt.compute_s == pytest.approx(fpt * 64 * 1024 / (16 * 400e12))
     # nothing fits in 50 MiB (the cuBLAS workspace alone is 32 MiB)
-    assert search(base, 64, Hardware(gpu_memory_gib=0.05)) == []
+    assert search(cfg, 16, 64, Hardware(gpu_memory_gib=0.05)) == []
 
     assert train.main(["--model", "gpt2", "--seq-len", "1024", "--global-batch-size", "64", "--plan", "--search",
                        "--gpus", "16", "--gpu-memory-gib", "12", "--busbw-gbs", "300", "0.5"]) == 0
@@ -214,7 +219,7 @@ def test_search_ranks_fitting_layouts_by_step_time(capsys):
 
 
 def test_compare_with_run():
-    plan = make_plan(setup_from_config(parse_args(LARGE + ["--mode", "hybrid", "--tp-size", "2"]), world_size=4), 141)
+    plan = make_plan(planned(LARGE + ["--mode", "hybrid", "--tp-size", "2"]), 141)
     record = compare_with_run(plan, {"mem/peak_allocated_gib": 10.0, "device": "NVIDIA H200"}, None)
     assert record["plan/peak_error"] == pytest.approx(plan.memory.peak / GIB / 10.0 - 1)
     assert record["plan/measured_tp_payload_bytes"] is None and "predicted only" in record["plan/comm_note"]

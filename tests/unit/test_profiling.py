@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from gpt2.observe.profiling import PROFILED_STEPS, SUMMARY_FIELDS, StepProfiler, busy_us, count_module_hooks, summarise
+from gpt2.config.schema import PROFILED_STEPS
+from gpt2.observe.profiling import SUMMARY_FIELDS, StepProfiler, busy_us, count_module_hooks, summarise
 
 
 @pytest.fixture

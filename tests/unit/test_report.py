@@ -1,4 +1,4 @@
-"""benchmarks.report on synthetic run folders: the table's values, the planner table, the PNGs, folder handling."""
+"""tools.report on synthetic run folders: the table's values, the planner table, the PNGs, folder handling."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import matplotlib.image
 
-from benchmarks.report import PLOTS, find_runs, load_run, main
+from tools.report import PLOTS, find_runs, load_run, main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -1,6 +1,6 @@
 """The calibration floor of the performance issues: a compact nanoGPT-style GPT-2 under DDP + torch.compile.
 
-    torchrun --nproc_per_node=4 -m benchmarks.nanogpt_reference --model gpt2-large --batch-size 16
+    torchrun --nproc_per_node=4 -m tools.nanogpt_reference --model gpt2-large --batch-size 16
 
 Deliberately minimal, as a user would write it from nanoGPT (Karpathy): pre-LN blocks with fused QKV, SDPA
 causal attention, tanh GELU, tied embeddings, vocabulary padded to 50304, bf16 autocast over fp32 weights,

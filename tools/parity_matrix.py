@@ -1,4 +1,4 @@
-"""The configurations `benchmarks.parity` checks: named rows of train.py flags, each launched like a user would.
+"""The configurations `tools.parity` checks: named rows of train.py flags, each launched like a user would.
 
 Every row trains the reference's function: the same global batch of B sequences per optimizer step (per-rank
 micro-batch = B / (dp x grad-accum)) and the same validation sequences (--eval-batches scaled by grad-accum), so
@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.common import ROOT, torchrun
-from benchmarks.parity_verdict import config_key
 from gpt2.config.cli import build_parser, parse_args
 from gpt2.config.layout import check_deepcompile_runs_here
 from gpt2.config.schema import ConfigError
 from gpt2.engines.build import check_backends
 from parallel.dims import dp_size_of, tp_divides_world
+from tools.common import ROOT, torchrun
+from tools.parity_verdict import config_key
 
 
 @dataclass(frozen=True)

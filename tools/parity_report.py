@@ -1,4 +1,4 @@
-"""What `benchmarks.parity` writes: parity.csv, parity.md and one parity_<model>.png per model."""
+"""What `tools.parity` writes: parity.csv, parity.md and one parity_<model>.png per model."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from benchmarks.common import markdown_table, write_csv  # noqa: E402
-from benchmarks.parity_verdict import Comparison, Curve  # noqa: E402
+from tools.common import markdown_table, write_csv  # noqa: E402
+from tools.parity_verdict import Comparison, Curve  # noqa: E402
 
 
 @dataclass
 class RowResult:
     config: str
     model: str
-    verdict: str  # reference | noise | pass | fail | error | skipped (benchmarks.parity_verdict.VERDICTS)
+    verdict: str  # reference | noise | pass | fail | error | skipped (tools.parity_verdict.VERDICTS)
     launcher: str = ""  # "python" or "torchrun xN"
     flags: tuple[str, ...] = ()  # the row's own train.py flags
     comparison: Comparison | None = None

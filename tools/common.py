@@ -1,5 +1,6 @@
-"""Shared helpers of the benchmarks: timing, the device/version tag every result row carries, CSV output, and
-launching train.py runs as subprocesses (a free port, a time limit, the error line of a failed run)."""
+"""Shared helpers of the tools and the studies: the device/version tag every result row carries, CSV and Markdown
+output, and launching train.py runs as subprocesses (a free port, a time limit, the error line of a failed run).
+Studies (benchmarks/) import these; tools never import benchmarks/."""
 
 from __future__ import annotations
 
@@ -12,12 +13,11 @@ import re
 import shlex
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,41 +61,6 @@ def tag_line(tag: dict[str, str]) -> str:
     return f"{tag['device']} x{tag['device_count']}, {tag['date']}, torch {tag['torch']}, CUDA {tag['cuda']}"
 
 
-def time_ms(fn: Callable[[], object], iters: int, warmup: int = 2, device: torch.device | None = None) -> list[float]:
-    """Wall time of each of `iters` calls of fn in ms: CUDA events on a GPU, perf_counter on CPU."""
-    on_gpu = device is not None and device.type == "cuda"
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if on_gpu:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
-def median_ms(fn: Callable[[], object], iters: int, warmup: int = 2, device: torch.device | None = None) -> float:
-    return statistics.median(time_ms(fn, iters, warmup, device))
-
-
-def peak_alloc_mib(fn: Callable[[], object]) -> float:
-    """MiB that one call of fn allocates on the current CUDA device at its peak, above what was allocated before."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
-
-
 def write_csv(path: str | Path, rows: Iterable[dict[str, object]], tag: dict[str, str] | None = None) -> Path:
     """Write rows (dicts; the union of their keys is the header), each extended by the tag columns."""
     rows = [{**row, **(tag or {})} for row in rows]
@@ -115,18 +80,6 @@ def markdown_table(rows: list[dict[str, object]], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(row.get(c, "")) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
-
-
-def report_table(title: str, command: str, rows: list[dict[str, object]], columns: list[str], *, out: Path | None,
-                 stem: str, tag: dict[str, str]) -> None:
-    """Print a Markdown table under its title and the command that made it; with `out`, also write it to
-    <out>/<stem>.md and the rows (with the `tag` columns) to <out>/<stem>.csv."""
-    report = f"# {title}\n\n`{command}`\n\n{markdown_table(rows, columns)}\n"
-    print("\n" + report)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{stem}.md").write_text(report)
-        write_csv(out / f"{stem}.csv", rows, tag)
 
 
 def torchrun(nproc: int) -> list[str]:

@@ -1,6 +1,6 @@
 """Loss-parity verdicts: does a run train the same function as the reference run?
 
-The API `benchmarks.parity` builds its table with, and that `benchmarks.train_sweep` reads back:
+The API `tools.parity` builds its table with, and that `tools.train_sweep` reads back:
 
     ref, other = load_curve(ref_dir), load_curve(run_dir)     # per-step training loss + validation loss
     tol = tolerance(noise=max_abs_dloss(ref, noise_curve), factor=3, floor=default_floor(ref.precision))
@@ -13,7 +13,7 @@ activation checkpointing, precision): a throughput run and a parity row with the
 
 Also a CLI for the GPU result scripts, which make run folders outside the sweep:
 
-    python -m benchmarks.parity_verdict RUN_DIR... --parity PARITY.csv...  # a verdict per run; exit 1 unless all pass
+    python -m tools.parity_verdict RUN_DIR... --parity PARITY.csv...  # a verdict per run; exit 1 unless all pass
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
-from benchmarks.report import load_run
 from gpt2.config.schema import Mode, compile_label
 from gpt2.observe.run_logging import run_label
+from tools.report import load_run
 
 # verdicts, best first: a configuration checked by several rows (e.g. `single` and `grad-accum` share a key) gets
 # the worst of them. `reference` and `noise` are the rows the others are measured against: they pass by definition.
 # `precision`: a row computing in another precision than the reference (fp32 against bf16) is not judged.
-# `pending`: a row not yet judged when a partial parity.csv was written (benchmarks.parity rewrites it per run):
+# `pending`: a row not yet judged when a partial parity.csv was written (tools.parity rewrites it per run):
 # still running, or waiting for the reference and noise rows.
 VERDICTS = ("reference", "noise", "pass", "precision", "skipped", "pending", "fail", "error")
 PASSING = frozenset({"reference", "noise", "pass"})
@@ -140,7 +140,7 @@ def config_key(config: dict[str, Any], world_size: int) -> str:
 
 
 def read_verdicts(paths: list[Path]) -> dict[str, str]:
-    """key -> verdict over parity CSVs written by benchmarks.parity (the worst where several rows share a key).
+    """key -> verdict over parity CSVs written by tools.parity (the worst where several rows share a key).
 
     The noise row shares the reference's key but only measures run-to-run noise: its failure to run (e.g. out of
     memory) says nothing of the configuration, so it is left out."""
@@ -163,7 +163,7 @@ def run_key(run_dir: Path) -> str | None:
 
 def verdict_of(run_dir: Path, verdicts: dict[str, str]) -> str:
     """The parity verdict of the run's configuration: `pass`, `fail`, `error`, `skipped`; `none` when no parity row
-    checked it; `n/a` for a folder without a summary or one another trainer wrote (benchmarks.hf_reference: parity
+    checked it; `n/a` for a folder without a summary or one another trainer wrote (tools.hf_reference: parity
     checks train.py's configurations)."""
     summary = run_dir / "summary.json"
     if not summary.is_file() or json.loads(summary.read_text()).get("mode") not in TRAIN_MODES:
@@ -175,7 +175,7 @@ def verdict_of(run_dir: Path, verdicts: dict[str, str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parity", type=Path, nargs="+", required=True, help="parity.csv files of benchmarks.parity")
+    p.add_argument("--parity", type=Path, nargs="+", required=True, help="parity.csv files of tools.parity")
     p.add_argument("runs", type=Path, nargs="+", help="train.py run folders")
     args = p.parse_args(argv)
     verdicts = read_verdicts(args.parity)

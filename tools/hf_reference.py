@@ -1,8 +1,8 @@
 """What users run today: Hugging Face `GPT2LMHeadModel` under plain DDP or DeepSpeed ZeRO-3, measured like train.py.
 
-    torchrun --nproc_per_node=4 -m benchmarks.hf_reference --mode ddp --model gpt2-large --batch-size 8
-    torchrun --nproc_per_node=4 -m benchmarks.hf_reference --mode zero3 --model gpt2-large --batch-size 32
-    DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 -m benchmarks.hf_reference --mode zero3 --model gpt2-tiny \
+    torchrun --nproc_per_node=4 -m tools.hf_reference --mode ddp --model gpt2-large --batch-size 8
+    torchrun --nproc_per_node=4 -m tools.hf_reference --mode zero3 --model gpt2-large --batch-size 32
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 -m tools.hf_reference --mode zero3 --model gpt2-tiny \
         --device cpu --batch-size 2 --seq-len 32 --max-steps 3                                  # CPU, gloo
 
 The model comes from a `GPT2Config` with our preset's n_layer / n_embd / n_head (no hub download; HF's own
@@ -14,7 +14,7 @@ vocabulary of 50257, not padded), trained on synthetic tokens with `labels=input
            documented example config with its "auto" values resolved as HF's Trainer resolves them.
 Tokens/s, MFU (our FLOPs/token formula and peak table), memory and the run folder (config.json,
 metrics.jsonl, summary.json, console.log) come from the same gpt2.observe.metrics / gpt2.observe.run_logging code as
-train.py, so `benchmarks.train_sweep` and the report can put these rows next to ours.
+train.py, so `tools.train_sweep` and the report can put these rows next to ours.
 
 Issue-author numbers for comparison (GPT-2 Large, seq 1024, 4x H200): HF DDP batch 8 139.7k tok/s,
 batch 16 152.1k; HF ZeRO-3 batch 8 38.9k, batch 32 136.6k.
@@ -247,7 +247,7 @@ def train(cfg: RunConfig, device: torch.device, step_fn: StepFn, attn: str,
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
-        print("hf_reference: launch with torchrun --nproc_per_node=N -m benchmarks.hf_reference ...", file=sys.stderr)
+        print("hf_reference: launch with torchrun --nproc_per_node=N -m tools.hf_reference ...", file=sys.stderr)
         return 2
     local_rank = int(os.environ["LOCAL_RANK"])
     use_cuda = args.device != "cpu" and torch.cuda.is_available()

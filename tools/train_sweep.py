@@ -1,35 +1,35 @@
 """The training mode matrix on N GPUs: one torchrun launch per configuration, one table at the end.
 
-    python -m benchmarks.train_sweep --gpus 4 --out benchmarks/results/sweep                  # the full matrix
-    python -m benchmarks.train_sweep --gpus 4 --modes baseline hybrid --fused none --batches 8 --dry-run
-    python -m benchmarks.train_sweep --gpus 4 --modes hybrid-tp2 --batches 8 max --extra-args="--compile"
-    python -m benchmarks.train_sweep --gpus 4 --parity benchmarks/results/parity/4xh200/parity.csv   # gated tables
+    python -m tools.train_sweep --gpus 4 --out benchmarks/results/sweep                  # the full matrix
+    python -m tools.train_sweep --gpus 4 --modes baseline hybrid --fused none --batches 8 --dry-run
+    python -m tools.train_sweep --gpus 4 --modes hybrid-tp2 --batches 8 max --extra-args="--compile"
+    python -m tools.train_sweep --gpus 4 --parity benchmarks/results/parity/4xh200/parity.csv   # gated tables
 
 Modes (train.py flags): single (--gpus 1 only), baseline (DDP), zero1 / zero2, hybrid (ZeRO-3),
 hybrid-deepcompile (ZeRO-3 under DeepSpeed's DeepCompile: --compile --compiler deepcompile), hybrid-tp2
 (ZeRO-3 + TP 2), hybrid-tp2-sp (+ sequence parallelism), fsdp2 / fsdp2-tp2 (ZeRO-3 by PyTorch FSDP2, `--zero-engine
 fsdp2`, without and with TP 2), and the reference rows hf-ddp / hf-zero3
-(`benchmarks.hf_reference`: Hugging Face GPT-2 as users run it). Each of our modes runs with every `--fused`
+(`tools.hf_reference`: Hugging Face GPT-2 as users run it). Each of our modes runs with every `--fused`
 backend; the HF rows have no fused kernels. `--batches` takes micro-batch sizes per GPU and `max`: the largest
 of `--max-batches` (tried in descending order) that completes without running out of CUDA memory; sizes at or
 above one that already ran out are not tried.
 
 Every run: `python -m torch.distributed.run --standalone --nproc_per_node=N train.py ...` (or `-m
-benchmarks.hf_reference`), `--max-steps` steps of which the first `--warmup` are excluded from tokens/s and
-MFU (with `--extra-args=--profile`, also the profiled steps after them, `gpt2.observe.profiling.PROFILED_STEPS`: each
+tools.hf_reference`), `--max-steps` steps of which the first `--warmup` are excluded from tokens/s and
+MFU (with `--extra-args=--profile`, also the profiled steps after them, `gpt2.config.schema.PROFILED_STEPS`: each
 row
 then gets the device's busy share and the kernels launched per step), its output in OUT/logs/NAME.log and its run
 folder in OUT/runs/NAME. A run that fails, runs out of memory or passes `--run-timeout` is recorded with its last
 error line and the sweep goes on. After every run OUT/sweep.csv (every launch) and OUT/sweep.md (status table:
 configuration, kernels, batch/GPU, tokens/s, MFU, peak memory, step and run time, failures with their last error
 line) are rewritten, and so are
-`benchmarks.report`'s report.md and plots (tokens_vs_memory.png, mfu.png, loss.png, memory_timeline.png) over
+`tools.report`'s report.md and plots (tokens_vs_memory.png, mfu.png, loss.png, memory_timeline.png) over
 the runs that finished, so an interrupted sweep still leaves its tables. `--include RUN_DIR...` adds runs
 made elsewhere (e.g. the reference runs of benchmarks/gpu_sweep.sh).
 
-No speed without parity: `--parity PARITY.csv...` (written by `python -m benchmarks.parity`) gives every row the
+No speed without parity: `--parity PARITY.csv...` (written by `python -m tools.parity`) gives every row the
 loss-parity verdict of its configuration (same model, layout and world size, kernels, attention, compile scope,
-activation checkpointing and precision: benchmarks/parity_verdict.py `config_key`), in a `parity` column of
+activation checkpointing and precision: tools/parity_verdict.py `config_key`), in a `parity` column of
 sweep.csv and sweep.md; report.md and its plots then keep only the runs that pass (and the Hugging Face
 reference runs, which are not train.py's). Without --parity every row reads `unchecked`.
 """
@@ -45,8 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
-from benchmarks.common import (
+from gpt2.config.schema import PROFILED_STEPS
+from tools import report
+from tools.common import (
     ROOT,
     free_run_name,
     last_error,
@@ -56,8 +57,7 @@ from benchmarks.common import (
     torchrun,
     write_csv,
 )
-from benchmarks.parity_verdict import read_verdicts, verdict_of
-from gpt2.observe.profiling import PROFILED_STEPS
+from tools.parity_verdict import read_verdicts, verdict_of
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,8 @@ MODES: dict[str, Mode] = {
     "hybrid-tp2-sp": Mode("ZeRO-3 + TP2 + SP", ("--mode", "hybrid", "--tp-size", "2", "--sequence-parallel")),
     "fsdp2": Mode("FSDP2", ("--mode", "hybrid", "--zero-engine", "fsdp2")),  # ZeRO-3 by PyTorch FSDP2
     "fsdp2-tp2": Mode("FSDP2 + TP2", ("--mode", "hybrid", "--zero-engine", "fsdp2", "--tp-size", "2")),
-    "hf-ddp": Mode("HF transformers DDP", ("--mode", "ddp"), "benchmarks.hf_reference", takes_fused=False),
-    "hf-zero3": Mode("HF transformers ZeRO-3", ("--mode", "zero3"), "benchmarks.hf_reference", takes_fused=False),
+    "hf-ddp": Mode("HF transformers DDP", ("--mode", "ddp"), "tools.hf_reference", takes_fused=False),
+    "hf-zero3": Mode("HF transformers ZeRO-3", ("--mode", "zero3"), "tools.hf_reference", takes_fused=False),
 }
 OOM_PATTERNS = ("OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 MIN_RUN_S = 60.0  # under --budget-s, a run with less time left than this could only be killed: not launched
@@ -112,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wandb", choices=["online", "offline", "disabled"], default="disabled")
     p.add_argument("--wandb-group", default=None, help="default: sweep-<date-time>")
     p.add_argument("--parity", type=Path, nargs="+",
-                   help="parity.csv files of benchmarks.parity: every row gets the verdict of its configuration, and "
+                   help="parity.csv files of tools.parity: every row gets the verdict of its configuration, and "
                         "report.md and its plots keep only the runs that pass")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = p.parse_args(argv)
@@ -124,7 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"tokens/s too: raise --steps above {args.warmup + PROFILED_STEPS}")
     missing = [str(path) for path in args.parity or [] if not path.is_file()]
     if missing:  # before any run: a sweep without its verdicts publishes nothing
-        p.error(f"--parity {' '.join(missing)}: no such file; run python -m benchmarks.parity first (its --out "
+        p.error(f"--parity {' '.join(missing)}: no such file; run python -m tools.parity first (its --out "
                 "folder holds parity.csv)")
     if "single" in args.modes and args.gpus != 1:
         p.error(f"--modes single runs on one GPU; drop it or pass --gpus 1 (not {args.gpus})")
@@ -307,7 +307,7 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     hosts = sorted({r["host_cpu"] for r in rows if r.get("host_cpu")})
     if args.parity:
         gate = (f"parity: the verdict of each run's configuration in {', '.join(map(str, args.parity))} "
-                "(benchmarks.parity); a run without `pass` trains an unchecked or a different function: its "
+                "(tools.parity); a run without `pass` trains an unchecked or a different function: its "
                 "throughput is not for publication, and report.md leaves it out (`n/a`: not a train.py run).")
     else:
         gate = "parity: unchecked (no --parity): these throughput numbers carry no parity verdict; do not publish them."
@@ -324,7 +324,7 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
 
 def write_outputs(sweep: Sweep) -> list[dict[str, Any]]:
     """sweep.csv (every launch, OOM probes included) and sweep.md (one row per point, included runs first, with
-    each failure's status and each run's parity verdict), then benchmarks.report's report.md and plots over the runs
+    each failure's status and each run's parity verdict), then tools.report's report.md and plots over the runs
     that finished (with --parity: and pass, or are not train.py runs)."""
     verdicts = read_verdicts(sweep.args.parity) if sweep.args.parity else None
 

@@ -1,7 +1,7 @@
 """Comparison report of training runs: one Markdown table and four PNG plots, from run folders alone (offline).
 
-    python -m benchmarks.report runs/ddp-b8 runs/zero3-b8 ... [--out report]
-    python -m benchmarks.report benchmarks/results/raw/runs          # a folder of run folders works too
+    python -m tools.report runs/ddp-b8 runs/zero3-b8 ... [--out report]
+    python -m tools.report benchmarks/results/raw/runs          # a folder of run folders works too
 
 A run folder is what train.py writes: metrics.jsonl (one record per log step, then a summary record),
 summary.json and config.json. Written to --out: report.md (the table below, plus predicted vs measured
@@ -25,8 +25,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from benchmarks.common import markdown_table  # noqa: E402
 from gpt2.observe.run_logging import run_label  # noqa: E402
+from tools.common import markdown_table  # noqa: E402
 
 COLUMNS = ["Configuration", "GPUs", "Batch/GPU", "Tokens/s", "MFU", "Peak memory (GiB)", "Training time (s)",
            "Final loss", "Accuracy", "Val loss"]
@@ -204,7 +204,7 @@ def plot(runs: list[Run], out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.report", description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", help="run folders, or folders of run folders")
     parser.add_argument("--out", default="report", help="folder for report.md and the PNGs")
     args = parser.parse_args(argv)

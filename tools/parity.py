@@ -1,18 +1,18 @@
 """Loss parity: does every configuration train the same function as `--mode single` eager, on real text, in the
 precision the runs use (bf16 on a GPU, fp32 on CPU)?
 
-    python -m benchmarks.parity --out benchmarks/results/parity/h100 --models gpt2 gpt2-large --jobs 2
-    python -m benchmarks.parity --out /tmp/p --models gpt2 --rows 'zero*' ddp --steps 10   # a subset (names, globs)
-    python -m benchmarks.parity --out /tmp/p --models gpt2 --extra-row lr-x2='--lr 1.2e-3'  # a row of your own
-    python -m benchmarks.parity --out /tmp/p --dry-run                                      # the commands only
+    python -m tools.parity --out benchmarks/results/parity/h100 --models gpt2 gpt2-large --jobs 2
+    python -m tools.parity --out /tmp/p --models gpt2 --rows 'zero*' ddp --steps 10   # a subset (names, globs)
+    python -m tools.parity --out /tmp/p --models gpt2 --extra-row lr-x2='--lr 1.2e-3'  # a row of your own
+    python -m tools.parity --out /tmp/p --dry-run                                      # the commands only
 
-Each row of benchmarks/parity_matrix.py (one-device rows; with more GPUs visible, DDP/ZeRO at that world size and
+Each row of tools/parity_matrix.py (one-device rows; with more GPUs visible, DDP/ZeRO at that world size and
 tensor parallelism) trains --steps steps from the same seed on the same global batches of --batch-size sequences,
 its loss logged every step, then its validation loss. Data: WikiText-2 from ../shared/data by default, or
 --data-path any text (--cache-dir a pre-built token cache); the training set is cut to whole global batches so that
 every row's epochs line up. The reference (`single`) and the `noise` row run in the same call, up to --jobs rows at
 a time on each GPU (one-GPU rows spread over the visible GPUs, a row of N processes takes N of them, each run's
-CUDA_VISIBLE_DEVICES naming its GPUs); the verdicts are benchmarks/parity_verdict.py's. Written to --out, and
+CUDA_VISIBLE_DEVICES naming its GPUs); the verdicts are tools/parity_verdict.py's. Written to --out, and
 rewritten each time a run ends (rows still running read `pending`, the header says how many ended), so a call killed
 part-way keeps the finished rows' verdicts: parity.csv, parity.md (command, device, versions, the tolerance rule
 with the measured noise, one table per model) and parity_<model>.png; run folders in OUT/runs, each launch's output
@@ -37,19 +37,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import parity_report
-from benchmarks.common import (
-    ROOT,
-    device_tag,
-    error_excerpt,
-    free_run_name,
-    last_error,
-    launch,
-    stop_launches_on_signal,
-)
-from benchmarks.parity_matrix import NOISE, REFERENCE, Job, extra_row, matrix, plan, select
-from benchmarks.parity_report import RowResult, Tolerance
-from benchmarks.parity_verdict import (
+from gpt2.config.cli import parse_args as parse_train_args
+from gpt2.config.schema import MODEL_PRESETS, ConfigError, DataConfig
+from gpt2.runtime.distributed import LAUNCHER_VARS
+from tools import parity_report
+from tools.common import ROOT, device_tag, error_excerpt, free_run_name, last_error, launch, stop_launches_on_signal
+from tools.parity_matrix import NOISE, REFERENCE, Job, extra_row, matrix, plan, select
+from tools.parity_report import RowResult, Tolerance
+from tools.parity_verdict import (
     Curve,
     CurveError,
     compare,
@@ -58,9 +53,6 @@ from benchmarks.parity_verdict import (
     max_abs_dloss,
     tolerance,
 )
-from gpt2.config.cli import parse_args as parse_train_args
-from gpt2.config.schema import MODEL_PRESETS, ConfigError, DataConfig
-from gpt2.runtime.distributed import LAUNCHER_VARS
 
 SHARED_DATA = ROOT.parent / "shared" / "data"
 DEFAULT_DATA = SHARED_DATA / "wikitext-2"
@@ -69,7 +61,7 @@ LOG_TAIL_LINES = 20
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.parity", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tools.parity", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="folder for parity.csv/.md/.png, runs/ and logs/")
     p.add_argument("--models", nargs="+", default=["gpt2", "gpt2-large"], choices=sorted(MODEL_PRESETS))
@@ -340,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tag = {**device_tag(device), "deepspeed": package_version("deepspeed")}
     header = {
-        "command": f"`python -m benchmarks.parity {shlex.join(sys.argv[1:] if argv is None else argv)}`",
+        "command": f"`python -m tools.parity {shlex.join(sys.argv[1:] if argv is None else argv)}`",
         "device": f"{tag['device']} x{tag['device_count']}" if device == "cuda" else tag["device"],
         "host": tag["host_cpu"],
         "versions": f"torch {tag['torch']}, CUDA {tag['cuda']}, triton {tag['triton']}, deepspeed {tag['deepspeed']}",

@@ -1,0 +1,112 @@
+"""The DeepSpeed JSON of a `--mode hybrid` run as our flags see it: which file, the keys our flags own, and the
+checks that the file agrees with them.
+
+Our CLI stays the single source of truth: batch size, gradient accumulation, clipping, precision and ZeRO stage
+(and the two checks the non-finite guard relies on) are ours, and a file that sets one of them to another value is
+an error naming both. `RunLayout.resolve` reads and checks the file once (so train.py, `--plan` and
+slurm/preflight.py all refuse a broken one before any work); `gpt2.engines.ds_config` builds DeepSpeed's config from
+what it read, and the planner reads its ZeRO settings. Needs no DeepSpeed import.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from gpt2.config.schema import ConfigError, ParallelConfig, RunConfig
+
+DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
+
+
+def ds_config_file(p: ParallelConfig) -> Path:
+    """The DeepSpeed JSON a hybrid run reads: --ds-config, else ds_configs/zero{--zero-stage}.json."""
+    return Path(p.ds_config) if p.ds_config else DS_CONFIG_DIR / f"zero{p.zero_stage}.json"
+
+
+def persistence_threshold_default(zero3_fetch: str) -> int:
+    """ZeRO-3's `stage3_param_persistence_threshold` where the DeepSpeed JSON leaves it out. Per-block gathers: 0,
+    so a block's LayerNorms and biases travel in its one coalesced all-gather; persistent (unpartitioned) ones
+    would instead be re-gathered after every optimizer step with one blocking all-gather each (DeepSpeed's
+    `_post_step`: ~290 for GPT-2 Large; 1.8x steps/s on a 2-rank CPU proxy without them). Per-module hooks:
+    DeepSpeed's own 1e5, which spares those hooks a gather per small module."""
+    return 0 if zero3_fetch == "block" else 100_000
+
+
+def precision_values(precision: str, recipe: str) -> dict[tuple[str, ...], Any]:
+    """DeepSpeed's mixed-precision keys for `precision` (bf16 | fp16 | fp32) and --zero-precision `recipe`.
+
+    autocast: DeepSpeed's torch_autocast section, the recipe of single and DDP: fp32 weights (partitions, master
+    copy and gradients), the forward under torch.autocast, so a Linear's matmul sees the same bf16-rounded weight as
+    in single. deepspeed: its bf16/fp16 section, a 16-bit model (weights, residual stream and LayerNorms in 16
+    bits) stepped from fp32 master weights; on gpt2 it ends 0.09 off single after 30 steps where single's own
+    run-to-run noise is 0.01 (benchmarks/results/parity/h200-2026-11-23), so it is not the default."""
+    autocast = recipe == "autocast" and precision != "fp32"
+    values: dict[tuple[str, ...], Any] = {
+        ("bf16", "enabled"): recipe == "deepspeed" and precision == "bf16",
+        ("fp16", "enabled"): recipe == "deepspeed" and precision == "fp16",
+        ("torch_autocast", "enabled"): autocast,
+    }
+    if autocast:
+        values["torch_autocast", "dtype"] = {"bf16": "bfloat16", "fp16": "float16"}[precision]
+    return values
+
+
+def harness_values(cfg: RunConfig, grad_accum: int, dp_size: int,
+                   deepcompile: bool) -> list[tuple[tuple[str, ...], Any, str]]:
+    """(key path, our value, the flag that sets it) for every DeepSpeed key the CLI owns."""
+    t = cfg.train
+    return [
+        (("train_micro_batch_size_per_gpu",), t.batch_size, f"--batch-size is {t.batch_size}"),
+        (("gradient_accumulation_steps",), grad_accum, f"--grad-accum is {grad_accum}"),
+        (("train_batch_size",), t.batch_size * grad_accum * dp_size,
+         f"--batch-size x --grad-accum x dp-size is {t.batch_size} x {grad_accum} x {dp_size} = "
+         f"{t.batch_size * grad_accum * dp_size}"),
+        (("gradient_clipping",), float(t.grad_clip), f"--grad-clip is {t.grad_clip}"),
+        (("zero_optimization", "stage"), cfg.parallel.zero_stage, f"--zero-stage is {cfg.parallel.zero_stage}"),
+        *[(keys, value, f"--precision is {t.precision} with --zero-precision {cfg.parallel.zero_precision}")
+          for keys, value in precision_values(t.precision, cfg.parallel.zero_precision).items()],
+        # the non-finite guard (gpt2.engines.guard) relies on DeepSpeed skipping every step whose global gradient
+        # norm is not finite: ZeRO-1/2 over DeepSpeed's bf16 model (--zero-precision deepspeed) skips only with this
+        # check on (over fp32 weights, torch_autocast, it checks the norm anyway), and the norm must be computed
+        (("bf16", "check_grad_overflow"), True, "the non-finite guard needs DeepSpeed to skip a step whose gradient "
+                                                "norm is not finite"),
+        (("zero_optimization", "compute_grad_norm"), True, "the non-finite guard reads the global gradient norm"),
+        # DeepCompile (ZeRO-3): DeepSpeed reads compile.deepcompile in initialize(); engine.compile() then applies it
+        (("compile", "deepcompile"), deepcompile,
+         "--compile --compiler deepcompile " + ("is given" if deepcompile else "is not given")),
+    ]
+
+
+def read_ds_file(cfg: RunConfig, grad_accum: int, dp_size: int, deepcompile: bool) -> dict[str, Any]:
+    """The hybrid run's DeepSpeed file, parsed and checked against the flags: it must exist and be JSON, carry no
+    optimizer or scheduler (we pass our own), agree with every key the CLI owns, and not turn on DeepSpeed's
+    memory-efficient linear under --compile."""
+    path = ds_config_file(cfg.parallel)
+    if not path.is_file():
+        raise ConfigError(f"DeepSpeed config {path} does not exist; pass an existing file to --ds-config")
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {err}") from err
+    for section in ("optimizer", "scheduler"):
+        if section in ds:
+            raise ConfigError(f"{path} has a {section!r} section; remove it: the optimizer (AdamW) and LR schedule "
+                              "come from the command line (--lr, --min-lr, --warmup-steps, --weight-decay)")
+    for keys, ours, flag in harness_values(cfg, grad_accum, dp_size, deepcompile):
+        node: Any = ds
+        for k in keys:
+            if not isinstance(node, dict) or k not in node:
+                break
+            node = node[k]
+        else:
+            if node != ours:
+                raise ConfigError(f"{path} sets {'.'.join(keys)}={json.dumps(node)} but {flag}; "
+                                  "make them agree or drop the key from the file (the command line sets it)")
+    # DeepSpeed's memory-efficient linear (its default; ds_config turns it off unless the file asks) traced by Dynamo
+    # loses its weight gradients (gpt2.engines.ds_config)
+    if cfg.zero_stage == 3 and ds.get("zero_optimization", {}).get("memory_efficient_linear") and cfg.train.compile:
+        raise ConfigError(f"{path} sets zero_optimization.memory_efficient_linear=true, which trains the wrong "
+                          "function under --compile (DeepSpeed's linear loses its weight gradients in the "
+                          "compiled graph); drop the key or set it to false")
+    return ds
