@@ -34,6 +34,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} WANDB_MODE=disabled WANDB_SILENT=true PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
+"$PYTHON" -c "import deepspeed" 2>/dev/null ||  # the DDP/ZeRO-3 rows; as gpu_parity.sh, from the carried .whl/
+  "$PYTHON" -m pip install -q --no-index --find-links .whl deepspeed
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   "$PYTHON" -c "import torch, deepspeed; print('torch', torch.__version__, '| deepspeed', deepspeed.__version__)"; } |
   tee "$OUT/gpus.txt"
