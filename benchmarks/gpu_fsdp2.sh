@@ -14,7 +14,11 @@
 #       warm-up), each row with the parity verdict of its configuration -> $OUT/sweep/{sweep.md,sweep.csv,report.md}
 #   OUT=/tmp/fsdp2-max STEP=max PARITY=... INCLUDE="/tmp/fsdp2-b8/sweep/runs/*" bash benchmarks/gpu_fsdp2.sh
 #       the largest batch that fits (MAX_BATCHES, default 48 32 24 16, tried largest first) for MAX_MODES (default
-#       fsdp2 fsdp2-tp2), with the batch-8 runs of INCLUDE in its tables
+#       fsdp2 fsdp2-tp2), with the batch-8 runs of INCLUDE in its tables. The planner's peaks for GPT-2 Large on 4
+#       GPUs (--plan --zero-engine fsdp2 --compile): FSDP2 b32 59.2 GiB, b48 86.3; FSDP2 + TP2 b48 62.3, b64 81.7
+#       (not yet checked against a GPU): on 80 GB cards b48 is one out-of-memory probe for FSDP2; on H200s (141 GB)
+#       pass MAX_BATCHES="96 64 48 32"
+# Row names are for NGPU GPUs (default 4; the parity rows are fsdp2-w$NGPU etc.). Needs .gpudata/ for STEP=parity.
 # Every run's summary holds peak memory per GPU beside the planner's prediction (plan/peak_gib, plan/peak_error).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +34,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} WANDB_MODE=disabled WANDB_SILENT=true PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
+"$PYTHON" -c "import deepspeed" 2>/dev/null ||  # the DDP/ZeRO-3 rows; as gpu_parity.sh, from the carried .whl/
+  "$PYTHON" -m pip install -q --no-index --find-links .whl deepspeed
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   "$PYTHON" -c "import torch, deepspeed; print('torch', torch.__version__, '| deepspeed', deepspeed.__version__)"; } |
   tee "$OUT/gpus.txt"
@@ -52,8 +58,8 @@ case "$STEP" in
     timeout --kill-after=15 "$((TOTAL_S - 20))" "$PYTHON" -m tools.parity --models "$MODEL" --batch-size 32 \
       --micro-batch 2 --steps 10 --warmup-steps 5 --lr 2.5e-4 --jobs 3 --run-timeout "$((TOTAL_S - 40))" \
       --out "$OUT/parity" --data-path .gpudata/wikitext-2 --tokenizer .gpudata/gpt2-tokenizer/tokenizer.json \
-      --cache-dir .gpudata/cache --rows fsdp2-w4 fsdp2-compile-w4 fsdp2-tp2-w4 fsdp2-tp2-compile-w4 \
-      ${PARITY_EXTRA-ddp-compile-w4 zero3-compile-w4} >"$OUT/parity.log" 2>&1
+      --cache-dir .gpudata/cache --rows "fsdp2-w$NGPU" "fsdp2-compile-w$NGPU" "fsdp2-tp2-w$NGPU" \
+      "fsdp2-tp2-compile-w$NGPU" ${PARITY_EXTRA-ddp-compile-w$NGPU zero3-compile-w$NGPU} >"$OUT/parity.log" 2>&1
     echo "[${SECONDS}s] parity rc=$?"
     grep -E " (pass|fail|error|skipped|reference|noise) " "$OUT/parity.log"
     tail -n 5 "$OUT/parity.log"

@@ -2,7 +2,8 @@
 token-weighted evaluation over the data-parallel group.
 
 An engine executes one optimizer step of its mode (`gpt2.engines.torch_engine`: single and DDP;
-`gpt2.engines.deepspeed_engine`: ZeRO) and holds the model, optimizer and schedule; `gpt2.engines.build` picks it.
+`gpt2.engines.deepspeed_engine`: ZeRO; `gpt2.engines.fsdp2_engine`: ZeRO by FSDP2) and holds the model, optimizer and
+schedule; `gpt2.engines.build` picks it.
 """
 
 from __future__ import annotations
