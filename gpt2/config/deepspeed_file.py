@@ -33,6 +33,21 @@ def persistence_threshold_default(zero3_fetch: str) -> int:
     return 0 if zero3_fetch == "block" else 100_000
 
 
+def zero3_defaults(zero3_fetch: str) -> dict[str, Any]:
+    """The zero_optimization keys a ZeRO-3 run gets where its file leaves them out (a value in the file wins): the
+    persistence threshold above, and DeepSpeed's memory-efficient linear off. DeepSpeed's default (true) makes
+    zero.Init replace torch.nn.functional.linear process-wide by its autograd.Function
+    LinearFunctionForZeroStage3. Traced by Dynamo (torch 2.11, CUDA, any backend) it returns zero weight and bias
+    gradients (benchmarks/repro/deepspeed_zero3_linear_compile.py): under --compile the blocks' and the head's
+    Linears stopped learning (GPT-2, 4 layers: 8.28 after 15 steps where single reaches 6.08). With false the model
+    calls torch's linear like every other mode, and eager and compiled ZeRO-3 match single within 0.01; the saving
+    it offers is moot here, a block's weights are re-gathered before its backward either way. DeepCompile keeps the
+    block default (0): every parameter is partitioned by zero.Init, and DeepCompile marks each non-persistent anyway
+    (deepspeed/compile/init_z3.py, `ds_persist`)."""
+    return {"stage3_param_persistence_threshold": persistence_threshold_default(zero3_fetch),
+            "memory_efficient_linear": False}
+
+
 def precision_values(precision: str, recipe: str) -> dict[tuple[str, ...], Any]:
     """DeepSpeed's mixed-precision keys for `precision` (bf16 | fp16 | fp32) and --zero-precision `recipe`.
 
@@ -103,8 +118,8 @@ def read_ds_file(cfg: RunConfig, grad_accum: int, dp_size: int, deepcompile: boo
             if node != ours:
                 raise ConfigError(f"{path} sets {'.'.join(keys)}={json.dumps(node)} but {flag}; "
                                   "make them agree or drop the key from the file (the command line sets it)")
-    # DeepSpeed's memory-efficient linear (its default; ds_config turns it off unless the file asks) traced by Dynamo
-    # loses its weight gradients (gpt2.engines.ds_config)
+    # DeepSpeed's memory-efficient linear (its default; off unless the file asks: zero3_defaults) traced by Dynamo
+    # loses its weight gradients
     if cfg.zero_stage == 3 and ds.get("zero_optimization", {}).get("memory_efficient_linear") and cfg.train.compile:
         raise ConfigError(f"{path} sets zero_optimization.memory_efficient_linear=true, which trains the wrong "
                           "function under --compile (DeepSpeed's linear loses its weight gradients in the "

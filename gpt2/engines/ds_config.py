@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any
 
-from gpt2.config.deepspeed_file import harness_values, persistence_threshold_default, precision_values
+from gpt2.config.deepspeed_file import harness_values, precision_values, zero3_defaults
 
 if TYPE_CHECKING:
     from gpt2.config.layout import RunLayout
@@ -36,18 +36,7 @@ def build_ds_config(layout: RunLayout) -> dict[str, Any]:
             node = node.setdefault(k, {})
         node[keys[-1]] = ours
     if layout.zero_stage == 3:
-        zero = ds["zero_optimization"]
-        # DeepCompile (--zero3-fetch stays at its default, block): 0 as well, every parameter partitioned by zero.Init;
-        # DeepCompile then marks every parameter non-persistent anyway (deepspeed/compile/init_z3.py, `ds_persist`)
-        zero.setdefault("stage3_param_persistence_threshold", persistence_threshold_default(cfg.parallel.zero3_fetch))
-        # DeepSpeed's default (true) makes zero.Init replace torch.nn.functional.linear process-wide by its
-        # autograd.Function LinearFunctionForZeroStage3. Traced by Dynamo (torch 2.11, CUDA, any backend) it returns
-        # zero weight and bias gradients (benchmarks/repro/deepspeed_zero3_linear_compile.py): under --compile the
-        # blocks' and the head's Linears stopped learning (GPT-2, 4 layers: 8.28 after 15 steps where single reaches
-        # 6.08). With false the model calls torch's linear like every other mode, and eager and compiled ZeRO-3
-        # match single within 0.01; the saving it offers is moot here, a block's weights are re-gathered before
-        # its backward either way. A file that turns it on under --compile is refused by the layout.
-        zero.setdefault("memory_efficient_linear", False)
+        ds["zero_optimization"] = {**zero3_defaults(cfg.parallel.zero3_fetch), **ds["zero_optimization"]}
     # the precision that runs (the layout's: CPU runs are fp32 whatever --precision says)
     for (section, key), value in precision_values(layout.precision, cfg.parallel.zero_precision).items():
         ds.setdefault(section, {})[key] = value

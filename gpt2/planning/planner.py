@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from gpt2.config.cli import resolve_compile_scope
-from gpt2.config.deepspeed_file import persistence_threshold_default
+from gpt2.config.deepspeed_file import zero3_defaults
 from gpt2.config.layout import RunLayout, check_tp_divides_world, sequence_splits, tp_divides_model
 from gpt2.config.schema import MODEL_PRESETS, ConfigError, RunConfig
 from gpt2.model.flops import hardware_flops_per_token
@@ -94,8 +94,7 @@ class DeepSpeedSettings:
         """A hybrid run's settings, from the DeepSpeed file its layout read (the defaults for other modes)."""
         if layout.ds_file is None:
             return cls()
-        zero = {"stage3_param_persistence_threshold": persistence_threshold_default(layout.cfg.parallel.zero3_fetch),
-                **layout.ds_file.get("zero_optimization", {})}
+        zero = {**zero3_defaults(layout.cfg.parallel.zero3_fetch), **layout.ds_file.get("zero_optimization", {})}
         keys = {"reduce_bucket_size": "reduce_bucket_size", "prefetch_bucket_size": "stage3_prefetch_bucket_size",
                 "param_persistence_threshold": "stage3_param_persistence_threshold",
                 "max_reuse_distance": "stage3_max_reuse_distance"}
