@@ -76,16 +76,20 @@ def zero_stage_of(layout: RunLayout) -> int:
     return 3 if layout.fsdp2 else layout.zero_stage or 0
 
 
-def local_params(layout: RunLayout) -> float:
-    """Parameters one GPU holds before ZeRO sharding (one TP shard).
+def local_block_params(layout: RunLayout) -> float:
+    """One transformer block's parameters on one GPU (one TP shard): the column-parallel QKV and MLP-up weights and
+    biases and the row-parallel weights are split, the row-parallel biases (2d) and LayerNorms (4d) replicated."""
+    d, t = layout.cfg.model.n_embd, layout.tp_size
+    return (12 * d * d + 7 * d) / t + 6 * d
 
-    Under TP the column-parallel QKV and MLP-up weights and biases, the row-parallel weights and
-    the vocab-parallel embedding are split; row-parallel biases (2d), LayerNorms (4d), the
-    position table and ln_f are replicated: (12d^2 + 7d)/t + 6d per layer, + V d / t + P d + 2d.
+
+def local_params(layout: RunLayout) -> float:
+    """Parameters one GPU holds before ZeRO sharding (one TP shard): `local_block_params` per layer, + the
+    vocab-parallel embedding (split) and the position table and ln_f (replicated): + V d / t + P d + 2d.
     """
     cfg, t = layout.cfg.model, layout.tp_size
     d = cfg.n_embd
-    n = cfg.n_layer * ((12 * d * d + 7 * d) / t + 6 * d)
+    n = cfg.n_layer * local_block_params(layout)
     n += cfg.padded_vocab_size * d / t + cfg.n_positions * d  # (the sums in this order: the planner's tests are exact)
     return n + 2 * d
 

@@ -66,6 +66,7 @@ from gpt2.planning.perf_model import (
     CommOp,
     StateBytes,
     layer_activation_bytes,
+    local_block_params,
     local_params,
     memory_per_gpu,
     step_communication,
@@ -288,9 +289,8 @@ def fsdp2_units(layout: RunLayout) -> tuple[float, float]:
     and the root (token embedding shard, tied to the head; position embedding; final LayerNorm)."""
     cfg, t = layout.cfg.model, layout.tp_size
     d = cfg.n_embd
-    block = (12 * d * d + 9 * d) / t + 4 * d  # c_attn, c_fc, both projections (their biases whole), two LayerNorms
     root = cfg.padded_vocab_size * d / t + cfg.n_positions * d + 2 * d
-    return block, root
+    return local_block_params(layout), root
 
 
 def fsdp2_memory(layout: RunLayout, n_local: float) -> tuple[float, float]:
