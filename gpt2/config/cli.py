@@ -166,6 +166,9 @@ def check_zero_engine(args: argparse.Namespace) -> None:
     """`--zero-engine fsdp2`: what FSDP2 (gpt2.engines.fsdp2_engine) cannot take, each an error naming the fix; the
     DeepSpeed-only flags among them."""
     if args.zero_engine != "fsdp2":
+        if args.fsdp2_unit_blocks is not None:
+            raise ConfigError("--fsdp2-unit-blocks sizes FSDP2's units; add --mode hybrid --zero-engine fsdp2 or "
+                              "drop it")
         return
     if args.mode != "hybrid":
         raise ConfigError(f"--zero-engine fsdp2 picks who shards under --mode hybrid; --mode {args.mode} shards "
@@ -200,6 +203,9 @@ def check_flags_act(args: argparse.Namespace) -> None:
     if args.compile_scope not in (None, "auto") and not args.compile:
         raise ConfigError(f"--compile-scope {args.compile_scope} says what --compile compiles; add --compile or drop "
                           "it")
+    if args.compile_wrapper is not None and (not args.compile or args.compiler == "deepcompile"):
+        raise ConfigError(f"--compile-wrapper {args.compile_wrapper} picks the host code of torch.compile's graphs; "
+                          "add --compile (with --compiler torch: DeepCompile builds its own graphs) or drop it")
     if args.compiler == "torch" and not args.compile:
         raise ConfigError("--compiler torch says who compiles under --compile; add --compile or drop it")
     if args.ddp_bucket_mb is not None and args.mode != "baseline":
@@ -251,12 +257,14 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                                  throughput_warmup_default(deepcompile)),
         compile_scope=resolve_compile_scope(args.compile_scope or "auto", args.mode, args.tp_size, compiler),
         fused_kernels="cuda" if args.use_fused_kernel else args.fused_kernels)
-    return RunConfig(train=train, model=_section(ModelConfig, args, **{
-                         key: value for key, value in MODEL_PRESETS[args.model].items()
-                         if getattr(args, key, None) is None}),
-                     data=_section(DataConfig, args), parallel=_section(ParallelConfig, args),
-                     log=_section(LogConfig, args), checkpoint=_section(CheckpointConfig, args),
-                     plan=_section(PlanConfig, args))
+    model = _section(ModelConfig, args, **{key: value for key, value in MODEL_PRESETS[args.model].items()
+                                           if getattr(args, key, None) is None})
+    if args.fsdp2_unit_blocks is not None and args.fsdp2_unit_blocks > model.n_layer:
+        raise ConfigError(f"--fsdp2-unit-blocks {args.fsdp2_unit_blocks} is more blocks than the model's "
+                          f"{model.n_layer}; use 1 to {model.n_layer} ({model.n_layer}: all blocks one unit)")
+    return RunConfig(train=train, model=model, data=_section(DataConfig, args),
+                     parallel=_section(ParallelConfig, args), log=_section(LogConfig, args),
+                     checkpoint=_section(CheckpointConfig, args), plan=_section(PlanConfig, args))
 
 
 def validate(cfg: RunConfig) -> None:

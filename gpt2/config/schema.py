@@ -163,6 +163,12 @@ class ParallelConfig:
                      "PyTorch FSDP2 (fully_shard of each transformer block and of the embedding/head over the "
                      "data-parallel ranks; --zero-stage 3: parameters resharded after forward, 2: kept gathered from "
                      "forward to backward; no stage 1)", PARALLEL, given_only=True)
+    # FSDP2's unit: the blocks one `fully_shard` call groups (one all-gather, one reduce-scatter and one set of hooks
+    # per group and pass; gpt2.engines.fsdp2_engine.shard_model)
+    fsdp2_unit_blocks: int = option(
+        4, "--zero-engine fsdp2: transformer blocks per FSDP2 unit (one all-gather, reduce-scatter and hook set per "
+           "unit: fewer, larger units cost less host time and hold more gathered weights)", PARALLEL,
+        parse=positive_int, given_only=True)
     zero3_fetch: Literal["block", "module"] = option(
         "block", "hybrid mode, ZeRO-3: the parameter gather unit: block = each transformer block is a DeepSpeed leaf "
                  "module (one all-gather and one hook per block and pass; allows --compile), module = DeepSpeed's "
@@ -269,6 +275,11 @@ class TrainConfig:
                  "as one graph with ZeRO-3's all-gathers and gradient reduce-scatters in it (its hooks removed), "
                  "prefetching and keeping parameters gathered as memory allows; same ZeRO-3 settings otherwise",
         OPTIM, given_only=True)
+    # the code Inductor emits to run each compiled graph (gpt2.config.layout.RunLayout.inductor_cpp_wrapper decides)
+    compile_wrapper: Literal["auto", "cpp", "python"] = option(
+        "auto", "with --compile (--compiler torch): the host code Inductor generates to launch each graph's kernels: "
+                "cpp = a compiled C++ wrapper (less host time per kernel, a longer first compile), python = Python; "
+                "auto = cpp on CUDA, python on CPU", OPTIM, given_only=True)
     ddp_bucket_mb: int = option(100, "DDP gradient bucket size (all-reduce granularity; --mode baseline)", OPTIM,
                                 parse=positive_int, given_only=True)
     eval_interval: int = option(0, "evaluate every N steps; 0: at the end only", OPTIM, parse=non_negative_int)

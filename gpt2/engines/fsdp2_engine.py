@@ -100,18 +100,20 @@ def mixed_precision() -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
 
 
-def shard_model(model: GPT, mesh: DeviceMesh, reshard_after_forward: bool) -> list[nn.Module]:
-    """`fully_shard` each block (`reshard_after_forward` as --zero-stage says), then the root (embeddings, final
-    LayerNorm, tied LM head; never resharded after forward), in place; the TP plan's marks move to the new DTensor
-    parameters. Returns the sharded units, root last."""
+def shard_model(model: GPT, mesh: DeviceMesh, reshard_after_forward: bool, unit_blocks: int = 1) -> list[nn.Module]:
+    """`fully_shard` the blocks in groups of `unit_blocks` consecutive ones (`reshard_after_forward` as --zero-stage
+    says; a group is one FSDP2 unit: one all-gather, one reduce-scatter, one set of hooks), then the root
+    (embeddings, final LayerNorm, tied LM head; never resharded after forward), in place; the TP plan's marks move
+    to the new DTensor parameters. Returns one module of each unit (a group's first block), root last."""
     marks = {name: {m: getattr(p, m) for m in PARAM_MARKS if hasattr(p, m)} for name, p in model.named_parameters()}
     policy = mixed_precision()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    groups = [list(model.blocks[i:i + unit_blocks]) for i in range(0, len(model.blocks), unit_blocks)]
+    for group in groups:  # a one-module list is one module's unit
+        fully_shard(group, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     # the root stays gathered from forward to backward at either stage: its LM head runs last in forward and first
     # in backward (an explicit True would free and re-gather it there: measured, 2x the all-gather bytes of gpt2-tiny)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
-    units: list[nn.Module] = [*model.blocks, model]
+    units: list[nn.Module] = [group[0] for group in groups] + [model]
     for name, p in model.named_parameters():
         for mark, value in marks.get(name, {}).items():
             setattr(p, mark, value)
@@ -168,11 +170,13 @@ class FSDP2Engine(TorchEngine):
         """fully_shard the blocks and the root over the DP group (before the optimizer is built over the shards)."""
         layout, dims = self.layout, self.ctx.dims
         reshard = layout.zero_stage == 3
-        self.units = shard_model(model, dp_mesh(self.ctx), reshard_after_forward=reshard)
+        unit_blocks = layout.fsdp2_unit_blocks
+        self.units = shard_model(model, dp_mesh(self.ctx), reshard_after_forward=reshard, unit_blocks=unit_blocks)
         self.root: FSDPModule = model  # type: ignore[assignment]
-        log.info("FSDP2: %d units (%d blocks + embeddings/head) sharded over the data-parallel group of %d "
-                 "(reshard_after_forward=%s: ZeRO-%d), fp32 parameters and gradient reduction, autocast %s",
-                 len(self.units), len(self.units) - 1, dims.dp_size, reshard, layout.zero_stage,
+        log.info("FSDP2: %d units (%d of up to %d transformer blocks each + embeddings/head) sharded over the "
+                 "data-parallel group of %d (reshard_after_forward=%s: ZeRO-%d), fp32 parameters and gradient "
+                 "reduction, autocast %s",
+                 len(self.units), len(self.units) - 1, unit_blocks, dims.dp_size, reshard, layout.zero_stage,
                  layout.autocast_dtype or "off")
         return model
 

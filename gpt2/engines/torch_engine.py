@@ -53,7 +53,7 @@ class TorchEngine:
         self.ddp: DistributedDataParallel | None = None
         self.model: nn.Module = self.wrap(model)
         if layout.compile_scope == "model":
-            self.model = compile_whole(self.model)
+            self.model = compile_whole(self.model, layout.inductor_cpp_wrapper)
         self.dtype = layout.autocast_dtype
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.dtype == torch.float16)
         # fused on every device: it skips a non-finite step on the device (`step_if_finite`)

@@ -285,26 +285,27 @@ def predict_memory(layout: RunLayout) -> MemoryPlan:
 
 
 def fsdp2_units(layout: RunLayout) -> tuple[float, float]:
-    """Elements of one rank's FSDP2 units (gpt2.engines.fsdp2_engine.shard_model): one transformer block (TP-local)
-    and the root (token embedding shard, tied to the head; position embedding; final LayerNorm)."""
+    """Elements of one rank's FSDP2 units (gpt2.engines.fsdp2_engine.shard_model): the largest block unit
+    (--fsdp2-unit-blocks transformer blocks, TP-local) and the root (token embedding shard, tied to the head;
+    position embedding; final LayerNorm)."""
     cfg, t = layout.cfg.model, layout.tp_size
     d = cfg.n_embd
     root = cfg.padded_vocab_size * d / t + cfg.n_positions * d + 2 * d
-    return local_block_params(layout), root
+    return layout.fsdp2_unit_blocks * local_block_params(layout), root
 
 
 def fsdp2_memory(layout: RunLayout, n_local: float) -> tuple[float, float]:
     """(fp32 elements of gathered weights held when backward starts, bytes of FSDP2's buffers), for `predict_memory`.
 
     --zero-stage 3 (reshard_after_forward=True): the root unit stays gathered from forward to backward (FSDP2 does
-    not reshard the root after forward) and the last block with it; backward gathers one block and prefetches the
+    not reshard the root after forward) and the last block unit with it; backward gathers one unit and prefetches the
     next. --zero-stage 2 (False): every unit stays gathered from its forward to its backward: the whole TP-local
-    model. Buffers: the unsharded fp32 gradients of the two blocks in flight before their reduce-scatter (with
+    model. Buffers: the unsharded fp32 gradients of the two units in flight before their reduce-scatter (with
     --grad-accum > 1 FSDP2 keeps every unsharded gradient across the micro-steps, without sync: all of them).
     """
-    block, root = fsdp2_units(layout)
-    held = root + 2 * block if layout.zero_stage == 3 else n_local
-    grads = n_local if layout.grad_accum > 1 else 2 * block
+    unit, root = fsdp2_units(layout)
+    held = root + 2 * unit if layout.zero_stage == 3 else n_local
+    grads = n_local if layout.grad_accum > 1 else 2 * unit
     return held, FP32_BYTES * grads
 
 
@@ -312,8 +313,8 @@ def fsdp2_communication(layout: RunLayout, ops: list[CommOp]) -> list[CommOp]:
     """perf_model's ZeRO DP collectives replaced by FSDP2's (fp32): each unit gathered before its forward on every
     micro-step and, at stage 3, again before its backward (not the root: FSDP2 keeps it gathered); the gradients
     reduce-scattered once a step (set_requires_gradient_sync(False) on the other micro-steps)."""
-    block, root = fsdp2_units(layout)
-    n, m, dp = layout.cfg.model.n_layer * block + root, layout.grad_accum, layout.dp_size
+    root = fsdp2_units(layout)[1]
+    n, m, dp = layout.cfg.model.n_layer * local_block_params(layout) + root, layout.grad_accum, layout.dp_size
     ops = [op for op in ops if op.group != "dp"]
     if dp > 1:
         ops.append(CommOp("FSDP2 param all-gather (fwd)", "dp", "all_gather", dp, n * FP32_BYTES, m))

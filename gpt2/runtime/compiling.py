@@ -31,9 +31,10 @@ from gpt2.model.gpt import GPT, LMHead
 INDUCTOR_SETTINGS: dict[str, Any] = {"loop_ordering_after_fusion": False}
 
 
-def apply_inductor_settings() -> None:
-    """Set `INDUCTOR_SETTINGS` (process-wide Inductor config, read when a graph is compiled)."""
-    for name, value in INDUCTOR_SETTINGS.items():
+def apply_inductor_settings(cpp_wrapper: bool = False) -> None:
+    """Set `INDUCTOR_SETTINGS` (process-wide Inductor config, read when a graph is compiled), and the kind of host
+    code that launches each graph's kernels (`RunLayout.inductor_cpp_wrapper`: C++ or Python; the same kernels)."""
+    for name, value in {**INDUCTOR_SETTINGS, "cpp_wrapper": cpp_wrapper}.items():
         setattr(torch._inductor.config, name, value)
 
 
@@ -45,22 +46,22 @@ def compiled_parts(model: GPT) -> list[nn.Module]:
     return [*model.blocks, model.ln_f, *head]
 
 
-def compile_whole(model: nn.Module) -> nn.Module:
+def compile_whole(model: nn.Module, cpp_wrapper: bool = False) -> nn.Module:
     """The whole model as one compiled module; given the DDP wrapper, Dynamo's DDPOptimizer cuts the graph at
     bucket boundaries, so gradient all-reduces still overlap the backward pass."""
-    apply_inductor_settings()
+    apply_inductor_settings(cpp_wrapper)
     return torch.compile(model)
 
 
-def compile_model(model: GPT) -> None:
+def compile_model(model: GPT, cpp_wrapper: bool = False) -> None:
     """torch.compile in place (state-dict keys unchanged) the `compiled_parts`, so the logits slice, fp32 upcast,
     cross-entropy and argmax fuse instead of running as eager passes."""
-    apply_inductor_settings()
+    apply_inductor_settings(cpp_wrapper)
     for module in compiled_parts(model):
         module.compile()
 
 
-def compile_forwards(model: GPT) -> None:
+def compile_forwards(model: GPT, cpp_wrapper: bool = False) -> None:
     """torch.compile the forward of the `compiled_parts`, leaving the modules' hooks outside the graphs: under
     ZeRO-3 (blocks as DeepSpeed leaf modules) the pre-forward hook gathers a block's parameters eagerly, then the
     compiled forward sees them whole."""
@@ -68,7 +69,7 @@ def compile_forwards(model: GPT) -> None:
     # the shared Block.forward once per block (reused every step after that); at its default limit of 8 the
     # other blocks of GPT-2 Large ran eagerly (4xH200 logs: "hit config.recompile_limit (8)").
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(model.blocks) + 8)
-    apply_inductor_settings()
+    apply_inductor_settings(cpp_wrapper)
     for module in compiled_parts(model):
         module.forward = torch.compile(module.forward)
 

@@ -120,7 +120,8 @@ def parallelize(model: GPT, layout: RunLayout, dims: ParallelDims, stats: CommSt
         log.info("ZeRO-3 gathers parameters per transformer block (%d DeepSpeed leaf modules)", len(leaves))
     if layout.compile_scope == "blocks":  # with ZeRO-3 only when blocks are leaves (config.validate)
         # forwards only where a ZeRO engine's gather hooks must stay eager (DeepSpeed leaf blocks, FSDP2 units)
-        compile_forwards(model) if layout.zero3_blocks or layout.fsdp2 else compile_model(model)
+        compile_parts = compile_forwards if layout.zero3_blocks or layout.fsdp2 else compile_model
+        compile_parts(model, layout.inductor_cpp_wrapper)
     return model
 
 

@@ -53,9 +53,10 @@ TP_GRAD_NORM_REL_TOL = 1e-3  # with TP, as tests/integration/test_tp_modes.py
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """FSDP2 with accumulation and checkpoints, and its resume from step 5."""
+    """FSDP2 with accumulation and checkpoints, and its resume from step 5; one block a unit (the other tests run the
+    default unit, both blocks of the reference model)."""
     root = tmp_path_factory.mktemp("fsdp2")
-    args = FSDP2 + ["--batch-size", "1", "--grad-accum", "2"]
+    args = FSDP2 + ["--batch-size", "1", "--grad-accum", "2", "--fsdp2-unit-blocks", "1"]
     run_train(args + ["--run-name", "fsdp2", "--save-dir", str(root / "ck"), "--save-interval", "5", "--comm-log"],
               root, nproc=2)
     run_train(args + ["--run-name", "fsdp2-resumed", "--resume", str(root / "ck" / "step-000005")], root, nproc=2)
@@ -72,7 +73,8 @@ def test_fsdp2_matches_single(single_reference: ReferenceRun, runs: Path) -> Non
     assert s["val_loss"] is not None
     assert_comm_log_is_the_plan(s)
     console = (runs / "fsdp2" / "console.log").read_text()
-    assert "FSDP2: 3 units (2 blocks + embeddings/head) sharded over the data-parallel group of 2" in console
+    assert "FSDP2: 3 units (2 of up to 1 transformer blocks each + embeddings/head) sharded over the data-parallel " \
+           "group of 2" in console
 
 
 def assert_comm_log_is_the_plan(s: dict) -> None:
@@ -126,7 +128,9 @@ def test_fsdp2_zero2_and_compile_match_single(single_reference: ReferenceRun, tm
     assert_matches_reference(single_reference, tmp_path / name, GRAD_NORM_REL_TOL)
     assert_comm_log_is_the_plan(summary(tmp_path / name))
     reshard = "reshard_after_forward=False: ZeRO-2" if "--zero-stage" in flags else "reshard_after_forward=True: ZeRO-3"
-    assert reshard in (tmp_path / name / "console.log").read_text()
+    console = (tmp_path / name / "console.log").read_text()
+    assert reshard in console
+    assert "FSDP2: 2 units (1 of up to 2 transformer blocks each + embeddings/head)" in console  # the default unit
 
 
 def test_fsdp2_under_the_deepspeed_launcher_matches_single(single_reference: ReferenceRun, tmp_path: Path) -> None:

@@ -95,6 +95,10 @@ def test_every_float_flag_must_be_finite(value: str, capsys: pytest.CaptureFixtu
          "--compiler deepcompile: DeepSpeed settings, which --zero-engine fsdp2 does not read"),
         (["--mode", "hybrid", "--zero-engine", "fsdp2", "--zero3-fetch", "block", "--zero-precision", "autocast"],
          "--zero3-fetch / --zero-precision: DeepSpeed settings, which --zero-engine fsdp2 does not read; drop them"),
+        (["--mode", "hybrid", "--fsdp2-unit-blocks", "2"], "--fsdp2-unit-blocks sizes FSDP2's units; add --mode "
+                                                             "hybrid --zero-engine fsdp2 or drop it"),
+        (["--mode", "hybrid", "--zero-engine", "fsdp2", "--model", "gpt2", "--fsdp2-unit-blocks", "13"],
+         "--fsdp2-unit-blocks 13 is more blocks than the model's 12; use 1 to 12"),
         (["--plan", "--search", "--busbw-gbs", "1", "2", "3"], "--busbw-gbs takes one or two values"),
         (["--data", "synthetic", "--data-path", "x"], "drop one of the two"),
         (["--ds-config", "ds_configs/zero3.json"], "--ds-config only applies to --mode hybrid"),
@@ -122,6 +126,10 @@ def test_validate_rejects(argv: list[str], needle: str) -> None:
         (["--achievable-tflops", "300"], "--achievable-tflops: read only by --plan --search"),
         (["--compile-scope", "blocks"], "--compile-scope blocks says what --compile compiles; add --compile"),
         (["--compiler", "torch"], "--compiler torch says who compiles under --compile"),
+        (["--compile-wrapper", "cpp"], "--compile-wrapper cpp picks the host code of torch.compile's graphs; add "
+                                       "--compile"),
+        (["--mode", "hybrid", "--compile", "--compiler", "deepcompile", "--compile-wrapper", "python"],
+         "DeepCompile builds its own graphs"),
         (["--ddp-bucket-mb", "25"], "--ddp-bucket-mb sizes DDP's gradient buckets, used only by --mode baseline"),
         (["--mode", "hybrid", "--zero-stage", "2", "--zero3-fetch", "module"], "--zero-stage 2 keeps whole parameters"),
         (["--mode", "hybrid", "--zero-stage", "1", "--zero3-fetch", "block"], "drop it or use --zero-stage 3"),
@@ -201,6 +209,25 @@ def test_settings_that_run_but_surprise_are_warned_about_once_in_the_layout() ->
                                               world_size=2)[0]
     assert warnings(["--warmup-steps", "20", "--max-steps", "10"]) == [
         "--warmup-steps 20 exceeds --max-steps 10: the LR never reaches --lr 0.0006"]
+
+
+@pytest.mark.parametrize(("flags", "device", "cpp"), [
+    (["--compile"], "cuda", True),  # auto: C++ on CUDA (host-bound per-block graphs)
+    (["--compile"], "cpu", False),  # auto: Python on CPU
+    (["--compile", "--compile-wrapper", "cpp"], "cpu", True),
+    (["--compile", "--compile-wrapper", "python"], "cuda", False),
+    ([], "cuda", False),  # nothing compiled
+])
+def test_the_compile_wrapper_is_cpp_on_cuda_unless_asked(flags: list[str], device: str, cpp: bool) -> None:
+    assert RunLayout.resolve(parse_args(flags), world_size=1, device=device).inductor_cpp_wrapper is cpp
+
+
+def test_the_fsdp2_unit_is_capped_at_the_model_depth() -> None:
+    fsdp2 = ["--mode", "hybrid", "--zero-engine", "fsdp2"]
+    assert RunLayout.resolve(parse_args(fsdp2 + ["--model", "gpt2"]), 2, "cpu").fsdp2_unit_blocks == 4  # default
+    assert RunLayout.resolve(parse_args(fsdp2 + ["--model", "gpt2-tiny"]), 2, "cpu").fsdp2_unit_blocks == 2
+    assert RunLayout.resolve(parse_args(fsdp2 + ["--model", "gpt2", "--fsdp2-unit-blocks", "3"]), 2,
+                             "cpu").fsdp2_unit_blocks == 3
 
 
 def test_global_batch_must_divide() -> None:

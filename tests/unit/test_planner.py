@@ -96,19 +96,25 @@ def test_zero3_autocast_terms_by_hand():
 
 def test_fsdp2_terms_by_hand():
     """FSDP2 (--zero-engine fsdp2) holds ZeRO-3's sharded states at both stages; it gathers and reduces in fp32; its
-    stage 3 holds the root unit and two blocks gathered at backward start, its stage 2 the whole model."""
+    stage 3 holds the root unit and two block units (--fsdp2-unit-blocks blocks each, default 4) gathered at
+    backward start, its stage 2 the whole model."""
+    from gpt2.planning.perf_model import local_block_params
     from gpt2.planning.planner import fsdp2_units, make_plan
 
     fsdp2 = LARGE + ["--mode", "hybrid", "--zero-engine", "fsdp2"]
     z3 = planned(fsdp2)
     z2 = planned(fsdp2 + ["--zero-stage", "2", "--grad-accum", "2"])
-    block, root = fsdp2_units(z3)
+    unit, root = fsdp2_units(z3)
+    block = local_block_params(z3)
+    assert unit == 4 * block and fsdp2_units(planned(fsdp2 + ["--fsdp2-unit-blocks", "1"]))[0] == block
     assert 36 * block + root == N_LARGE  # every parameter once
     deepspeed = predict_memory(planned(LARGE + ["--mode", "hybrid"]))
     m3, m2 = predict_memory(z3), predict_memory(z2)
     for m in (m3, m2):
         assert (m.params, m.grads, m.optimizer) == (deepspeed.params, deepspeed.grads, deepspeed.optimizer)
-    assert m3.weight_copies == 2 * N_LARGE + 4 * (root + 2 * block)  # autocast's bf16 copies + held fp32 units
+    assert m3.weight_copies == 2 * N_LARGE + 4 * (root + 2 * unit)  # autocast's bf16 copies + held fp32 units
+    assert m3.workspace - predict_memory(planned(fsdp2 + ["--fsdp2-unit-blocks", "1"])).workspace == (
+        4 * 2 * (unit - block))  # two units' unsharded fp32 gradients before their reduce-scatter
     assert m2.weight_copies == 2 * N_LARGE + 4 * N_LARGE  # every unit held from its forward to its backward
     assert make_plan(z2, 80).checkpoint_bytes == make_plan(z3, 80).checkpoint_bytes
     n = 36 * block + root
