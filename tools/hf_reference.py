@@ -36,7 +36,7 @@ import torch.distributed as dist
 from gpt2.config.layout import run_precision
 from gpt2.config.schema import MODEL_PRESETS, DataConfig, LogConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from gpt2.model.flops import flops_per_token, model_params_for_flops
-from gpt2.observe.metrics import MemoryStats, PeakMemory, StepTimer, ThroughputMeter, device_peak_tflops, host_cpu
+from gpt2.observe.metrics import LapTimer, MemoryStats, PeakMemory, ThroughputMeter, device_peak_tflops, host_cpu
 from gpt2.observe.run_logging import MetricsLogger, log, make_run_dir, setup_console
 from gpt2.runtime.distributed import run_as_process, shutdown_distributed
 
@@ -192,7 +192,8 @@ def _peak_memory(memory: PeakMemory) -> dict[str, float]:
 
 def train(cfg: RunConfig, device: torch.device, step_fn: StepFn, attn: str,
           logger: MetricsLogger | None) -> dict[str, Any]:
-    """The timed loop: train.py's metrics (ThroughputMeter, StepTimer, peak memory max over ranks)."""
+    """The timed loop: train.py's metrics (ThroughputMeter, LapTimer synchronised as train.py's loop does, peak
+    memory max over ranks)."""
     t = cfg.train
     world, rank = dist.get_world_size(), dist.get_rank()
     tokens_per_step = world * t.batch_size * t.seq_len
@@ -200,24 +201,24 @@ def train(cfg: RunConfig, device: torch.device, step_fn: StepFn, attn: str,
     peak = device_peak_tflops(device, cfg.log.peak_tflops)
     meter = ThroughputMeter(tokens_per_step=tokens_per_step, flops_per_token=fpt, hw_flops_per_token=fpt,
                             n_devices=world, peak_tflops=peak, warmup_steps=t.throughput_warmup_steps)
-    timer = StepTimer(device)
     memory = PeakMemory(device)
     gen = torch.Generator(device=device).manual_seed(t.seed + rank)  # disjoint synthetic batches per rank
     log.info("tokens/step %d (dp %d x batch %d x seq %d); FLOPs/token %.3e; peak %s TFLOP/s; attention %s",
              tokens_per_step, world, t.batch_size, t.seq_len, fpt, peak, attn)
     last: dict[str, Any] = {}
     start = time.perf_counter()
+    timer = LapTimer(device)
     for step in range(1, t.max_steps + 1):
         ids = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len), device=device, generator=gen)
-        timer.start()
         loss = step_fn(ids)
-        meter.record(step, timer.stop())
+        log_due = step % cfg.log.log_interval == 0 or step in (1, t.max_steps)
+        meter.record(step, timer.lap(sync=step <= meter.warmup_steps or log_due))
         memory.observe()
-        if step % cfg.log.log_interval == 0 or step in (1, t.max_steps):
+        if log_due:
             loss_mean = loss.float().clone()
             dist.all_reduce(loss_mean)
-            rates = meter.current()
-            last = {"loss": loss_mean.item() / world, "step_time_s": meter.last_step_time, **rates,
+            rates = meter.interval()
+            last = {"loss": loss_mean.item() / world, **rates,
                     **_peak_memory(memory), "tokens_seen": step * tokens_per_step}
             if logger:
                 logger.log_step(step, last)

@@ -23,9 +23,9 @@ from gpt2.engines.base import Engine
 from gpt2.engines.guard import GuardReading, install_fault_injection
 from gpt2.model.flops import flops_per_token, hardware_flops_per_token, model_params_for_flops
 from gpt2.observe.metrics import (
+    LapTimer,
     MemoryStats,
     PeakMemory,
-    StepTimer,
     ThroughputMeter,
     TrainingCommMeter,
     allocated_gib,
@@ -150,7 +150,7 @@ def step_record(layout: RunLayout, ctx: DistContext, engine: Engine, meter: Thro
     loss_acc = _dp_mean(torch.stack([loss_sum / grad_accum,
                                      correct_sum / (grad_accum * t.batch_size * t.seq_len)]), ctx).tolist()
     return {"loss": loss_acc[0], "accuracy": loss_acc[1], "grad_norm": float(grad_norm),
-            "lr": engine.lr, "step_time_s": meter.last_step_time, **meter.current(),
+            "lr": engine.lr, **meter.interval(),
             **_memory_record(ctx, memory, after_step=True),
             "tokens_seen": step * layout.tokens_per_step}
 
@@ -196,7 +196,6 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
         tokens_per_step=layout.tokens_per_step, flops_per_token=flops_per_token(cfg.model, t.seq_len),
         hw_flops_per_token=hardware_flops_per_token(cfg.model, t.seq_len, t.activation_checkpointing),
         n_devices=ctx.world_size, peak_tflops=peak, warmup_steps=start_step + t.untimed_steps)
-    timer = StepTimer(ctx.device)
     memory = PeakMemory(ctx.device)
     log.info("tokens/step %d (dp %d x batch %d x accum %d x seq %d); FLOPs/token %.3e; peak %s TFLOP/s",
              layout.tokens_per_step, layout.dp_size, t.batch_size, layout.grad_accum, t.seq_len,
@@ -216,18 +215,21 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
     owed = False  # a save came due at a skipped step
     comm = TrainingCommMeter(engine)
     train_start = time.perf_counter()
+    timer = LapTimer(ctx.device)
     for step in range(start_step + 1, t.max_steps + 1):
-        timer.start()
         comm.start_step()
         loss_sum, correct_sum, grad_norm = train_step(layout, ctx, engine, data)
         guard.record(step, loss_sum, grad_norm)
         comm.end_step()
-        meter.record(step, timer.stop())
+        log_due = step % cfg.log.log_interval == 0 or step in (start_step + 1, t.max_steps)
+        save_due = checkpointer is not None and (owed or checkpointer.due(step))
+        evaluating = bool(t.eval_interval) and step % t.eval_interval == 0 and step != t.max_steps
+        # synchronised where the timed window starts (the last untimed step) and ends, where a log reads its
+        # interval, and before the work that `timer.restart()` leaves out (a save, an evaluation)
+        meter.record(step, timer.lap(sync=step <= meter.warmup_steps or log_due or save_due or evaluating))
         memory.observe()
         profiler.step()
 
-        log_due = step % cfg.log.log_interval == 0 or step in (start_step + 1, t.max_steps)
-        save_due = checkpointer is not None and (owed or checkpointer.due(step))
         if log_due or save_due or guard.check_due(step):
             reading = guard.check(step, ctx)
         if log_due:
@@ -248,8 +250,10 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
             profiler.stop()
             raise _preempted(step, preemption, checkpointer, saved, reading)
 
-        if t.eval_interval and step % t.eval_interval == 0 and step != t.max_steps:
+        if evaluating:
             _evaluate(cfg, engine, data, recorder, step)
+        if save_due or evaluating:
+            timer.restart()  # not the next step's time
     if owed:
         log.warning("no checkpoint of the last step %d: its update was skipped; the newest checkpoint is older",
                     t.max_steps)

@@ -8,7 +8,7 @@ import torch
 from gpt2.config.schema import MODEL_PRESETS, ModelConfig
 from gpt2.model.flops import flops_per_token, hardware_flops_per_token, model_params_for_flops
 from gpt2.model.gpt import GPT
-from gpt2.observe.metrics import ThroughputMeter, device_peak_tflops
+from gpt2.observe.metrics import LapTimer, ThroughputMeter, device_peak_tflops
 
 
 def test_gpt2_large_flops_per_token_by_hand() -> None:
@@ -93,3 +93,50 @@ def test_unknown_gpu_warns_and_reports_no_mfu(name: str, caplog: pytest.LogCaptu
     with caplog.at_level("WARNING", logger="gpt2"):
         assert device_peak_tflops(torch.device("cuda", 0)) is None
     assert f"unknown GPU {name!r}" in caplog.text and "--peak-tflops" in caplog.text
+
+
+def test_laps_between_synchronised_ones_add_up_to_the_wall_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([10.0, 10.5, 11.0, 13.0])  # restart, then three laps
+    monkeypatch.setattr("gpt2.observe.metrics.time.perf_counter", lambda: next(clock))
+    timer = LapTimer(torch.device("cpu"))
+    laps = [timer.lap(sync=False), timer.lap(sync=False), timer.lap(sync=True)]
+    assert laps == [0.5, 0.5, 2.0] and sum(laps) == 13.0 - 10.0
+
+
+def test_the_meter_reports_each_log_interval_once() -> None:
+    meter = ThroughputMeter(tokens_per_step=100, flops_per_token=1.0, hw_flops_per_token=1.0, n_devices=1,
+                            peak_tflops=None, warmup_steps=0)
+    for step, seconds in enumerate([0.1, 0.1, 0.4], start=1):  # two queued steps, then the synchronised one
+        meter.record(step, seconds)
+    first = meter.interval()
+    assert first["step_time_s"] == pytest.approx(0.2) and first["tokens_per_s"] == pytest.approx(500)
+    meter.record(4, 0.3)
+    assert meter.interval()["step_time_s"] == pytest.approx(0.3)  # the next interval alone
+
+
+def test_the_loop_synchronises_only_where_a_window_starts_or_ends(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Warm-up steps, log steps, save and evaluation steps (then the timer restarts), the last step; no other step
+    waits for the device (a host-bound step would stall there)."""
+    import train
+    from gpt2.train import loop
+
+    synced: list[bool] = []
+    restarts: list[int] = []
+
+    class Recording(LapTimer):
+        def lap(self, sync: bool) -> float:
+            synced.append(sync)
+            return super().lap(sync)
+
+        def restart(self) -> None:
+            restarts.append(len(synced))
+            super().restart()
+
+    monkeypatch.setattr(loop, "LapTimer", Recording)
+    assert train.main(["--model", "gpt2-tiny", "--n-layer", "1", "--seq-len", "16", "--batch-size", "1", "--data",
+                       "synthetic", "--device", "cpu", "--max-steps", "12", "--throughput-warmup-steps", "2",
+                       "--log-interval", "5", "--eval-interval", "7", "--eval-batches", "1", "--save-interval", "9",
+                       "--save-dir", str(tmp_path / "ck"), "--out-dir", str(tmp_path / "runs"),
+                       "--wandb", "disabled"]) == 0
+    assert [step for step, sync in enumerate(synced, start=1) if sync] == [1, 2, 5, 7, 9, 10, 12]
+    assert restarts == [0, 7, 9, 12]  # at the start, after the evaluation at step 7 and the saves at 9 and 12 (last)
