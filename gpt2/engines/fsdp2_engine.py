@@ -4,8 +4,11 @@ engine interface, beside DeepSpeed's (`gpt2.engines.deepspeed_engine`, the defau
     torchrun --nproc_per_node=4 train.py --mode hybrid --zero-engine fsdp2                 # ZeRO-3 by FSDP2
     deepspeed --num_gpus=4 train.py --mode hybrid --zero-engine fsdp2 --tp-size 2 --compile  # + our TP, per block
 
-Sharding. Each transformer block is one `fully_shard` unit (one all-gather of its parameters before its forward and
-again before its backward, one reduce-scatter of its gradients), and the root module is the last: the token and
+Sharding. Each group of --fsdp2-unit-blocks consecutive transformer blocks (default 4) is one `fully_shard` unit
+(FSDP2's list form: one all-gather of the group's parameters before its forward and again before its backward, one
+reduce-scatter of its gradients, one set of hooks; the parameter names stay the blocks'). At batch 8 the step is
+host-bound, and FSDP2's host work is per unit: on 2xH200, GPT-2 Large, 340 ms a step at one block a unit, 159 at
+four (docs/design.md). The root module is the last unit: the token and
 position embeddings, the final LayerNorm and the LM head, whose weight IS `wte.weight` (GPT-2 ties them; `LMHead`
 registers the same Parameter), so the tie lives inside one unit: FSDP2 shards it once, swaps the gathered tensor
 into both modules and accumulates both gradient contributions before its reduce-scatter. The root stays gathered
@@ -43,7 +46,8 @@ the unsharded gradients and reduce-scatters their sum once). --sequence-parallel
 gradients are summed over the TP group after the last micro-step's reduce-scatter, on this rank's DP shard (both
 TP ranks of a DP position hold the same shard of a replicated parameter; sums commute with the DP average).
 --compile compiles each block's (and the final LayerNorm's and LM head's) forward before `fully_shard`
-(`gpt2.runtime.compiling.compile_forwards`): FSDP2's gather hooks stay eager, outside the graphs.
+(`gpt2.runtime.compiling.compile_forwards`): FSDP2's gather hooks stay eager, outside the graphs (on CUDA the graphs'
+launch code is C++, --compile-wrapper).
 
 Checkpoints (through `save_state`/`load_state`, so `gpt2.train.checkpoint`'s kill-safe folder protocol, manifest
 and resume apply unchanged): `torch.distributed.checkpoint` writes the model and optimizer state sharded, one DCP
