@@ -62,3 +62,20 @@ def test_every_compile_applies_the_inductor_settings(compile_fn) -> None:
     with torch._inductor.config.patch(loop_ordering_after_fusion=True), torch._dynamo.config.patch(recompile_limit=8):
         compile_fn(GPT(ModelConfig(**MODEL_PRESETS["gpt2-tiny"])))
         assert {k: getattr(torch._inductor.config, k) for k in INDUCTOR_SETTINGS} == INDUCTOR_SETTINGS
+
+
+@pytest.mark.parametrize(("device", "cpp"), [("cuda", True), ("cpu", False)])
+def test_the_parts_compile_with_the_layouts_launch_code(device: str, cpp: bool) -> None:
+    """`parallelize` compiles the blocks with the wrapper `RunLayout.inductor_cpp_wrapper` chose (--compile-wrapper
+    auto: C++ on CUDA, where per-block graphs are host-bound); nothing runs here, the setting is what Inductor reads
+    when the first step compiles."""
+    import torch._inductor.config
+
+    from gpt2.config.layout import RunLayout
+    from gpt2.runtime.parallelize import parallelize
+    from parallel.dims import ParallelDims
+
+    layout = RunLayout.resolve(parse_args(["--compile", "--compile-scope", "blocks"]), world_size=1, device=device)
+    with torch._inductor.config.patch(cpp_wrapper=not cpp), torch._dynamo.config.patch(recompile_limit=8):
+        parallelize(GPT(layout.cfg.model), layout, ParallelDims(world_size=1, rank=0))
+        assert torch._inductor.config.cpp_wrapper is cpp
