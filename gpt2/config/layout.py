@@ -196,14 +196,20 @@ class RunLayout:
 
     @property
     def inductor_cpp_wrapper(self) -> bool:
-        """Whether Inductor launches each compiled graph's kernels from C++ (--compile-wrapper; auto: on CUDA). Per-
-        block graphs are host-bound at batch 8: FSDP2 on GPT-2 Large, 2xH200, 4 blocks a unit, 158.9 -> 115.4 ms a
-        step; DeepSpeed ZeRO-3 437 -> 310 ms (benchmarks/results/multi_gpu). CPU runs keep Python: their kernels,
-        not their launches, take the time, and the C++ build would lengthen every compiled CPU test."""
+        """Whether Inductor launches each compiled graph's kernels from C++ (--compile-wrapper). `auto`: where it
+        was measured faster and checked on GPUs: per-block graphs on CUDA (the ZeRO-3 engines' compile scope), host-
+        bound at batch 8 (2xH200, GPT-2 Large: FSDP2 with 4 blocks a unit 158.9 -> 115.4 ms a step, DeepSpeed ZeRO-3
+        437 -> 310 ms; both passed parity with it, benchmarks/results/multi_gpu). Not yet with TP (its collectives in
+        the graphs) or fused kernels (custom ops in the graphs): not run with it on a GPU. The whole-model graph of
+        single/DDP showed no gain (DDP: 111 ms a step with Python in the host-profile tool, 114 ms with C++ in train.py). CPU runs keep Python: their kernels, not their
+        launches, take the time, and the C++ build would lengthen every compiled CPU test."""
         t = self.cfg.train
         if self.compile_scope not in ("blocks", "model"):
             return False
-        return t.compile_wrapper == "cpp" or (t.compile_wrapper == "auto" and self.device_type == "cuda")
+        if t.compile_wrapper != "auto":
+            return t.compile_wrapper == "cpp"
+        return (self.device_type == "cuda" and self.compile_scope == "blocks" and self.tp_size == 1
+                and t.fused_kernels == "none")
 
     @property
     def deepcompile(self) -> bool:

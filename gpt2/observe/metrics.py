@@ -208,10 +208,11 @@ class LapTimer:
     The device is synchronised only where `lap(sync=True)` asks (the loop: warm-up steps, log and save steps, the
     last step). Between those, a host-bound step queues its kernels while the device still runs the step before, as
     in a run nobody times; a lap taken without synchronising ends when the host is done, so single laps are rough,
-    but the laps between two synchronised ones add up to the exact wall time between them. Timing every step with a
-    synchronisation (as before) stalled the host once a step: FSDP2 at batch 8 on 2xH200 measured 152 ms a step so
-    against 115 ms without (benchmarks/results/multi_gpu). `restart()` leaves out what ran since the last lap
-    (evaluation, a checkpoint save)."""
+    but the laps between two synchronised ones add up to the exact wall time between them. A synchronisation every
+    step (as before) idled the device while the host started the next step: FSDP2 at batch 8 on 2xH200 measured 152
+    ms a step in train.py then, 115 ms in the host-profile tool, which does not synchronise inside its window
+    (benchmarks/results/multi_gpu). `restart()` leaves out what ran since the last lap (evaluation, a checkpoint
+    save)."""
 
     def __init__(self, device: torch.device):
         self.device = device

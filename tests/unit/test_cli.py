@@ -212,14 +212,20 @@ def test_settings_that_run_but_surprise_are_warned_about_once_in_the_layout() ->
 
 
 @pytest.mark.parametrize(("flags", "device", "cpp"), [
-    (["--compile"], "cuda", True),  # auto: C++ on CUDA (host-bound per-block graphs)
-    (["--compile"], "cpu", False),  # auto: Python on CPU
+    (["--mode", "hybrid", "--compile"], "cuda", True),  # auto: C++ for per-block graphs on CUDA (host-bound)
+    (["--mode", "hybrid", "--zero-engine", "fsdp2", "--compile"], "cuda", True),
+    (["--mode", "hybrid", "--compile"], "cpu", False),  # auto: Python on CPU
+    (["--compile"], "cuda", False),  # single's whole-model graph: no gain measured
+    (["--mode", "hybrid", "--compile", "--tp-size", "2"], "cuda", False),  # not run with TP on a GPU yet
+    (["--mode", "hybrid", "--compile", "--fused-kernels", "triton"], "cuda", False),  # nor with fused kernels
     (["--compile", "--compile-wrapper", "cpp"], "cpu", True),
-    (["--compile", "--compile-wrapper", "python"], "cuda", False),
+    (["--mode", "hybrid", "--compile", "--compile-wrapper", "python"], "cuda", False),
     ([], "cuda", False),  # nothing compiled
 ])
-def test_the_compile_wrapper_is_cpp_on_cuda_unless_asked(flags: list[str], device: str, cpp: bool) -> None:
-    assert RunLayout.resolve(parse_args(flags), world_size=1, device=device).inductor_cpp_wrapper is cpp
+def test_the_compile_wrapper_is_cpp_where_it_was_measured_unless_asked(flags: list[str], device: str,
+                                                                       cpp: bool) -> None:
+    world = 2 if "--tp-size" in flags else 1
+    assert RunLayout.resolve(parse_args(flags), world_size=world, device=device).inductor_cpp_wrapper is cpp
 
 
 def test_the_fsdp2_unit_is_capped_at_the_model_depth() -> None:
