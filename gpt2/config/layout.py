@@ -201,8 +201,9 @@ class RunLayout:
         bound at batch 8 (2xH200, GPT-2 Large: FSDP2 with 4 blocks a unit 158.9 -> 115.4 ms a step, DeepSpeed ZeRO-3
         437 -> 310 ms; both passed parity with it, benchmarks/results/multi_gpu). Not yet with TP (its collectives in
         the graphs) or fused kernels (custom ops in the graphs): not run with it on a GPU. The whole-model graph of
-        single/DDP showed no gain (DDP: 111 ms a step with Python in the host-profile tool, 114 ms with C++ in train.py). CPU runs keep Python: their kernels, not their
-        launches, take the time, and the C++ build would lengthen every compiled CPU test."""
+        single/DDP showed no gain (DDP: 111 ms a step with Python in the host-profile tool, 114 ms with C++ in
+        train.py). CPU runs keep Python: their kernels, not their launches, take the time, and the C++ build would
+        lengthen every compiled CPU test."""
         t = self.cfg.train
         if self.compile_scope not in ("blocks", "model"):
             return False
