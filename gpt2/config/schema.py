@@ -160,7 +160,7 @@ class ParallelConfig:
     # who shards under --mode hybrid (gpt2.engines.fsdp2_engine says how FSDP2 maps the stages)
     zero_engine: Literal["deepspeed", "fsdp2"] = option(
         "deepspeed", "hybrid mode: the ZeRO implementation: deepspeed = DeepSpeed ZeRO-1/2/3 (--ds-config); fsdp2 = "
-                     "PyTorch FSDP2 (fully_shard of each transformer block and of the embedding/head over the "
+                     "PyTorch FSDP2 (fully_shard of groups of transformer blocks and of the embedding/head over the "
                      "data-parallel ranks; --zero-stage 3: parameters resharded after forward, 2: kept gathered from "
                      "forward to backward; no stage 1)", PARALLEL, given_only=True)
     # FSDP2's unit: the blocks one `fully_shard` call groups (one all-gather, one reduce-scatter and one set of hooks
