@@ -6,9 +6,10 @@
 The flags after `--` are train.py's (synthetic tokens are forced). The data, the engine and the step are the ones
 train.py runs (`gpt2.data.loader.build_data`, `gpt2.engines.build.build_engine`, `gpt2.train.loop.train_step`). The
 report lists
-the mean step time over `--steps` timed steps (after `--warmup`), then the functions with the most own (tottime)
-and cumulative time over `--profile-steps` profiled steps, with DeepSpeed's own functions separately: what the
-GPU waits for when ZeRO-3 at world size 1 runs at a fraction of single's speed. cProfile slows Python code down,
+the mean step time over `--steps` timed steps (after `--warmup`; no device synchronisation inside them), then the
+functions with the most own (tottime) and cumulative time over `--profile-steps` profiled steps, all of them and
+DeepSpeed's own separately: what the GPU waits for when a ZeRO-3 step (DeepSpeed's or FSDP2's) is host-bound (the
+2xH200 study: benchmarks/results/profiles/h200x2-2026-11-27). cProfile slows Python code down,
 so its times rank the host work; the timed steps give the real step time.
 """
 
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"({torch.cuda.get_device_name() if ctx.device.type == 'cuda' else 'cpu'}), torch {torch.__version__}",
                  f"step: {step_s * 1e3:.1f} ms over {args.steps} steps", ""]
         for title, sort, restrict in (("own time (tottime), all functions", "tottime", ()),
+                                      ("cumulative time, all functions", "cumulative", ()),
                                       ("cumulative time, DeepSpeed's functions", "cumulative", ("deepspeed",)),
                                       ("own time (tottime), DeepSpeed's functions", "tottime", ("deepspeed",))):
             buffer = io.StringIO()

@@ -19,5 +19,6 @@ def test_reports_step_time_and_deepspeeds_host_functions(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = out.read_text()
     assert re.search(r"^step: [\d.]+ ms over 1 steps$", report, re.M)
+    assert "train_step" in report.split("== cumulative time, all functions")[1]  # the loop's step, by cumulative time
     deepspeed_part = report.split("== cumulative time, DeepSpeed's functions")[1]
     assert "deepspeed/runtime/zero/" in deepspeed_part  # ZeRO-3's hooks are among the profiled functions
