@@ -297,6 +297,10 @@ def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, m
         "fused_kernels": t.fused_kernels, "whole_mlp_op": whole_mlp_op, "attn": t.attn,
         "attn_backend": attention.backend if attention else None,
         "attn_choice": attention.describe() if attention else None, "compile": layout.compile_scope,
+        # the launch code of torch.compile's graphs (--compile-wrapper as resolved) and FSDP2's unit: how, not what
+        "compile_wrapper": ("cpp" if layout.inductor_cpp_wrapper else "python") if layout.compile_scope in (
+            "blocks", "model") else None,
+        "fsdp2_unit_blocks": layout.fsdp2_unit_blocks if layout.fsdp2 else None,
         "activation_checkpointing": t.activation_checkpointing, "device": _device_name(ctx),
         "host_cpu": host_cpu(),
         "peak_tflops_per_gpu": peak, "flops_per_token": meter.flops_per_token,

@@ -68,8 +68,8 @@ def test_fsdp2_matches_single(single_reference: ReferenceRun, runs: Path) -> Non
     first = step_losses(runs / "fsdp2")[0]
     assert abs(first - step_losses(single_reference.run_dir)[0]) < 1e-5 and abs(first - math.log(50257)) < 0.1
     s = summary(runs / "fsdp2")
-    assert (s["mode"], s["zero_engine"], s["world_size"], s["dp_size"], s["grad_accum"]) == (
-        "hybrid", "fsdp2", 2, 2, 2)
+    assert (s["mode"], s["zero_engine"], s["world_size"], s["dp_size"], s["grad_accum"], s["fsdp2_unit_blocks"],
+            s["compile_wrapper"]) == ("hybrid", "fsdp2", 2, 2, 2, 1, None)
     assert s["val_loss"] is not None
     assert_comm_log_is_the_plan(s)
     console = (runs / "fsdp2" / "console.log").read_text()
@@ -126,7 +126,9 @@ def test_fsdp2_zero2_and_compile_match_single(single_reference: ReferenceRun, tm
     run_train(FSDP2 + ["--batch-size", "2", "--run-name", name, "--comm-log", "--eval-interval", "5"] + flags, tmp_path,
               nproc=2)
     assert_matches_reference(single_reference, tmp_path / name, GRAD_NORM_REL_TOL)
-    assert_comm_log_is_the_plan(summary(tmp_path / name))
+    s = summary(tmp_path / name)
+    assert_comm_log_is_the_plan(s)
+    assert (s["fsdp2_unit_blocks"], s["compile_wrapper"]) == (2, "python" if "--compile" in flags else None)
     reshard = "reshard_after_forward=False: ZeRO-2" if "--zero-stage" in flags else "reshard_after_forward=True: ZeRO-3"
     console = (tmp_path / name / "console.log").read_text()
     assert reshard in console
