@@ -197,7 +197,7 @@ class RunLayout:
     @property
     def inductor_cpp_wrapper(self) -> bool:
         """Whether Inductor launches each compiled graph's kernels from C++ (--compile-wrapper). `auto`: where it
-        was measured faster and checked on GPUs: per-block graphs on CUDA (the ZeRO-3 engines' compile scope), host-
+        was measured faster and checked on GPUs: the ZeRO-3 engines' per-block graphs on CUDA (--mode hybrid), host-
         bound at batch 8 (2xH200, GPT-2 Large: FSDP2 with 4 blocks a unit 158.9 -> 115.4 ms a step, DeepSpeed ZeRO-3
         437 -> 310 ms; both passed parity with it, benchmarks/results/multi_gpu). Not yet with TP (its collectives in
         the graphs) or fused kernels (custom ops in the graphs): not run with it on a GPU. The whole-model graph of
@@ -209,8 +209,8 @@ class RunLayout:
             return False
         if t.compile_wrapper != "auto":
             return t.compile_wrapper == "cpp"
-        return (self.device_type == "cuda" and self.compile_scope == "blocks" and self.tp_size == 1
-                and t.fused_kernels == "none")
+        return (self.device_type == "cuda" and self.mode == "hybrid" and self.compile_scope == "blocks"
+                and self.tp_size == 1 and t.fused_kernels == "none")
 
     @property
     def deepcompile(self) -> bool:

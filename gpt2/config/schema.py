@@ -279,7 +279,8 @@ class TrainConfig:
     compile_wrapper: Literal["auto", "cpp", "python"] = option(
         "auto", "with --compile (--compiler torch): the host code Inductor generates to launch each graph's kernels: "
                 "cpp = a compiled C++ wrapper (less host time per kernel, a longer first compile), python = Python; "
-                "auto = cpp for per-block graphs on CUDA without TP or fused kernels (where measured), else python",
+                "auto = cpp for --mode hybrid's per-block graphs on CUDA without TP or fused kernels (where "
+                "measured), else python",
         OPTIM, given_only=True)
     ddp_bucket_mb: int = option(100, "DDP gradient bucket size (all-reduce granularity; --mode baseline)", OPTIM,
                                 parse=positive_int, given_only=True)

@@ -75,7 +75,8 @@ def test_the_parts_compile_with_the_layouts_launch_code(device: str, cpp: bool) 
     from gpt2.runtime.parallelize import parallelize
     from parallel.dims import ParallelDims
 
-    layout = RunLayout.resolve(parse_args(["--compile", "--compile-scope", "blocks"]), world_size=1, device=device)
+    layout = RunLayout.resolve(parse_args(["--mode", "hybrid", "--zero-engine", "fsdp2", "--compile"]), world_size=1,
+                               device=device)
     with torch._inductor.config.patch(cpp_wrapper=not cpp), torch._dynamo.config.patch(recompile_limit=8):
         parallelize(GPT(layout.cfg.model), layout, ParallelDims(world_size=1, rank=0))
         assert torch._inductor.config.cpp_wrapper is cpp
