@@ -15,9 +15,10 @@
 #   OUT=/tmp/fsdp2-max STEP=max PARITY=... INCLUDE="/tmp/fsdp2-b8/sweep/runs/*" bash benchmarks/gpu_fsdp2.sh
 #       the largest batch that fits (MAX_BATCHES, default 48 32 24 16, tried largest first) for MAX_MODES (default
 #       fsdp2 fsdp2-tp2), with the batch-8 runs of INCLUDE in its tables. The planner's peaks for GPT-2 Large on 4
-#       GPUs (--plan --zero-engine fsdp2 --compile): FSDP2 b32 59.2 GiB, b48 86.3; FSDP2 + TP2 b48 62.3, b64 81.7
-#       (not yet checked against a GPU): on 80 GB cards b48 is one out-of-memory probe for FSDP2; on H200s (141 GB)
-#       pass MAX_BATCHES="96 64 48 32"
+#       GPUs (--plan --seq-len 1024 --zero-engine fsdp2 --compile, 4 blocks a unit): FSDP2 b8 19.3 GiB (17.1
+#       measured on 4xH200), b32 60.1, b48 87.2; FSDP2 + TP2 b48 62.7 (61.8 measured at one block a unit), b64
+#       82.1: on 80 GB cards b48 is one out-of-memory probe for FSDP2; on H200s (141 GB) pass
+#       MAX_BATCHES="96 64 48 32"
 # Row names are for NGPU GPUs (default 4; the parity rows are fsdp2-w$NGPU etc.). Needs .gpudata/ for STEP=parity.
 # Every run's summary holds peak memory per GPU beside the planner's prediction (plan/peak_gib, plan/peak_error).
 set -uo pipefail
