@@ -211,8 +211,8 @@ class LapTimer:
     but the laps between two synchronised ones add up to the exact wall time between them. A synchronisation every
     step (as before) idled the device while the host started the next step: FSDP2 at batch 8 on 2xH200 measured 152
     ms a step in train.py then, 115 ms in the host-profile tool, which does not synchronise inside its window
-    (benchmarks/results/multi_gpu). `restart()` leaves out what ran since the last lap (evaluation, a checkpoint
-    save)."""
+    (benchmarks/results/multi_gpu; train.py's preemption check synchronised every step too then, see
+    gpt2.train.preemption). `restart()` leaves out what ran since the last lap (evaluation, a checkpoint save)."""
 
     def __init__(self, device: torch.device):
         self.device = device
