@@ -212,7 +212,7 @@ def train(cfg: RunConfig, device: torch.device, step_fn: StepFn, attn: str,
         ids = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len), device=device, generator=gen)
         loss = step_fn(ids)
         log_due = step % cfg.log.log_interval == 0 or step in (1, t.max_steps)
-        meter.record(step, timer.lap(sync=step <= meter.warmup_steps or log_due))
+        meter.record(step, timer.lap(sync=step == meter.warmup_steps or log_due))
         memory.observe()
         if log_due:
             loss_mean = loss.float().clone()

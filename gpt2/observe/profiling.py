@@ -80,11 +80,16 @@ class StepProfiler:
                                  on_trace_ready=self._write)
             self._prof.start()
 
-    def step(self) -> None:
-        if self._prof is not None:
-            self._prof.step()
-            if self.breakdown is not None:  # the window has ended and is written: let the steps after it run free
-                self.stop()
+    def step(self) -> bool:
+        """Advance the schedule; True at the step whose end wrote and dropped the profile (seconds of host work
+        that the loop's timer leaves out)."""
+        if self._prof is None:
+            return False
+        self._prof.step()
+        if self.breakdown is None:
+            return False
+        self.stop()  # the window has ended and is written: let the steps after it run free
+        return True
 
     def stop(self) -> None:
         """End profiling and drop the profile. Its events are hundreds of thousands of Python objects: kept alive,

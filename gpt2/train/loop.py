@@ -225,10 +225,12 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
         save_due = checkpointer is not None and (owed or checkpointer.due(step))
         evaluating = bool(t.eval_interval) and step % t.eval_interval == 0 and step != t.max_steps
         # synchronised where the timed window starts (the last untimed step) and ends, where a log reads its
-        # interval, and before the work that `timer.restart()` leaves out (a save, an evaluation)
-        meter.record(step, timer.lap(sync=step <= meter.warmup_steps or log_due or save_due or evaluating))
+        # interval, and before the work that `timer.restart()` leaves out (a save, an evaluation, the profile's
+        # write); not at the profiled steps, which then run as unprofiled ones do
+        meter.record(step, timer.lap(sync=step == meter.warmup_steps or log_due or save_due or evaluating))
         memory.observe()
-        profiler.step()
+        if profiler.step():
+            timer.restart()
 
         if log_due or save_due or guard.check_due(step):
             reading = guard.check(step, ctx)

@@ -115,8 +115,9 @@ def test_the_meter_reports_each_log_interval_once() -> None:
 
 
 def test_the_loop_synchronises_only_where_a_window_starts_or_ends(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Warm-up steps, log steps, save and evaluation steps (then the timer restarts), the last step; no other step
-    waits for the device (a host-bound step would stall there)."""
+    """The last warm-up step, log steps, save and evaluation steps (then the timer restarts), the last step; no
+    other step waits for the device (a host-bound step would stall there). --profile's write after its last profiled
+    step is left out too."""
     import train
     from gpt2.train import loop
 
@@ -134,9 +135,10 @@ def test_the_loop_synchronises_only_where_a_window_starts_or_ends(tmp_path, monk
 
     monkeypatch.setattr(loop, "LapTimer", Recording)
     assert train.main(["--model", "gpt2-tiny", "--n-layer", "1", "--seq-len", "16", "--batch-size", "1", "--data",
-                       "synthetic", "--device", "cpu", "--max-steps", "12", "--throughput-warmup-steps", "2",
-                       "--log-interval", "5", "--eval-interval", "7", "--eval-batches", "1", "--save-interval", "9",
-                       "--save-dir", str(tmp_path / "ck"), "--out-dir", str(tmp_path / "runs"),
+                       "synthetic", "--device", "cpu", "--max-steps", "14", "--throughput-warmup-steps", "1",
+                       "--profile", "--log-interval", "5", "--eval-interval", "7", "--eval-batches", "1",
+                       "--save-interval", "11", "--save-dir", str(tmp_path / "ck"), "--out-dir", str(tmp_path / "runs"),
                        "--wandb", "disabled"]) == 0
-    assert [step for step, sync in enumerate(synced, start=1) if sync] == [1, 2, 5, 7, 9, 10, 12]
-    assert restarts == [0, 7, 9, 12]  # at the start, after the evaluation at step 7 and the saves at 9 and 12 (last)
+    # untimed: 1 warm-up + the profiler's warm-up step + 3 profiled steps (2-5); the profile is written after step 5
+    assert [step for step, sync in enumerate(synced, start=1) if sync] == [1, 5, 7, 10, 11, 14]
+    assert restarts == [0, 5, 7, 11, 14]  # the start, the profile's write, the evaluation, the saves at 11 and 14
