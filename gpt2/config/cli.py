@@ -203,9 +203,12 @@ def check_flags_act(args: argparse.Namespace) -> None:
     if args.compile_scope not in (None, "auto") and not args.compile:
         raise ConfigError(f"--compile-scope {args.compile_scope} says what --compile compiles; add --compile or drop "
                           "it")
-    if args.compile_wrapper is not None and (not args.compile or args.compiler == "deepcompile"):
+    if args.compile_wrapper is not None and not args.compile:
         raise ConfigError(f"--compile-wrapper {args.compile_wrapper} picks the host code of torch.compile's graphs; "
-                          "add --compile (with --compiler torch: DeepCompile builds its own graphs) or drop it")
+                          "add --compile or drop it")
+    if args.compile_wrapper is not None and args.compiler == "deepcompile":
+        raise ConfigError("--compile-wrapper picks the host code of torch.compile's graphs, and DeepCompile builds "
+                          "its own: drop --compile-wrapper or use --compiler torch")
     if args.compiler == "torch" and not args.compile:
         raise ConfigError("--compiler torch says who compiles under --compile; add --compile or drop it")
     if args.ddp_bucket_mb is not None and args.mode != "baseline":

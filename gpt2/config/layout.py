@@ -195,22 +195,30 @@ class RunLayout:
         return compile_label(t.compile, t.compile_scope, t.compiler)
 
     @property
-    def inductor_cpp_wrapper(self) -> bool:
-        """Whether Inductor launches each compiled graph's kernels from C++ (--compile-wrapper). `auto`: where it
-        was measured faster and checked on GPUs: the ZeRO-3 engines' per-block graphs on CUDA (--mode hybrid), host-
-        bound at batch 8 (2xH200, GPT-2 Large: FSDP2 with 4 blocks a unit 158.9 -> 115.4 ms a step, DeepSpeed ZeRO-3
-        437 -> 310 ms; both passed parity with it, benchmarks/results/multi_gpu). Not yet with TP (its collectives in
-        the graphs) or fused kernels (custom ops in the graphs): not run with it on a GPU. The whole-model graph of
-        single/DDP showed no gain (DDP: 111 ms a step with Python in the host-profile tool, 114 ms with C++ in
-        train.py). CPU runs keep Python: their kernels, not their launches, take the time, and the C++ build would
-        lengthen every compiled CPU test."""
+    def compile_wrapper(self) -> str | None:
+        """How Inductor launches each compiled graph's kernels, --compile-wrapper resolved: "cpp" or "python"; None
+        where torch.compile compiles nothing (no --compile, DeepCompile). `auto` picks C++ where it was measured
+        faster and checked on GPUs: the ZeRO-3 engines' per-block graphs on CUDA (DeepSpeed's and FSDP2's, not
+        ZeRO-1/2), host-bound at batch 8 (2xH200, GPT-2 Large: FSDP2 with 4 blocks a unit 158.9 -> 115.4 ms a step,
+        DeepSpeed ZeRO-3 437 -> 310 ms; both passed parity with it, benchmarks/results/multi_gpu). Not yet with TP
+        (its collectives in the graphs) or fused kernels (custom ops in the graphs), which have not run with it on a
+        GPU, nor for single/DDP's whole-model graph (DDP ran with it in two calls and passed parity, but was not
+        timed like for like). CPU runs keep Python: their kernels, not their launches, take the time, and the C++
+        build would lengthen every compiled CPU test."""
         t = self.cfg.train
         if self.compile_scope not in ("blocks", "model"):
-            return False
+            return None
         if t.compile_wrapper != "auto":
-            return t.compile_wrapper == "cpp"
-        return (self.device_type == "cuda" and self.mode == "hybrid" and self.compile_scope == "blocks"
-                and self.tp_size == 1 and t.fused_kernels == "none")
+            return t.compile_wrapper
+        zero3_graphs = self.zero3_blocks or (self.fsdp2 and self.zero_stage == 3)  # what ran with it on GPUs
+        measured = (self.device_type == "cuda" and zero3_graphs and self.compile_scope == "blocks"
+                    and self.tp_size == 1 and t.fused_kernels == "none")
+        return "cpp" if measured else "python"
+
+    @property
+    def inductor_cpp_wrapper(self) -> bool:
+        """Whether the compiled graphs launch their kernels from C++ (`compile_wrapper`)."""
+        return self.compile_wrapper == "cpp"
 
     @property
     def deepcompile(self) -> bool:

@@ -46,8 +46,8 @@ the unsharded gradients and reduce-scatters their sum once). --sequence-parallel
 gradients are summed over the TP group after the last micro-step's reduce-scatter, on this rank's DP shard (both
 TP ranks of a DP position hold the same shard of a replicated parameter; sums commute with the DP average).
 --compile compiles each block's (and the final LayerNorm's and LM head's) forward before `fully_shard`
-(`gpt2.runtime.compiling.compile_forwards`): FSDP2's gather hooks stay eager, outside the graphs (on CUDA the graphs'
-launch code is C++, --compile-wrapper).
+(`gpt2.runtime.compiling.compile_forwards`): FSDP2's gather hooks stay eager, outside the graphs (launch code in C++
+where --compile-wrapper auto says: on CUDA at ZeRO-3 without TP or fused kernels).
 
 Checkpoints (through `save_state`/`load_state`, so `gpt2.train.checkpoint`'s kill-safe folder protocol, manifest
 and resume apply unchanged): `torch.distributed.checkpoint` writes the model and optimizer state sharded, one DCP
@@ -104,7 +104,7 @@ def mixed_precision() -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
 
 
-def shard_model(model: GPT, mesh: DeviceMesh, reshard_after_forward: bool, unit_blocks: int = 1) -> list[nn.Module]:
+def shard_model(model: GPT, mesh: DeviceMesh, *, reshard_after_forward: bool, unit_blocks: int) -> list[nn.Module]:
     """`fully_shard` the blocks in groups of `unit_blocks` consecutive ones (`reshard_after_forward` as --zero-stage
     says; a group is one FSDP2 unit: one all-gather, one reduce-scatter, one set of hooks), then the root
     (embeddings, final LayerNorm, tied LM head; never resharded after forward), in place; the TP plan's marks move
@@ -177,7 +177,7 @@ class FSDP2Engine(TorchEngine):
         unit_blocks = layout.fsdp2_unit_blocks
         self.units = shard_model(model, dp_mesh(self.ctx), reshard_after_forward=reshard, unit_blocks=unit_blocks)
         self.root: FSDPModule = model  # type: ignore[assignment]
-        log.info("FSDP2: %d units (%d of up to %d transformer blocks each + embeddings/head) sharded over the "
+        log.info("FSDP2: %d units (%d groups of at most %d transformer blocks + embeddings/head) sharded over the "
                  "data-parallel group of %d (reshard_after_forward=%s: ZeRO-%d), fp32 parameters and gradient "
                  "reduction, autocast %s",
                  len(self.units), len(self.units) - 1, unit_blocks, dims.dp_size, reshard, layout.zero_stage,

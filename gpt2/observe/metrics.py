@@ -206,13 +206,14 @@ class LapTimer:
     """Wall time from one step's end to the next's: what each step costs the run, the loop's own work included.
 
     The device is synchronised only where `lap(sync=True)` asks (the loop: the last warm-up step, log, save and
-    evaluation steps, the last step). Between those, a host-bound step queues its kernels while the device still runs the step before, as
-    in a run nobody times; a lap taken without synchronising ends when the host is done, so single laps are rough,
-    but the laps between two synchronised ones add up to the exact wall time between them. A synchronisation every
-    step (as before) idled the device while the host started the next step: FSDP2 at batch 8 on 2xH200 measured 152
-    ms a step in train.py then, 115 ms in the host-profile tool, which does not synchronise inside its window
-    (benchmarks/results/multi_gpu; train.py's preemption check synchronised every step too then, see
-    gpt2.train.preemption). `restart()` leaves out what ran since the last lap (evaluation, a checkpoint save)."""
+    evaluation steps, the last step). Between those, a host-bound step queues its kernels while the device still
+    runs the step before, as in a run nobody times; a lap taken without synchronising ends when the host is done,
+    so single laps are rough, but the laps between two synchronised ones add up to the exact wall time between
+    them. A synchronisation every step (as before) idled the device while the host started the next step: FSDP2 at
+    batch 8 on 2xH200 measured 152 ms a step in train.py then, 115 ms in the host-profile tool, which does not
+    synchronise inside its window (benchmarks/results/multi_gpu; train.py's preemption check synchronised every
+    step too then, see gpt2.train.preemption). `restart()` leaves out what ran since the last lap (evaluation, a
+    checkpoint save, --profile's write)."""
 
     def __init__(self, device: torch.device):
         self.device = device

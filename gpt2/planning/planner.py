@@ -285,13 +285,16 @@ def predict_memory(layout: RunLayout) -> MemoryPlan:
 
 
 def fsdp2_units(layout: RunLayout) -> tuple[float, float]:
-    """Elements of one rank's FSDP2 units (gpt2.engines.fsdp2_engine.shard_model): the largest block unit
-    (--fsdp2-unit-blocks transformer blocks, TP-local) and the root (token embedding shard, tied to the head;
-    position embedding; final LayerNorm)."""
+    """Elements of one rank's FSDP2 units (gpt2.engines.fsdp2_engine.shard_model) at backward start, the peak: the
+    two block units in flight (the last unit, gathered again, and the one before it, prefetched; --fsdp2-unit-blocks
+    blocks each but the last, which holds what is left; TP-local), and the root (token embedding shard, tied to the
+    head; position embedding; final LayerNorm)."""
     cfg, t = layout.cfg.model, layout.tp_size
     d = cfg.n_embd
     root = cfg.padded_vocab_size * d / t + cfg.n_positions * d + 2 * d
-    return layout.fsdp2_unit_blocks * local_block_params(layout), root
+    per_unit, layers = layout.fsdp2_unit_blocks, cfg.n_layer
+    last = layers - per_unit * ((layers - 1) // per_unit)  # the last unit's blocks: 1 .. per_unit
+    return min(layers, last + per_unit) * local_block_params(layout), root
 
 
 def fsdp2_memory(layout: RunLayout, n_local: float) -> tuple[float, float]:
@@ -303,9 +306,9 @@ def fsdp2_memory(layout: RunLayout, n_local: float) -> tuple[float, float]:
     model. Buffers: the unsharded fp32 gradients of the two units in flight before their reduce-scatter (with
     --grad-accum > 1 FSDP2 keeps every unsharded gradient across the micro-steps, without sync: all of them).
     """
-    unit, root = fsdp2_units(layout)
-    held = root + 2 * unit if layout.zero_stage == 3 else n_local
-    grads = n_local if layout.grad_accum > 1 else 2 * unit
+    in_flight, root = fsdp2_units(layout)
+    held = root + in_flight if layout.zero_stage == 3 else n_local
+    grads = n_local if layout.grad_accum > 1 else in_flight
     return held, FP32_BYTES * grads
 
 

@@ -300,8 +300,7 @@ def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, m
         "attn_backend": attention.backend if attention else None,
         "attn_choice": attention.describe() if attention else None, "compile": layout.compile_scope,
         # the launch code of torch.compile's graphs (--compile-wrapper as resolved) and FSDP2's unit: how, not what
-        "compile_wrapper": ("cpp" if layout.inductor_cpp_wrapper else "python") if layout.compile_scope in (
-            "blocks", "model") else None,
+        "compile_wrapper": layout.compile_wrapper,
         "fsdp2_unit_blocks": layout.fsdp2_unit_blocks if layout.fsdp2 else None,
         "activation_checkpointing": t.activation_checkpointing, "device": _device_name(ctx),
         "host_cpu": host_cpu(),

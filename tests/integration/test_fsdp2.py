@@ -73,8 +73,8 @@ def test_fsdp2_matches_single(single_reference: ReferenceRun, runs: Path) -> Non
     assert s["val_loss"] is not None
     assert_comm_log_is_the_plan(s)
     console = (runs / "fsdp2" / "console.log").read_text()
-    assert "FSDP2: 3 units (2 of up to 1 transformer blocks each + embeddings/head) sharded over the data-parallel " \
-           "group of 2" in console
+    assert "FSDP2: 3 units (2 groups of at most 1 transformer blocks + embeddings/head) sharded over the " \
+           "data-parallel group of 2" in console
 
 
 def assert_comm_log_is_the_plan(s: dict) -> None:
@@ -132,7 +132,7 @@ def test_fsdp2_zero2_and_compile_match_single(single_reference: ReferenceRun, tm
     reshard = "reshard_after_forward=False: ZeRO-2" if "--zero-stage" in flags else "reshard_after_forward=True: ZeRO-3"
     console = (tmp_path / name / "console.log").read_text()
     assert reshard in console
-    assert "FSDP2: 2 units (1 of up to 2 transformer blocks each + embeddings/head)" in console  # the default unit
+    assert "FSDP2: 2 units (1 groups of at most 2 transformer blocks + embeddings/head)" in console  # the default
 
 
 def test_fsdp2_under_the_deepspeed_launcher_matches_single(single_reference: ReferenceRun, tmp_path: Path) -> None:
@@ -193,7 +193,7 @@ def run_fsdp2_clip_checks(dims) -> None:
     assert ref_norm > 4 * CLIP
 
     model = build(dims, sequence_parallel=True, overlap=False)
-    shard_model(model, DeviceMesh.from_group(dims.dp_group, "cpu"), reshard_after_forward=True)
+    shard_model(model, DeviceMesh.from_group(dims.dp_group, "cpu"), reshard_after_forward=True, unit_blocks=1)
     model(*batch(dims.dp_rank))[0].backward()
     allreduce_sequence_parallel_grads(model, dims)
     norm = clip_grad_norm_(list(model.parameters()), CLIP, dims)

@@ -129,7 +129,7 @@ def test_validate_rejects(argv: list[str], needle: str) -> None:
         (["--compile-wrapper", "cpp"], "--compile-wrapper cpp picks the host code of torch.compile's graphs; add "
                                        "--compile"),
         (["--mode", "hybrid", "--compile", "--compiler", "deepcompile", "--compile-wrapper", "python"],
-         "DeepCompile builds its own graphs"),
+         "DeepCompile builds its own: drop --compile-wrapper or use --compiler torch"),
         (["--ddp-bucket-mb", "25"], "--ddp-bucket-mb sizes DDP's gradient buckets, used only by --mode baseline"),
         (["--mode", "hybrid", "--zero-stage", "2", "--zero3-fetch", "module"], "--zero-stage 2 keeps whole parameters"),
         (["--mode", "hybrid", "--zero-stage", "1", "--zero3-fetch", "block"], "drop it or use --zero-stage 3"),
@@ -220,6 +220,8 @@ def test_settings_that_run_but_surprise_are_warned_about_once_in_the_layout() ->
     (["--mode", "hybrid", "--compile", "--tp-size", "2"], "cuda", False),  # not run with TP on a GPU yet
     (["--mode", "hybrid", "--compile", "--fused-kernels", "triton"], "cuda", False),  # nor with fused kernels
     (["--compile", "--compile-wrapper", "cpp"], "cpu", True),
+    (["--mode", "hybrid", "--zero-stage", "2", "--compile"], "cuda", False),  # ZeRO-2's graphs: not run with it
+    (["--mode", "hybrid", "--zero-engine", "fsdp2", "--zero-stage", "2", "--compile"], "cuda", False),
     (["--mode", "hybrid", "--compile", "--compile-wrapper", "python"], "cuda", False),
     ([], "cuda", False),  # nothing compiled
 ])

@@ -104,17 +104,19 @@ def test_fsdp2_terms_by_hand():
     fsdp2 = LARGE + ["--mode", "hybrid", "--zero-engine", "fsdp2"]
     z3 = planned(fsdp2)
     z2 = planned(fsdp2 + ["--zero-stage", "2", "--grad-accum", "2"])
-    unit, root = fsdp2_units(z3)
+    in_flight, root = fsdp2_units(z3)
     block = local_block_params(z3)
-    assert unit == 4 * block and fsdp2_units(planned(fsdp2 + ["--fsdp2-unit-blocks", "1"]))[0] == block
+    assert in_flight == 8 * block  # two units of 4 at backward start
+    for unit_blocks, blocks in ((1, 2), (5, 6), (18, 36), (36, 36)):  # 36 = 7 x 5 + 1: the last unit holds one
+        assert fsdp2_units(planned(fsdp2 + ["--fsdp2-unit-blocks", str(unit_blocks)]))[0] == blocks * block
     assert 36 * block + root == N_LARGE  # every parameter once
     deepspeed = predict_memory(planned(LARGE + ["--mode", "hybrid"]))
     m3, m2 = predict_memory(z3), predict_memory(z2)
     for m in (m3, m2):
         assert (m.params, m.grads, m.optimizer) == (deepspeed.params, deepspeed.grads, deepspeed.optimizer)
-    assert m3.weight_copies == 2 * N_LARGE + 4 * (root + 2 * unit)  # autocast's bf16 copies + held fp32 units
+    assert m3.weight_copies == 2 * N_LARGE + 4 * (root + in_flight)  # autocast's bf16 copies + held fp32 units
     assert m3.workspace - predict_memory(planned(fsdp2 + ["--fsdp2-unit-blocks", "1"])).workspace == (
-        4 * 2 * (unit - block))  # two units' unsharded fp32 gradients before their reduce-scatter
+        4 * (in_flight - 2 * block))  # the two units' unsharded fp32 gradients before their reduce-scatter
     assert m2.weight_copies == 2 * N_LARGE + 4 * N_LARGE  # every unit held from its forward to its backward
     assert make_plan(z2, 80).checkpoint_bytes == make_plan(z3, 80).checkpoint_bytes
     n = 36 * block + root
