@@ -91,6 +91,14 @@ def test_fsdp2_resume_is_exact(runs: Path) -> None:
     assert_resume_exact(runs / "fsdp2", runs / "fsdp2-resumed", at=5)
 
 
+def test_fsdp2_checkpoint_resumes_at_another_unit_size(runs: Path, tmp_path: Path) -> None:
+    """--fsdp2-unit-blocks changes how blocks are grouped, not the parameters' names or shards: a checkpoint saved at
+    one block a unit resumes exactly at two."""
+    args = FSDP2 + ["--batch-size", "1", "--grad-accum", "2", "--fsdp2-unit-blocks", "2"]
+    run_train(args + ["--run-name", "regrouped", "--resume", str(runs / "ck" / "step-000005")], tmp_path, nproc=2)
+    assert_resume_exact(runs / "fsdp2", tmp_path / "regrouped", at=5)
+
+
 def test_fsdp2_checkpoint_exports_and_inits(single_reference: ReferenceRun, runs: Path, tmp_path: Path) -> None:
     """DCP shards -> one fp32 state dict on the CPU (no process group) -> an HF folder whose logits equal our model's,
     and which --init-from loads under FSDP2 as under single."""
