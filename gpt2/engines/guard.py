@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from gpt2.observe.run_logging import log
 from gpt2.runtime.distributed import DistContext
+from gpt2.runtime.readback import LateRead
 
 if TYPE_CHECKING:
     from gpt2.config.layout import RunLayout
@@ -74,6 +75,7 @@ class NonFiniteGuard:
         self._state = torch.zeros(4, dtype=torch.int64, device=device)  # GuardReading's fields, in order
         self._tripped = torch.zeros((), dtype=torch.bool, device=device)
         self._reported = 0  # `skipped` at the last check: warn about new skips once
+        self._late: tuple[int, LateRead] | None = None  # a periodic check started after that step, not yet read
 
     @classmethod
     def for_run(cls, layout: RunLayout, device: torch.device) -> NonFiniteGuard:
@@ -106,16 +108,34 @@ class NonFiniteGuard:
         self._state = torch.stack([streak, total + skipped, tripped_at, torch.where(skipped, step, last)])
         self._tripped = tripped_at > 0
 
-    def read(self, ctx: DistContext) -> GuardReading:
-        """The counters on the host, max over all ranks (collective; waits for the device)."""
+    def _reduced(self, ctx: DistContext) -> torch.Tensor:
         state = self._state.clone()
         if ctx.distributed:  # fp16 counts each rank's own loss: the ranks may differ, the decision may not
             dist.all_reduce(state, op=dist.ReduceOp.MAX)
-        return GuardReading(*state.tolist())
+        return state
+
+    def read(self, ctx: DistContext) -> GuardReading:
+        """The counters on the host, max over all ranks (collective; waits for the device)."""
+        return GuardReading(*self._reduced(ctx).tolist())
+
+    def start_check(self, step: int, ctx: DistContext) -> None:
+        """`check` without waiting for the device (collective): the counters as of `step`, reduced over the ranks,
+        on their way to the host; `finish_check` at the next step reads them (the periodic check: a wait every
+        --max-bad-steps steps would stall a host-bound step, gpt2.runtime.readback)."""
+        self._late = step, LateRead(self._reduced(ctx))
+
+    def finish_check(self, ctx: DistContext) -> GuardReading | None:
+        """The reading `start_check` started (warned about as `check` does), or None if none is pending."""
+        if self._late is None:
+            return None
+        (step, late), self._late = self._late, None
+        return self._report(step, GuardReading(*late.values()), ctx)
 
     def check(self, step: int, ctx: DistContext) -> GuardReading:
         """`read`, and warn (main rank) about the updates skipped since the last check."""
-        reading = self.read(ctx)
+        return self._report(step, self.read(ctx), ctx)
+
+    def _report(self, step: int, reading: GuardReading, ctx: DistContext) -> GuardReading:
         if reading.skipped > self._reported and ctx.is_main:
             log.warning("non-finite loss or gradient norm: %d update(s) skipped by step %d (the latest at step %d), "
                         "%d in a row now; the run stops at %d in a row (--max-bad-steps)",
@@ -136,8 +156,8 @@ class NonFiniteGuard:
             f"To continue: {self.advice}, or allow longer runs of bad steps with a larger --max-bad-steps")
 
     def check_due(self, step: int) -> bool:
-        """Every --max-bad-steps steps the loop checks even without a log or save: a latched run stops within as
-        many steps (it applies nothing meanwhile)."""
+        """Every --max-bad-steps steps the loop checks even without a log or save (reading it one step later): a
+        latched run stops within as many steps and one (it applies nothing meanwhile)."""
         return step % self.max_bad_steps == 0
 
 

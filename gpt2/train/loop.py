@@ -184,7 +184,8 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
     `--profile`'s figures, which only rank 0 has).
 
     After every optimizer step the non-finite guard counts it on the device (`gpt2.engines.guard`); the loop reads the
-    guard where it reads numbers anyway (log steps, saves, every --max-bad-steps steps, a preemption) and raises
+    guard where it reads numbers anyway (log steps, saves, a preemption), and every --max-bad-steps steps one step
+    late (`gpt2.runtime.readback`: no wait for the step in flight), and raises
     NonFiniteError on every rank once the run must stop. A checkpoint is saved when `checkpointer.due(step)`, but
     only after an applied update: a save due at a skipped step is made after the next applied one. Then, before the
     last step, all ranks agree on `preemption.should_stop`: if any rank got a preemption signal, every rank saves
@@ -232,8 +233,13 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
         if profiler.step():
             timer.restart()
 
-        if log_due or save_due or guard.check_due(step):
+        late = guard.finish_check(ctx)  # the periodic check started after the step before, if any
+        if log_due or save_due:  # these read numbers anyway; a save needs this step's verdict
             reading = guard.check(step, ctx)
+        else:
+            reading = reading if late is None else late
+            if guard.check_due(step):
+                guard.start_check(step, ctx)
         if log_due:
             last = step_record(layout, ctx, engine, meter, memory, step, loss_sum, correct_sum, grad_norm)
             last["skipped_steps"] = reading.skipped

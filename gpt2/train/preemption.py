@@ -5,9 +5,9 @@ The handler only records the signal: it runs between two bytecodes of whatever t
 `should_stop()` after every optimizer step: an all-reduce MAX of the flag over the whole world, so a signal
 that reached one rank, or reached the ranks during different steps, still stops every rank after the same
 step; they all save that step and exit together. Each call reads the all-reduce of the call before (one step
-later): reading this step's at once would make the host wait for the device every step, which stalls a host-bound
-step (the loop's timing, `gpt2.observe.metrics.LapTimer`, avoids that too); every rank reads the same reduced
-value at the same step, so they still agree, one step later.
+later, `gpt2.runtime.readback.LateRead`): reading this step's at once would make the host wait for the device every
+step, which stalls a host-bound step; every rank reads the same reduced value at the same step, so they still agree,
+one step later.
 
 Ctrl-C (SIGINT) is the same stop, for a user at a terminal: a line on stderr says a checkpoint follows at the step
 boundary; a second Ctrl-C raises KeyboardInterrupt at once (mid-step or mid-save: a save's `.tmp` folder is never
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from gpt2.runtime.distributed import DistContext
+from gpt2.runtime.readback import LateRead
 
 EXIT_PREEMPTED = 75
 EXIT_INTERRUPTED = 130
@@ -57,9 +58,7 @@ class PreemptionWatcher:
 
     def __init__(self, signals: tuple[signal.Signals, ...] = PREEMPT_SIGNALS):
         self.received = 0  # signal number of the last preemption signal this process got; 0: none
-        # the last call's all-reduced flag on its way to the host (a pinned copy and the event after it on CUDA),
-        # read by the next call
-        self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        self._pending: LateRead | None = None  # the last call's all-reduced flag, read by the next call
         self._replaced = {sig: signal.signal(sig, self._handle) for sig in signals}
 
     def restore(self) -> None:
@@ -81,17 +80,5 @@ class PreemptionWatcher:
             return bool(self.received)
         flag = torch.full((1,), float(self.received), device=ctx.device)  # a fill on the device: no host copy
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        event = None
-        if flag.is_cuda:  # copied to the host behind this step's work, not the next step's: `.item()` would queue
-            host = torch.empty(1, pin_memory=True)  # its copy after whatever the next step has launched by then
-            host.copy_(flag, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            flag = host
-        previous, self._pending = self._pending, (flag, event)
-        if previous is None:
-            return False
-        value, ready = previous
-        if ready is not None:
-            ready.synchronize()
-        return bool(value.item())
+        previous, self._pending = self._pending, LateRead(flag)
+        return previous is not None and bool(previous.values()[0])

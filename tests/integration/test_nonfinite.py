@@ -141,6 +141,22 @@ def test_fp16_counts_a_non_finite_loss_not_a_loss_scale_overflow() -> None:
     assert guard.check(5, ctx) == GuardReading(streak=2, skipped=5, tripped_at=5, last_skipped=5)
 
 
+def test_the_periodic_check_is_read_one_step_later_with_the_counters_of_its_step() -> None:
+    """start_check after step 3 queues the counters as of step 3; finish_check after step 4 returns them (not step
+    4's), once; then nothing is pending."""
+    ctx = init_distributed(parse_args(TINY_ARGS))[1]
+    guard = NonFiniteGuard(2, torch.device("cpu"), counts_grad_overflow=True, advice="")
+    finite, inf = torch.tensor(1.0), torch.tensor(float("inf"))
+    assert guard.finish_check(ctx) is None
+    guard.record(1, finite, finite)
+    guard.record(2, inf, inf)
+    guard.record(3, inf, inf)
+    guard.start_check(3, ctx)
+    guard.record(4, finite, finite)
+    assert guard.finish_check(ctx) == GuardReading(streak=2, skipped=2, tripped_at=3, last_skipped=3)
+    assert guard.finish_check(ctx) is None
+
+
 def _faulty_run(args: list[str], out: Path, faults: str, nproc: int = 1) -> subprocess.CompletedProcess:
     return subprocess.run([*train_command(nproc), *args, "--out-dir", str(out)],
                           capture_output=True, text=True, env=train_env() | {FAULT_ENV: faults}, timeout=300, cwd=ROOT)
