@@ -157,7 +157,7 @@ class NonFiniteGuard:
 
     def check_due(self, step: int) -> bool:
         """Every --max-bad-steps steps the loop checks even without a log or save (reading it one step later): a
-        latched run stops within as many steps and one (it applies nothing meanwhile)."""
+        latched run stops at most as many steps after it trips (it applies nothing meanwhile)."""
         return step % self.max_bad_steps == 0
 
 
