@@ -263,7 +263,7 @@ class RunLayout:
     def zero3_blocks(self) -> bool:
         """ZeRO-3 gathering each transformer block as one DeepSpeed leaf module (--zero3-fetch block). Not under
         DeepCompile, which removes ZeRO-3's module hooks and gathers every parameter inside its graph, nor under
-        FSDP2, whose unit is each block by construction."""
+        FSDP2, which groups blocks into units itself (--fsdp2-unit-blocks)."""
         return (self.zero_stage == 3 and self.cfg.parallel.zero3_fetch == "block" and not self.deepcompile
                 and not self.fsdp2)
 

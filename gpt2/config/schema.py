@@ -275,12 +275,12 @@ class TrainConfig:
                  "as one graph with ZeRO-3's all-gathers and gradient reduce-scatters in it (its hooks removed), "
                  "prefetching and keeping parameters gathered as memory allows; same ZeRO-3 settings otherwise",
         OPTIM, given_only=True)
-    # the code Inductor emits to run each compiled graph (gpt2.config.layout.RunLayout.inductor_cpp_wrapper decides)
+    # the code Inductor emits to run each compiled graph (gpt2.config.layout.RunLayout.compile_wrapper resolves auto)
     compile_wrapper: Literal["auto", "cpp", "python"] = option(
         "auto", "with --compile (--compiler torch): the host code Inductor generates to launch each graph's kernels: "
                 "cpp = a compiled C++ wrapper (less host time per kernel, a longer first compile), python = Python; "
-                "auto = cpp for --mode hybrid's per-block graphs on CUDA without TP or fused kernels (where "
-                "measured), else python",
+                "auto = cpp for ZeRO-3's per-block graphs (DeepSpeed or FSDP2) on CUDA without TP or fused "
+                "kernels (where measured), else python",
         OPTIM, given_only=True)
     ddp_bucket_mb: int = option(100, "DDP gradient bucket size (all-reduce granularity; --mode baseline)", OPTIM,
                                 parse=positive_int, given_only=True)

@@ -83,15 +83,18 @@ def local_block_params(layout: RunLayout) -> float:
     return (12 * d * d + 7 * d) / t + 6 * d
 
 
-def local_params(layout: RunLayout) -> float:
-    """Parameters one GPU holds before ZeRO sharding (one TP shard): `local_block_params` per layer, + the
-    vocab-parallel embedding (split) and the position table and ln_f (replicated): + V d / t + P d + 2d.
-    """
+def local_root_params(layout: RunLayout) -> float:
+    """The parameters outside the blocks on one GPU (one TP shard): the vocab-parallel token embedding, tied to the
+    LM head (split), the position table and ln_f (replicated): V d / t + P d + 2d."""
     cfg, t = layout.cfg.model, layout.tp_size
     d = cfg.n_embd
-    n = cfg.n_layer * local_block_params(layout)
-    n += cfg.padded_vocab_size * d / t + cfg.n_positions * d  # (the sums in this order: the planner's tests are exact)
-    return n + 2 * d
+    return cfg.padded_vocab_size * d / t + cfg.n_positions * d + 2 * d
+
+
+def local_params(layout: RunLayout) -> float:
+    """Parameters one GPU holds before ZeRO sharding (one TP shard): `local_block_params` per layer +
+    `local_root_params` (whole numbers, so the sum is exact in any order)."""
+    return layout.cfg.model.n_layer * local_block_params(layout) + local_root_params(layout)
 
 
 @dataclass(frozen=True)

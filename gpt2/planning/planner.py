@@ -68,6 +68,7 @@ from gpt2.planning.perf_model import (
     layer_activation_bytes,
     local_block_params,
     local_params,
+    local_root_params,
     memory_per_gpu,
     step_communication,
     zero_stage_of,
@@ -288,13 +289,10 @@ def fsdp2_units(layout: RunLayout) -> tuple[float, float]:
     """Elements of one rank's FSDP2 units (gpt2.engines.fsdp2_engine.shard_model) at backward start, the peak: the
     two block units in flight (the last unit, gathered again, and the one before it, prefetched; --fsdp2-unit-blocks
     blocks each but the last, which holds what is left; TP-local), and the root (token embedding shard, tied to the
-    head; position embedding; final LayerNorm)."""
-    cfg, t = layout.cfg.model, layout.tp_size
-    d = cfg.n_embd
-    root = cfg.padded_vocab_size * d / t + cfg.n_positions * d + 2 * d
-    per_unit, layers = layout.fsdp2_unit_blocks, cfg.n_layer
+    head; position embedding; final LayerNorm: `local_root_params`)."""
+    per_unit, layers = layout.fsdp2_unit_blocks, layout.cfg.model.n_layer
     last = layers - per_unit * ((layers - 1) // per_unit)  # the last unit's blocks: 1 .. per_unit
-    return min(layers, last + per_unit) * local_block_params(layout), root
+    return min(layers, last + per_unit) * local_block_params(layout), local_root_params(layout)
 
 
 def fsdp2_memory(layout: RunLayout, n_local: float) -> tuple[float, float]:
@@ -316,8 +314,7 @@ def fsdp2_communication(layout: RunLayout, ops: list[CommOp]) -> list[CommOp]:
     """perf_model's ZeRO DP collectives replaced by FSDP2's (fp32): each unit gathered before its forward on every
     micro-step and, at stage 3, again before its backward (not the root: FSDP2 keeps it gathered); the gradients
     reduce-scattered once a step (set_requires_gradient_sync(False) on the other micro-steps)."""
-    root = fsdp2_units(layout)[1]
-    n, m, dp = layout.cfg.model.n_layer * local_block_params(layout) + root, layout.grad_accum, layout.dp_size
+    n, root, m, dp = local_params(layout), local_root_params(layout), layout.grad_accum, layout.dp_size
     ops = [op for op in ops if op.group != "dp"]
     if dp > 1:
         ops.append(CommOp("FSDP2 param all-gather (fwd)", "dp", "all_gather", dp, n * FP32_BYTES, m))
