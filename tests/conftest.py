@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.train_runs import ReferenceRun, step_losses, train_reference
 
@@ -22,6 +23,14 @@ def gpt2_logs_reach_caplog(monkeypatch: pytest.MonkeyPatch) -> None:
     (gpt2.observe.run_logging.setup_console, e.g. train.main called in-process by an earlier test) turns propagation
     off."""
     monkeypatch.setattr(logging.getLogger("gpt2"), "propagate", True)
+
+
+@pytest.fixture
+def gloo_world():
+    """A one-rank gloo group in this process (an in-memory store), destroyed after the test."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

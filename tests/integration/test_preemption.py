@@ -169,21 +169,15 @@ def test_a_second_ctrl_c_in_train_main_is_one_line(tmp_path: Path, monkeypatch: 
             in capsys.readouterr().err)
 
 
-def test_ranks_agree_one_step_later_without_waiting_for_this_step() -> None:
+def test_ranks_agree_one_step_later_without_waiting_for_this_step(gloo_world) -> None:
     """Distributed, each call reads the previous call's all-reduced flag (reading this step's would wait for the
     device every step): a signal before call k stops every rank at call k + 1; one process reads its own flag."""
     from types import SimpleNamespace
 
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     watcher = PreemptionWatcher(signals=())
-    try:
-        ctx = SimpleNamespace(distributed=True, device=torch.device("cpu"))
-        assert watcher.should_stop(ctx) is False
-        watcher.received = signal.SIGUSR1
-        assert watcher.should_stop(ctx) is False  # this call's flag is read by the next
-        assert watcher.should_stop(ctx) is True
-        assert watcher.should_stop(SimpleNamespace(distributed=False)) is True
-    finally:
-        dist.destroy_process_group()
+    ctx = SimpleNamespace(distributed=True, device=torch.device("cpu"))
+    assert watcher.should_stop(ctx) is False
+    watcher.received = signal.SIGUSR1
+    assert watcher.should_stop(ctx) is False  # this call's flag is read by the next
+    assert watcher.should_stop(ctx) is True
+    assert watcher.should_stop(SimpleNamespace(distributed=False)) is True

@@ -3,21 +3,12 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from gpt2.config.schema import MODEL_PRESETS, ModelConfig
 from gpt2.engines.fsdp2_engine import shard_model
 from gpt2.model.gpt import GPT
-
-
-@pytest.fixture
-def gloo_world():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_blocks_are_sharded_in_groups_of_the_unit_size(gloo_world) -> None:

@@ -5,21 +5,12 @@ from __future__ import annotations
 import json
 import weakref
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from gpt2.config.schema import PROFILED_STEPS
 from gpt2.observe.profiling import SUMMARY_FIELDS, StepProfiler, busy_us, count_module_hooks, summarise
-
-
-@pytest.fixture
-def gloo_world():
-    """A one-rank gloo group in this process (an in-memory store), destroyed after the test."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_busy_is_the_union_of_overlapping_intervals():
