@@ -64,32 +64,38 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """sum of squares of all elements, fp32, with multi-tensor (foreach) kernels rather than two per tensor. DTensor
-    gradients (FSDP2's, sharded over the data-parallel mesh) give the norm of the whole tensors: reduced over it."""
+    """Sum of squares of all elements, fp32, with multi-tensor (foreach) kernels rather than two per tensor."""
     if not grads:
         return torch.zeros((), device=device, dtype=torch.float32)
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return norm.float().square()
+    return torch.nn.utils.get_total_norm(grads, norm_type=2.0).float().square()
 
 
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, dims: ParallelDims) -> torch.Tensor:
-    """`torch.nn.utils.clip_grad_norm_` (L2) for a TP model: the norm of the full, unsharded gradient.
+    """`torch.nn.utils.clip_grad_norm_` (L2) for a TP model, and for FSDP2's DTensor gradients: the norm of the
+    full, unsharded gradient.
 
-    ||g||^2 = sum over TP ranks of the sharded parameters' squares + the replicated ones' squares once.
+    ||g||^2 = sum over the ranks that split a gradient of their shards' squares: the TP-sharded parameters' over the
+    TP group, the replicated ones' once (TP rank 0), and, for DTensor gradients (FSDP2's, Shard(0) over the
+    data-parallel group), over the DP group too. Each rank sums its local tensors and one all-reduce adds the ranks
+    up: DTensor's own norm would give the same number, but dispatches every op on every gradient (pytorch/pytorch
+    #134191: host time that grows with the parameter count), and so would torch's clip on DTensors.
     Call after the sequence-parallel reduction (replicated gradients must already agree across ranks).
     Returns the total norm, the same on every rank.
     """
     params = [p for p in parameters if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
-    sharded = [p.grad for p in params if getattr(p, "tensor_model_parallel", False)]
-    replicated = [p.grad for p in params if not getattr(p, "tensor_model_parallel", False)]
+    dp_sharded = any(isinstance(p.grad, DTensor) for p in params)
+    sharded = [_local(p.grad) for p in params if getattr(p, "tensor_model_parallel", False)]
+    replicated = [_local(p.grad) for p in params if not getattr(p, "tensor_model_parallel", False)]
     total_sq = _sum_of_squares(sharded, device)
     if dims.tp_rank == 0:
         total_sq = total_sq + _sum_of_squares(replicated, device)
-    if dims.tp_size > 1:
+    if dp_sharded:  # DP x TP ranks are the world: one all-reduce over both (the default group)
+        dist.all_reduce(total_sq)
+    elif dims.tp_size > 1:
         dist.all_reduce(total_sq, group=dims.tp_group)
     total = total_sq.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's clip_grads_with_norm_, on the local grads
+    if params:
+        torch._foreach_mul_(sharded + replicated, clip_coef)
     return total

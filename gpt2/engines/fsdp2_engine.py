@@ -38,9 +38,9 @@ all-gather bytes, but it casts every parameter and the residual stream to bf16 (
 function, as DeepSpeed's own 16-bit model is (--zero-precision deepspeed), so it is not offered.
 
 The step: fused AdamW over the sharded DTensor parameters (`parallelize.param_groups`: the same groups and weight
-decay as every engine), the LambdaLR schedule, TP-aware clipping (`parallel.grads.clip_grad_norm_`: each DTensor
-gradient's sum of squares is reduced over DP, then the TP-sharded ones over TP; replicated ones counted once), the
-non-finite guard (`step_if_finite`: the fused AdamW skips the step on the device when the global norm is not
+decay as every engine) run on their local shards (`LocalShardAdamW`), the LambdaLR schedule, TP-aware clipping
+(`parallel.grads.clip_grad_norm_`: local sums of squares, one all-reduce over DP x TP; replicated ones counted
+once), the non-finite guard (`step_if_finite`: the fused AdamW skips the step on the device when the global norm is not
 finite). Gradient accumulation: `set_requires_gradient_sync(False)` on every micro-step but the last (FSDP2 keeps
 the unsharded gradients and reduce-scatters their sum once). --sequence-parallel: the marked parameters'
 gradients are summed over the TP group after the last micro-step's reduce-scatter, on this rank's DP shard (both
@@ -72,6 +72,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from gpt2.config.layout import RunLayout
 from gpt2.engines.base import resync_lr
@@ -161,10 +162,28 @@ class FSDP2CommLog:
         return {kind: float(n) for kind, n in self.counts.items()}
 
 
+class LocalShardAdamW(torch.optim.AdamW):
+    """torch's fused AdamW whose update runs on each DTensor's local shard: the same kernels on the same numbers
+    (AdamW is elementwise, so the shard's update is the DTensor's), without DTensor's per-op dispatch, which costs
+    more host time than the update itself over FSDP2's hundreds of sharded parameters (pytorch/pytorch#134191; about
+    15 ms a step of GPT-2 Large's 436 in the c1 profile, docs/design.md). The parameters and the state stay DTensors
+    (`get_state_dict`/DCP see what they saw): only the lists `Adam.step` hands its kernel hold their local tensors
+    (views of the same storage, so the update lands in place). `_init_group` has this signature in every torch the
+    harness supports (2.11-2.13); tests/unit/test_fsdp2_step.py checks the step against AdamW on DTensors."""
+
+    def _init_group(self, group: dict, *tensor_lists: list[torch.Tensor]) -> bool:
+        has_complex = super()._init_group(group, *tensor_lists)
+        for tensors in tensor_lists:  # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
+            tensors[:] = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]  # no_grad: the shard
+        return has_complex
+
+
 class FSDP2Engine(TorchEngine):
     """ZeRO-2/3 by FSDP2 with our TP inside: TorchEngine's step (autocast, fused AdamW over `param_groups`, the
     schedule, the guard, evaluation) with FSDP2's sharding where DDP would wrap; `module` is our GPT (its units
     FSDPModules)."""
+
+    optimizer_class = LocalShardAdamW
 
     def __init__(self, layout: RunLayout, ctx: DistContext):
         super().__init__(layout, ctx)  # TP plan -> act. checkpointing -> compiled forwards -> wrap: fully_shard

@@ -42,6 +42,8 @@ class TorchEngine:
     """Single-device or DDP training with autocast, GradScaler (fp16), clipping, fused AdamW and the non-finite
     guard (`gpt2.engines.guard`): a step whose global gradient norm is not finite updates nothing."""
 
+    optimizer_class: type[torch.optim.AdamW] = torch.optim.AdamW
+
     def __init__(self, layout: RunLayout, ctx: DistContext):
         self.cfg = cfg = layout.cfg
         self.layout = layout
@@ -57,7 +59,7 @@ class TorchEngine:
         self.dtype = layout.autocast_dtype
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.dtype == torch.float16)
         # fused on every device: it skips a non-finite step on the device (`step_if_finite`)
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = self.optimizer_class(
             param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_at(s, t) / t.lr)
         self._step_lr = self.scheduler.get_last_lr()[0]  # the lr of the last optimizer step
