@@ -167,12 +167,13 @@ def _save_unless_skipped(checkpointer: Checkpointer, step: int, reading: GuardRe
 def _preempted(step: int, preemption: PreemptionWatcher, checkpointer: Checkpointer | None, saved: Path | None,
                reading: GuardReading) -> Preempted:
     """Save this step unless just saved or skipped; the Preempted to raise (every rank)."""
+    came_after = preemption.came_after
     if checkpointer is None:
-        return Preempted(step, preemption.received, None)
+        return Preempted(step, preemption.received, None, came_after=came_after)
     if saved is None:
         saved, _ = _save_unless_skipped(checkpointer, step, reading)
     return Preempted(step, preemption.received, str(saved) if saved else None,
-                     "its update was skipped (non-finite): not saved")
+                     "its update was skipped (non-finite): not saved", came_after)
 
 
 def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: DataBundle,
@@ -251,7 +252,7 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
         saved = None
         if save_due:
             saved, owed = _save_unless_skipped(checkpointer, step, reading)
-        if preemption and step < t.max_steps and preemption.should_stop(ctx):
+        if preemption and step < t.max_steps and preemption.should_stop(ctx, step):
             reading = guard.check(step, ctx)
             guard.raise_if_tripped(reading, step)
             recorder.close()

@@ -38,13 +38,18 @@ _CTRL_C = b"Ctrl-C: stopping after this step, with a checkpoint if --save-dir is
 
 
 class Preempted(Exception):
-    """Raised by the training loop after the preemption checkpoint of `step` (None: `unsaved` says why not)."""
+    """Raised by the training loop after the preemption checkpoint of `step` (None: `unsaved` says why not).
+    `came_after`: the last step checked before this process's own signal came (None: during the run's first step,
+    or a peer's signal), which the message states so that a user (and the tests) see how soon the stop followed."""
 
-    def __init__(self, step: int, signum: int, checkpoint: str | None, unsaved: str = "no --save-dir, nothing saved"):
+    def __init__(self, step: int, signum: int, checkpoint: str | None, unsaved: str = "no --save-dir, nothing saved",
+                 came_after: int | None = None):
         name = signal.Signals(signum).name if signum else "a peer's signal"
         outcome = f"checkpoint {checkpoint}" if checkpoint else unsaved
         verb = "interrupted" if signum == signal.SIGINT else "preempted"
-        super().__init__(f"{verb} by {name} after step {step}; {outcome}")
+        came = "" if not signum else (f"; the signal came after step {came_after}" if came_after is not None
+                                      else "; the signal came during the run's first step")
+        super().__init__(f"{verb} by {name} after step {step}; {outcome}{came}")
         self.step, self.checkpoint, self.signum = step, checkpoint, signum
 
     @property
@@ -58,6 +63,8 @@ class PreemptionWatcher:
 
     def __init__(self, signals: tuple[signal.Signals, ...] = PREEMPT_SIGNALS):
         self.received = 0  # signal number of the last preemption signal this process got; 0: none
+        self.checked: int | None = None  # the last step `should_stop` was called after
+        self.came_after: int | None = None  # `checked` when the first signal came
         self._pending: LateRead | None = None  # the last call's all-reduced flag, read by the next call
         self._replaced = {sig: signal.signal(sig, self._handle) for sig in signals}
 
@@ -71,11 +78,14 @@ class PreemptionWatcher:
             if self.received == signal.SIGINT:
                 raise KeyboardInterrupt  # the second Ctrl-C: stop now
             os.write(2, _CTRL_C)  # stderr, unbuffered: the handler may run inside a buffered write
+        if not self.received:
+            self.came_after = self.checked
         self.received = signum
 
-    def should_stop(self, ctx: DistContext) -> bool:
-        """True on every rank iff any rank had received a signal by the previous call (distributed: one all-reduce
-        of one element a call, whose result the next call reads; one process: this call's flag)."""
+    def should_stop(self, ctx: DistContext, step: int) -> bool:
+        """After `step`: True on every rank iff any rank had received a signal by the previous call (distributed: one
+        all-reduce of one element a call, whose result the next call reads; one process: this call's flag)."""
+        self.checked = step
         if not ctx.distributed:
             return bool(self.received)
         flag = torch.full((1,), float(self.received), device=ctx.device)  # a fill on the device: no host copy
