@@ -124,8 +124,8 @@ def shutdown_distributed(all_ranks_finished: bool) -> None:
 
 
 def run_as_process(main: Callable[[], int]) -> None:
-    """Run a launched entry point (train.py, tools.hf_reference, the ZeRO host-cost repro and host profile) and
-    exit with its status.
+    """Run a launched entry point (train.py, tools.hf_reference, the ZeRO host-cost repro, host profile and memory
+    phases) and exit with its status.
 
     faulthandler: a crash in native code (segfault, std::terminate) prints every thread's Python stack on each rank.
     Once `main` has returned (its process groups destroyed, its files closed), the process leaves with `os._exit`,
