@@ -6,7 +6,8 @@ which layouts fit a cluster, ranked by predicted step time. Built on `gpt2.plann
 
 Peak allocated memory per GPU is the larger of two moments. Backward start (the loss's backward runs
 while every block's saved tensors are alive): model states + saved activations + loss buffers + weight
-copies + workspace. Optimizer step: model states + the fp32 gradient copy DeepSpeed makes for the step.
+copies + workspace. Optimizer step: model states + the gradients that exist only for the step (the fp32 copy
+DeepSpeed's 16-bit model makes; FSDP2's sharded gradients, which its reduce-scatters create in backward).
 The terms, and why (GPT-2 Large, seq 1024, on 4 x H200, is the calibration case in tests/unit/test_planner.py):
 
 - States (ZeRO paper): torch.autocast runs (single, DDP) keep fp32 weights (4 B), fp32 gradients (4 B,
@@ -38,6 +39,11 @@ The terms, and why (GPT-2 Large, seq 1024, on 4 x H200, is the calibration case 
   Triton fused CE: one 2^26-logit chunk, the fp32 grad_W accumulator and fp32 grad_h. Plus ln_f's input
   and output.
 - Workspace: cuBLAS's workspace (32 MiB), DeepSpeed's reduce bucket and (ZeRO-3) prefetch bucket.
+- FSDP2 (`fsdp2_memory`), read off one step's phases (benchmarks.memory_phases, 2 x H200, GPT-2 Large, batch 8
+  and 16, --compile): no gradient exists between steps or when backward starts (each unit's reduce-scatter creates
+  its shard; zero_grad frees them), so the sharded gradients count at the optimizer step only; held when backward
+  starts are the root unit (never resharded) and the last block unit (gathered again for backward), not the
+  unsharded gradients of any unit yet (with --grad-accum > 1: every unit's, kept unsharded across micro-steps).
 
 Communication bytes per step come from perf_model.step_communication (ring model), plus the collectives
 our TP implementation adds (top-1 all-reduce, SP gradient and position-embedding collectives, the
@@ -153,7 +159,7 @@ class MemoryPlan:
     logits: float
     weight_copies: float
     workspace: float
-    step_transient: float  # only during the optimizer step
+    step_transient: float  # gradients that exist only for the optimizer step
 
     @property
     def states(self) -> float:
@@ -268,10 +274,11 @@ def predict_memory(layout: RunLayout) -> MemoryPlan:
         copies = e * n_copied
     workspace = float(CUBLAS_WORKSPACE_BYTES)
     step_transient = 0.0
+    grads = states.grads
     if layout.fsdp2:
-        held, buffers = fsdp2_memory(layout, n_local)
+        held, grads = fsdp2_memory(layout, n_local)
         copies += FP32_BYTES * held
-        workspace += buffers
+        step_transient = states.grads  # the sharded gradients: made in backward, freed after the step
     elif layout.mode == "hybrid":
         ds, zero = DeepSpeedSettings.of(layout), zero_stage_of(layout)
         workspace += ds.reduce_bucket_size * e
@@ -281,33 +288,34 @@ def predict_memory(layout: RunLayout) -> MemoryPlan:
             copies = copies + FP32_BYTES * held if num.autocast_copies else e * held
         if layout.precision != "fp32" and not num.autocast_copies:  # the 16-bit model's fp32 gradient copy
             step_transient = FP32_BYTES * n_local / (layout.dp_size if zero >= 1 else 1)
-    return MemoryPlan(states.params, states.grads, states.optimizer, activations, logits, copies, workspace,
-                      step_transient)
+    return MemoryPlan(states.params, grads, states.optimizer, activations, logits, copies, workspace, step_transient)
 
 
 def fsdp2_units(layout: RunLayout) -> tuple[float, float]:
-    """Elements of one rank's FSDP2 units (gpt2.engines.fsdp2_engine.shard_model) at backward start, the peak: the
-    two block units in flight (the last unit, gathered again, and the one before it, prefetched; --fsdp2-unit-blocks
-    blocks each but the last, which holds what is left; TP-local), and the root (token embedding shard, tied to the
-    head; position embedding; final LayerNorm: `local_root_params`)."""
+    """Elements of one rank's FSDP2 units (gpt2.engines.fsdp2_engine.shard_model) gathered when backward starts:
+    the last block unit (gathered again for backward; --fsdp2-unit-blocks blocks, or what is left of them: TP-local),
+    and the root (token embedding shard, tied to the head; position embedding; final LayerNorm:
+    `local_root_params`). The unit before the last is prefetched once the last one's backward starts, when the loss
+    buffers are already freed: a later, smaller moment."""
     per_unit, layers = layout.fsdp2_unit_blocks, layout.cfg.model.n_layer
     last = layers - per_unit * ((layers - 1) // per_unit)  # the last unit's blocks: 1 .. per_unit
-    return min(layers, last + per_unit) * local_block_params(layout), local_root_params(layout)
+    return last * local_block_params(layout), local_root_params(layout)
 
 
 def fsdp2_memory(layout: RunLayout, n_local: float) -> tuple[float, float]:
-    """(fp32 elements of gathered weights held when backward starts, bytes of FSDP2's buffers), for `predict_memory`.
+    """(fp32 elements of gathered weights held when backward starts, bytes of the gradients then), for
+    `predict_memory`.
 
-    --zero-stage 3 (reshard_after_forward=True): the root unit stays gathered from forward to backward (FSDP2 does
-    not reshard the root after forward) and the last block unit with it; backward gathers one unit and prefetches the
-    next. --zero-stage 2 (False): every unit stays gathered from its forward to its backward: the whole TP-local
-    model. Buffers: the unsharded fp32 gradients of the two units in flight before their reduce-scatter (with
-    --grad-accum > 1 FSDP2 keeps every unsharded gradient across the micro-steps, without sync: all of them).
+    --zero-stage 3 (reshard_after_forward=True): the root unit, which FSDP2 does not reshard after forward, and the
+    last block unit, gathered for backward. --zero-stage 2 (False): every unit stays gathered from its forward to its
+    backward: the whole TP-local model. Gradients: none (the reduce-scatters make them, one unit at a time, during
+    backward) unless --grad-accum > 1, where FSDP2 keeps every unit's unsharded fp32 gradient across the
+    micro-steps (no sync but on the last).
     """
-    in_flight, root = fsdp2_units(layout)
-    held = root + in_flight if layout.zero_stage == 3 else n_local
-    grads = n_local if layout.grad_accum > 1 else in_flight
-    return held, FP32_BYTES * grads
+    last_unit, root = fsdp2_units(layout)
+    held = root + last_unit if layout.zero_stage == 3 else n_local
+    grads = FP32_BYTES * n_local if layout.grad_accum > 1 else 0.0
+    return held, grads
 
 
 def fsdp2_communication(layout: RunLayout, ops: list[CommOp]) -> list[CommOp]:
@@ -457,7 +465,7 @@ def format_plan(plan: Plan) -> str:
     names = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
              "activations": "activations (saved by blocks)", "logits": "logits / loss buffers",
              "weight_copies": "16-bit weight copies / ZeRO-3 held weights", "workspace": "workspace (cuBLAS, buckets)",
-             "step_transient": "optimizer-step fp32 gradient copy"}
+             "step_transient": "gradients made for the optimizer step"}
     for key, gib in m.as_gib().items():
         if key != "peak":
             lines.append(f"  {names[key]:<44} {gib:8.2f}")
