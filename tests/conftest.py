@@ -4,6 +4,7 @@ Without a GPU, Triton kernels run in Triton's CPU interpreter. Triton reads TRIT
 kernel is decorated (at import), so it is set here, before any test module imports a kernel.
 """
 
+import gc
 import logging
 import os
 
@@ -27,10 +28,13 @@ def gpt2_logs_reach_caplog(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def gloo_world():
-    """A one-rank gloo group in this process (an in-memory store), destroyed after the test."""
+    """A one-rank gloo group in this process (an in-memory store), destroyed after the test, its threads with it:
+    models sharded over it (FSDP2's reference cycles) keep the group alive until a garbage collection, and a later
+    test of this worker that forks ranks (tests/_tp_harness.spawn) hung when forked beside gloo's threads."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
