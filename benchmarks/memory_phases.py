@@ -23,11 +23,10 @@ from typing import Any
 
 import torch
 
-from gpt2.config.cli import parse_args as parse_train_args
-from gpt2.data.loader import build_data
+from benchmarks.launched_step import launch, split_argv
 from gpt2.engines.build import build_engine
 from gpt2.planning.planner import predict_memory
-from gpt2.runtime.distributed import init_distributed, run_as_process, shutdown_distributed
+from gpt2.runtime.distributed import run_as_process, shutdown_distributed
 from gpt2.train.loop import train_step
 
 GIB = 1024**3
@@ -37,14 +36,13 @@ OWNERS = ("/gpt2/", "/parallel/", "/fsdp/", "/deepspeed/", "/_inductor/", "/opti
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    argv = sys.argv[1:] if argv is None else argv
-    split = argv.index("--") if "--" in argv else len(argv)
+    own, train_argv = split_argv(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m benchmarks.memory_phases", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="the report (text)")
     p.add_argument("--warmup", type=int, default=3, help="steps before the measured one (compilation, allocator)")
     p.add_argument("--top", type=int, default=25, help="allocation sites listed")
-    return p.parse_args(argv[:split]), argv[split + 1:]
+    return p.parse_args(own), train_argv
 
 
 def owner(frames: list[dict[str, Any]]) -> str:
@@ -103,14 +101,9 @@ def measure_step(engine: Any, batch: tuple[torch.Tensor, torch.Tensor], device: 
 
 def main(argv: list[str] | None = None) -> int:
     args, train_argv = parse_args(argv)
-    cfg = parse_train_args([*train_argv, "--data", "synthetic"])
-    layout, ctx = init_distributed(cfg)
+    layout, ctx, data = launch(train_argv)
     if layout.grad_accum != 1:
         raise SystemExit("benchmarks.memory_phases measures one forward and one backward a step: use --grad-accum 1")
-    t = cfg.train
-    data = build_data(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, model_vocab_size=cfg.model.vocab_size,
-                      dp_rank=ctx.dims.dp_rank, dp_size=ctx.dims.dp_size, seed=t.seed, is_main=ctx.is_main,
-                      barrier=ctx.barrier)
     engine = build_engine(layout, ctx)
     for _ in range(args.warmup):
         train_step(layout, ctx, engine, data)

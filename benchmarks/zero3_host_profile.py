@@ -25,16 +25,14 @@ from pathlib import Path
 
 import torch
 
-from gpt2.config.cli import parse_args as parse_train_args
-from gpt2.data.loader import build_data
+from benchmarks.launched_step import launch, split_argv
 from gpt2.engines.build import build_engine
-from gpt2.runtime.distributed import init_distributed, run_as_process, shutdown_distributed
+from gpt2.runtime.distributed import run_as_process, shutdown_distributed
 from gpt2.train.loop import train_step
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    argv = sys.argv[1:] if argv is None else argv
-    split = argv.index("--") if "--" in argv else len(argv)
+    own, train_argv = split_argv(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m benchmarks.zero3_host_profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="the report (text)")
@@ -42,17 +40,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--top", type=int, default=25, help="functions per table")
-    return p.parse_args(argv[:split]), argv[split + 1:]
+    return p.parse_args(own), train_argv
 
 
 def main(argv: list[str] | None = None) -> int:
     args, train_argv = parse_args(argv)
-    cfg = parse_train_args([*train_argv, "--data", "synthetic"])
-    layout, ctx = init_distributed(cfg)
-    t = cfg.train
-    data = build_data(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, model_vocab_size=cfg.model.vocab_size,
-                      dp_rank=ctx.dims.dp_rank, dp_size=ctx.dims.dp_size, seed=t.seed, is_main=ctx.is_main,
-                      barrier=ctx.barrier)
+    layout, ctx, data = launch(train_argv)
     engine = build_engine(layout, ctx)
 
     def step() -> None:

@@ -37,6 +37,9 @@ def test_memory_phases_reports_the_plan_and_groups_live_tensors_by_site(tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = out.read_text()
     assert re.search(r"^  peak +[\d.]+$", report, re.M) and "no measurement: cpu" in report
+    accum = subprocess.run([*cmd, "--grad-accum", "2"], capture_output=True, text=True, env=train_env(), cwd=ROOT,
+                           timeout=300)
+    assert accum.returncode != 0 and "use --grad-accum 1" in accum.stderr, accum.stderr[-3000:]
 
     def block(size: int, *files: str) -> dict:
         return {"state": "active_allocated", "size": size,
