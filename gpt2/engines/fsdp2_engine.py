@@ -164,9 +164,10 @@ class FSDP2CommLog:
 
 class LocalShardAdamW(torch.optim.AdamW):
     """torch's fused AdamW whose update runs on each DTensor's local shard: the same kernels on the same numbers
-    (AdamW is elementwise, so the shard's update is the DTensor's), without DTensor's per-op dispatch, which costs
-    more host time than the update itself over FSDP2's hundreds of sharded parameters (pytorch/pytorch#134191; about
-    15 ms a step of GPT-2 Large's 436 in the c1 profile, docs/design.md). The parameters and the state stay DTensors
+    (AdamW is elementwise, so the shard's update is the DTensor's), without DTensor's per-op dispatch over FSDP2's
+    hundreds of sharded parameters (pytorch/pytorch#134191; about 15 ms of host time a step for GPT-2 Large's 436
+    under cProfile in the c1 profile; removing it did not change the batch-8 step on 2xH200, where the device does
+    not wait for that host work: benchmarks/results/multi_gpu, call a1). The parameters and the state stay DTensors
     (`get_state_dict`/DCP see what they saw): only the lists `Adam.step` hands its kernel hold their local tensors
     (views of the same storage, so the update lands in place). `_init_group` has this signature in every torch the
     harness supports (2.11-2.13); tests/unit/test_fsdp2_step.py checks the step against AdamW on DTensors."""

@@ -39,8 +39,9 @@ _CTRL_C = b"Ctrl-C: stopping after this step, with a checkpoint if --save-dir is
 
 class Preempted(Exception):
     """Raised by the training loop after the preemption checkpoint of `step` (None: `unsaved` says why not).
-    `came_after`: the last step checked before this process's own signal came (None: during the run's first step,
-    or a peer's signal), which the message states so that a user (and the tests) see how soon the stop followed."""
+    `came_after`: the last step checked before this process's own signal came (None: before the run's first step
+    ended, or a peer's signal), which the message states so that a user (and the tests) see how soon the stop
+    followed."""
 
     def __init__(self, step: int, signum: int, checkpoint: str | None, unsaved: str = "no --save-dir, nothing saved",
                  came_after: int | None = None):
@@ -48,7 +49,7 @@ class Preempted(Exception):
         outcome = f"checkpoint {checkpoint}" if checkpoint else unsaved
         verb = "interrupted" if signum == signal.SIGINT else "preempted"
         came = "" if not signum else (f"; the signal came after step {came_after}" if came_after is not None
-                                      else "; the signal came during the run's first step")
+                                      else "; the signal came before the run's first step ended")
         super().__init__(f"{verb} by {name} after step {step}; {outcome}{came}")
         self.step, self.checkpoint, self.signum = step, checkpoint, signum
 
