@@ -24,7 +24,9 @@ def add_layernorm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """r = x + residual (or x alone); returns (LayerNorm(r), r)."""
     r = x if residual is None else x + residual
-    return F.layer_norm(r, (r.shape[-1],), weight, bias, eps), r
+    # in the residual stream's dtype, whatever the parameters' (FSDP2's bf16 gather: fp32 r, bf16 weight): what CUDA
+    # autocast does for layer_norm, made explicit for the devices whose autocast does not (CPU)
+    return F.layer_norm(r, (r.shape[-1],), weight.to(r.dtype), bias.to(r.dtype), eps), r
 
 
 def lm_cross_entropy(

@@ -166,9 +166,11 @@ def check_zero_engine(args: argparse.Namespace) -> None:
     """`--zero-engine fsdp2`: what FSDP2 (gpt2.engines.fsdp2_engine) cannot take, each an error naming the fix; the
     DeepSpeed-only flags among them."""
     if args.zero_engine != "fsdp2":
-        if args.fsdp2_unit_blocks is not None:
-            raise ConfigError("--fsdp2-unit-blocks sizes FSDP2's units; add --mode hybrid --zero-engine fsdp2 or "
-                              "drop it")
+        fsdp2_only = [flag for flag, value in (("--fsdp2-unit-blocks", args.fsdp2_unit_blocks),
+                                               ("--fsdp2-gather", args.fsdp2_gather)) if value is not None]
+        if fsdp2_only:
+            raise ConfigError(f"{' / '.join(fsdp2_only)}: FSDP2 settings; add --mode hybrid --zero-engine fsdp2 or "
+                              f"drop {'it' if len(fsdp2_only) == 1 else 'them'}")
         return
     if args.mode != "hybrid":
         raise ConfigError(f"--zero-engine fsdp2 picks who shards under --mode hybrid; --mode {args.mode} shards "

@@ -260,6 +260,28 @@ class RunLayout:
         return min(self.cfg.parallel.fsdp2_unit_blocks, self.cfg.model.n_layer)
 
     @property
+    def fsdp2_gather(self) -> str | None:
+        """The dtype FSDP2 all-gathers the transformer blocks' weights in, --fsdp2-gather resolved: "bf16" or "fp32";
+        None unless --zero-engine fsdp2. bf16 hands every Linear the values autocast would cast its fp32 weight to
+        (the matmuls are unchanged) and rounds the LayerNorm scales and biases to bf16 (LayerNorm still computes in
+        fp32: the one difference from single's recipe); half the all-gather bytes and no autocast weight copies.
+        `auto` picks it for bf16 runs without fused kernels (the configurations the GPU parity gate covered with
+        it, benchmarks/results/multi_gpu); fp32 runs (every CPU run) gather fp32."""
+        if not self.fsdp2:
+            return None
+        choice = self.cfg.parallel.fsdp2_gather
+        if self.precision != "bf16":
+            return "fp32"
+        if choice == "auto":
+            return "bf16" if self.cfg.train.fused_kernels == "none" else "fp32"
+        return choice
+
+    @property
+    def fsdp2_gather_dtype(self) -> torch.dtype | None:
+        """`fsdp2_gather` as FSDP2's `param_dtype`: bf16, or None (the weights' own fp32)."""
+        return torch.bfloat16 if self.fsdp2_gather == "bf16" else None
+
+    @property
     def zero3_blocks(self) -> bool:
         """ZeRO-3 gathering each transformer block as one DeepSpeed leaf module (--zero3-fetch block). Not under
         DeepCompile, which removes ZeRO-3's module hooks and gathers every parameter inside its graph, nor under

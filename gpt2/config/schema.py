@@ -169,6 +169,13 @@ class ParallelConfig:
         4, "--zero-engine fsdp2: transformer blocks per FSDP2 unit (one all-gather, reduce-scatter and hook set per "
            "unit: fewer, larger units cost less host time and hold more gathered weights)", PARALLEL,
         parse=positive_int, given_only=True)
+    # the dtype FSDP2 gathers the blocks' weights in (gpt2.config.layout.RunLayout.fsdp2_gather_dtype resolves auto)
+    fsdp2_gather: Literal["auto", "bf16", "fp32"] = option(
+        "auto", "--zero-engine fsdp2: the dtype the transformer blocks' weights are all-gathered in: bf16 = the "
+                "values autocast hands the matmuls (half the bytes; LayerNorm scales and biases rounded to bf16 too), "
+                "fp32 = single's recipe to the bit; the embeddings/head always fp32, gradients reduced in fp32; auto "
+                "= bf16 for bf16 runs without --fused-kernels (where it passed the parity gate on GPUs)", PARALLEL,
+        given_only=True)
     zero3_fetch: Literal["block", "module"] = option(
         "block", "hybrid mode, ZeRO-3: the parameter gather unit: block = each transformer block is a DeepSpeed leaf "
                  "module (one all-gather and one hook per block and pass; allows --compile), module = DeepSpeed's "

@@ -29,13 +29,24 @@ ways, as under DeepSpeed with the mpu. Both TP ranks of a DP position hold the s
   than ZeRO-2 outside forward/backward). Gradients and optimizer states are sharded, as in ZeRO-2.
 - 1: refused at the command line (gpt2.config.cli.check_zero_engine): FSDP2 always shards gradients.
 
-Precision (`MixedPrecisionPolicy(param_dtype=None, reduce_dtype=float32)` + torch.autocast): single's recipe. The
-sharded and the gathered parameters are fp32 (the master weights), the forward runs under torch.autocast in the
-run's dtype (bf16 on GPU; CPU runs are fp32, no autocast), and gradients are fp32, reduce-scattered in fp32 and
-averaged over the DP group (FSDP2 divides by its size; the loss is divided by --grad-accum, as TorchEngine does):
-the function single trains, so the parity gate holds at single's tolerance. A bf16 `param_dtype` would halve the
-all-gather bytes, but it casts every parameter and the residual stream to bf16 (LayerNorms included): another
-function, as DeepSpeed's own 16-bit model is (--zero-precision deepspeed), so it is not offered.
+Precision (--fsdp2-gather, `RunLayout.fsdp2_gather_dtype`; `mixed_precision`): single's recipe, torch.autocast
+over fp32 master weights. The sharded parameters are fp32 (master weights and optimizer states), the forward runs
+under torch.autocast in the run's dtype (bf16 on GPU; CPU runs are fp32, no autocast), and gradients are fp32,
+reduce-scattered in fp32 and averaged over the DP group (FSDP2 divides by its size; the loss is divided by
+--grad-accum, as TorchEngine does). What is gathered:
+- bf16 (auto's choice for bf16 runs without fused kernels): the block units gather their weights in bf16
+  (`param_dtype=bf16`), which is what autocast would cast each Linear weight and bias to before its matmul, so the
+  matmuls see the same values, with half the all-gather bytes and no autocast weight copies; the LayerNorm scales
+  and biases are rounded to bf16 too (LayerNorm still computes in fp32: autocast upcasts them), the one difference
+  from single's function, within the parity gate (benchmarks/results/multi_gpu). Inputs are not cast
+  (`cast_forward_inputs=False`): the residual stream stays fp32, as under autocast. The root (embeddings, tied
+  head, final LayerNorm) gathers fp32: the embedding output is the residual stream. Gradients come out of the
+  blocks in bf16 (autocast's matmul gradients are bf16 before their cast to fp32 anyway) and are cast to fp32
+  before the reduce-scatter. DeepSpeed's torch_autocast does likewise for Linear weights and also reduces their
+  gradients in 16 bits.
+- fp32: every unit gathers fp32 and autocast casts in each forward: single's function to the bit.
+A bf16 policy on the root too would cast the residual stream to bf16: another function, as DeepSpeed's own 16-bit
+model is (--zero-precision deepspeed), so it is not offered.
 
 The step: fused AdamW over the sharded DTensor parameters (`parallelize.param_groups`: the same groups and weight
 decay as every engine) run on their local shards (`LocalShardAdamW`), the LambdaLR schedule, TP-aware clipping
@@ -100,24 +111,27 @@ def dp_mesh(ctx: DistContext) -> DeviceMesh:
     return DeviceMesh.from_group(ctx.dims.dp_group, ctx.device.type)
 
 
-def mixed_precision() -> MixedPrecisionPolicy:
-    """fp32 parameters gathered and gradients reduced in fp32; compute precision comes from torch.autocast."""
-    return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+def mixed_precision(gather_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """Parameters gathered in `gather_dtype` (None: their own fp32), gradients reduced in fp32, inputs left as they
+    come (the fp32 residual stream); compute precision comes from torch.autocast."""
+    return MixedPrecisionPolicy(param_dtype=gather_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
-def shard_model(model: GPT, mesh: DeviceMesh, *, reshard_after_forward: bool, unit_blocks: int) -> list[nn.Module]:
+def shard_model(model: GPT, mesh: DeviceMesh, *, reshard_after_forward: bool, unit_blocks: int,
+                block_gather_dtype: torch.dtype | None = None) -> list[nn.Module]:
     """`fully_shard` the blocks in groups of `unit_blocks` consecutive ones (`reshard_after_forward` as --zero-stage
-    says; a group is one FSDP2 unit: one all-gather, one reduce-scatter, one set of hooks), then the root
-    (embeddings, final LayerNorm, tied LM head; never resharded after forward), in place; the TP plan's marks move
-    to the new DTensor parameters. Returns one module of each unit (a group's first block), root last."""
+    says; a group is one FSDP2 unit: one all-gather, one reduce-scatter, one set of hooks; weights gathered in
+    `block_gather_dtype`, None: fp32), then the root (embeddings, final LayerNorm, tied LM head; gathered fp32, never
+    resharded after forward), in place; the TP plan's marks move to the new DTensor parameters. Returns one module of
+    each unit (a group's first block), root last."""
     marks = {name: {m: getattr(p, m) for m in PARAM_MARKS if hasattr(p, m)} for name, p in model.named_parameters()}
-    policy = mixed_precision()
     groups = [list(model.blocks[i:i + unit_blocks]) for i in range(0, len(model.blocks), unit_blocks)]
     for group in groups:  # a one-module list is one module's unit
-        fully_shard(group, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(group, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                    mp_policy=mixed_precision(block_gather_dtype))
     # the root stays gathered from forward to backward at either stage: its LM head runs last in forward and first
     # in backward (an explicit True would free and re-gather it there: measured, 2x the all-gather bytes of gpt2-tiny)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mixed_precision(None))
     units: list[nn.Module] = [group[0] for group in groups] + [model]
     for name, p in model.named_parameters():
         for mark, value in marks.get(name, {}).items():
@@ -195,13 +209,14 @@ class FSDP2Engine(TorchEngine):
         layout, dims = self.layout, self.ctx.dims
         reshard = layout.zero_stage == 3
         unit_blocks = layout.fsdp2_unit_blocks
-        self.units = shard_model(model, dp_mesh(self.ctx), reshard_after_forward=reshard, unit_blocks=unit_blocks)
+        self.units = shard_model(model, dp_mesh(self.ctx), reshard_after_forward=reshard, unit_blocks=unit_blocks,
+                                 block_gather_dtype=layout.fsdp2_gather_dtype)
         self.root: FSDPModule = model  # type: ignore[assignment]
-        log.info("FSDP2: %d units (%d groups of at most %d transformer blocks + embeddings/head) sharded over the "
-                 "data-parallel group of %d (reshard_after_forward=%s: ZeRO-%d), fp32 parameters and gradient "
-                 "reduction, autocast %s",
-                 len(self.units), len(self.units) - 1, unit_blocks, dims.dp_size, reshard, layout.zero_stage,
-                 layout.autocast_dtype or "off")
+        log.info("FSDP2: %d units (transformer blocks in units of at most %d, + embeddings/head) sharded over the "
+                 "data-parallel group of %d (reshard_after_forward=%s: ZeRO-%d), fp32 parameters, blocks gathered in "
+                 "%s, fp32 gradient reduction, autocast %s",
+                 len(self.units), unit_blocks, dims.dp_size, reshard, layout.zero_stage,
+                 layout.fsdp2_gather, layout.autocast_dtype or "off")
         return model
 
     def no_sync(self, last_micro_step: bool) -> contextlib.AbstractContextManager:

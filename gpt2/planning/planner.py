@@ -44,6 +44,8 @@ The terms, and why (GPT-2 Large, seq 1024, on 4 x H200, is the calibration case 
   its shard; zero_grad frees them), so the sharded gradients count at the optimizer step only; held when backward
   starts are the root unit (never resharded) and the last block unit (gathered again for backward), not the
   unsharded gradients of any unit yet (with --grad-accum > 1: every unit's, kept unsharded across micro-steps).
+  With the blocks gathered in bf16 (--fsdp2-gather), a block's gathered weights are what its matmuls save, so
+  the blocks have no autocast copies, and the last block unit is held in 2 B; the root keeps fp32 and its copy.
 
 Communication bytes per step come from perf_model.step_communication (ring model), plus the collectives
 our TP implementation adds (top-1 all-reduce, SP gradient and position-embedding collectives, the
@@ -134,8 +136,8 @@ def numerics(layout: RunLayout) -> Numerics:
     if precision == "fp32":
         fp32 = StateBytes(param_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4)
         return Numerics(fp32, 4, False, fp32)
-    if layout.fsdp2:  # fp32 weights gathered and fp32 gradients reduced, autocast for compute
-        # (fsdp2_engine.mixed_precision)
+    if layout.fsdp2:  # fp32 master weights, gradients reduced in fp32, autocast for compute; the dtype the blocks
+        # are gathered in: fsdp2_memory, fsdp2_communication
         return Numerics(AMP_FP32_WEIGHTS, 4, True, AMP_FP32_WEIGHTS)
     if mode == "hybrid" and layout.cfg.parallel.zero_precision == "deepspeed":  # a 16-bit model, fp32 master
         # weights and moments
@@ -268,7 +270,8 @@ def predict_memory(layout: RunLayout) -> MemoryPlan:
     n_local = local_params(layout)
     copies = 0.0
     if num.autocast_copies:
-        n_copied = n_local
+        # FSDP2 gathering the blocks in bf16: autocast casts (and copies) only the root's weights
+        n_copied = local_root_params(layout) if layout.fsdp2_gather_dtype else n_local
         if tc.activation_checkpointing:  # recomputation makes the copies again, one block at a time
             n_copied = cfg.padded_vocab_size * d / t + (12 * d * d + 7 * d) / t
         copies = e * n_copied
@@ -277,7 +280,7 @@ def predict_memory(layout: RunLayout) -> MemoryPlan:
     grads = states.grads
     if layout.fsdp2:
         held, grads = fsdp2_memory(layout, n_local)
-        copies += FP32_BYTES * held
+        copies += held
         step_transient = states.grads  # the sharded gradients: made in backward, freed after the step
     elif layout.mode == "hybrid":
         ds, zero = DeepSpeedSettings.of(layout), zero_stage_of(layout)
@@ -303,31 +306,40 @@ def fsdp2_units(layout: RunLayout) -> tuple[float, float]:
 
 
 def fsdp2_memory(layout: RunLayout, n_local: float) -> tuple[float, float]:
-    """(fp32 elements of gathered weights held when backward starts, bytes of the gradients then), for
-    `predict_memory`.
+    """(bytes of gathered weights held when backward starts, bytes of the gradients then), for `predict_memory`.
 
     --zero-stage 3 (reshard_after_forward=True): the root unit, which FSDP2 does not reshard after forward, and the
     last block unit, gathered for backward. --zero-stage 2 (False): every unit stays gathered from its forward to its
-    backward: the whole TP-local model. Gradients: none (the reduce-scatters make them, one unit at a time, during
-    backward) unless --grad-accum > 1, where FSDP2 keeps every unit's unsharded fp32 gradient across the
-    micro-steps (no sync but on the last).
+    backward: the whole TP-local model. The root in fp32, the blocks in their gather dtype (--fsdp2-gather).
+    Gradients: none (the reduce-scatters make them, one unit at a time, during backward) unless --grad-accum > 1,
+    where FSDP2 keeps every unit's unsharded gradient across the micro-steps (no sync but on the last), in fp32
+    (the reduce dtype).
     """
     last_unit, root = fsdp2_units(layout)
-    held = root + last_unit if layout.zero_stage == 3 else n_local
+    blocks = last_unit if layout.zero_stage == 3 else n_local - root
+    held = FP32_BYTES * root + fsdp2_block_gather_bytes(layout) * blocks
     grads = FP32_BYTES * n_local if layout.grad_accum > 1 else 0.0
     return held, grads
 
 
+def fsdp2_block_gather_bytes(layout: RunLayout) -> int:
+    """Bytes per element of the blocks' gathered weights under FSDP2 (--fsdp2-gather): 2 for bf16, else 4."""
+    dtype = layout.fsdp2_gather_dtype
+    return dtype.itemsize if dtype is not None else FP32_BYTES
+
+
 def fsdp2_communication(layout: RunLayout, ops: list[CommOp]) -> list[CommOp]:
-    """perf_model's ZeRO DP collectives replaced by FSDP2's (fp32): each unit gathered before its forward on every
-    micro-step and, at stage 3, again before its backward (not the root: FSDP2 keeps it gathered); the gradients
-    reduce-scattered once a step (set_requires_gradient_sync(False) on the other micro-steps)."""
+    """perf_model's ZeRO DP collectives replaced by FSDP2's: each unit gathered (the root in fp32, the blocks in
+    their gather dtype) before its forward on every micro-step and, at stage 3, again before its backward (not the
+    root: FSDP2 keeps it gathered); the gradients reduce-scattered in fp32 once a step
+    (set_requires_gradient_sync(False) on the other micro-steps)."""
     n, root, m, dp = local_params(layout), local_root_params(layout), layout.grad_accum, layout.dp_size
+    blocks = (n - root) * fsdp2_block_gather_bytes(layout)
     ops = [op for op in ops if op.group != "dp"]
     if dp > 1:
-        ops.append(CommOp("FSDP2 param all-gather (fwd)", "dp", "all_gather", dp, n * FP32_BYTES, m))
+        ops.append(CommOp("FSDP2 param all-gather (fwd)", "dp", "all_gather", dp, root * FP32_BYTES + blocks, m))
         if layout.zero_stage == 3:
-            ops.append(CommOp("FSDP2 param all-gather (bwd)", "dp", "all_gather", dp, (n - root) * FP32_BYTES, m))
+            ops.append(CommOp("FSDP2 param all-gather (bwd)", "dp", "all_gather", dp, blocks, m))
         ops.append(CommOp("FSDP2 grad reduce-scatter", "dp", "reduce_scatter", dp, n * FP32_BYTES, 1))
     return ops
 

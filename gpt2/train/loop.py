@@ -306,9 +306,11 @@ def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, m
         "fused_kernels": t.fused_kernels, "whole_mlp_op": whole_mlp_op, "attn": t.attn,
         "attn_backend": attention.backend if attention else None,
         "attn_choice": attention.describe() if attention else None, "compile": layout.compile_scope,
-        # the launch code of torch.compile's graphs (--compile-wrapper as resolved) and FSDP2's unit: how, not what
+        # the launch code of torch.compile's graphs (--compile-wrapper as resolved), FSDP2's unit and the dtype its
+        # blocks are gathered in (--fsdp2-gather as resolved)
         "compile_wrapper": layout.compile_wrapper,
         "fsdp2_unit_blocks": layout.fsdp2_unit_blocks if layout.fsdp2 else None,
+        "fsdp2_gather": layout.fsdp2_gather,
         "activation_checkpointing": t.activation_checkpointing, "device": _device_name(ctx),
         "host_cpu": host_cpu(),
         "peak_tflops_per_gpu": peak, "flops_per_token": meter.flops_per_token,

@@ -73,7 +73,7 @@ def test_fsdp2_matches_single(single_reference: ReferenceRun, runs: Path) -> Non
     assert s["val_loss"] is not None
     assert_comm_log_is_the_plan(s)
     console = (runs / "fsdp2" / "console.log").read_text()
-    assert "FSDP2: 3 units (2 groups of at most 1 transformer blocks + embeddings/head) sharded over the " \
+    assert "FSDP2: 3 units (transformer blocks in units of at most 1, + embeddings/head) sharded over the " \
            "data-parallel group of 2" in console
 
 
@@ -137,10 +137,11 @@ def test_fsdp2_zero2_and_compile_match_single(single_reference: ReferenceRun, tm
     s = summary(tmp_path / name)
     assert_comm_log_is_the_plan(s)
     assert (s["fsdp2_unit_blocks"], s["compile_wrapper"]) == (2, "python" if "--compile" in flags else None)
+    assert s["fsdp2_gather"] == "fp32"  # CPU runs are fp32
     reshard = "reshard_after_forward=False: ZeRO-2" if "--zero-stage" in flags else "reshard_after_forward=True: ZeRO-3"
     console = (tmp_path / name / "console.log").read_text()
     assert reshard in console
-    assert "FSDP2: 2 units (1 groups of at most 2 transformer blocks + embeddings/head)" in console  # the default
+    assert "FSDP2: 2 units (transformer blocks in units of at most 2, + embeddings/head)" in console  # the default
 
 
 def test_fsdp2_under_the_deepspeed_launcher_matches_single(single_reference: ReferenceRun, tmp_path: Path) -> None:

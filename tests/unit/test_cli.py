@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import gpt2.config.cli
 import train
@@ -95,8 +96,10 @@ def test_every_float_flag_must_be_finite(value: str, capsys: pytest.CaptureFixtu
          "--compiler deepcompile: DeepSpeed settings, which --zero-engine fsdp2 does not read"),
         (["--mode", "hybrid", "--zero-engine", "fsdp2", "--zero3-fetch", "block", "--zero-precision", "autocast"],
          "--zero3-fetch / --zero-precision: DeepSpeed settings, which --zero-engine fsdp2 does not read; drop them"),
-        (["--mode", "hybrid", "--fsdp2-unit-blocks", "2"], "--fsdp2-unit-blocks sizes FSDP2's units; add --mode "
+        (["--mode", "hybrid", "--fsdp2-unit-blocks", "2"], "--fsdp2-unit-blocks: FSDP2 settings; add --mode "
                                                              "hybrid --zero-engine fsdp2 or drop it"),
+        (["--mode", "hybrid", "--fsdp2-unit-blocks", "2", "--fsdp2-gather", "fp32"],
+         "--fsdp2-unit-blocks / --fsdp2-gather: FSDP2 settings; add --mode hybrid --zero-engine fsdp2 or drop them"),
         (["--mode", "hybrid", "--zero-engine", "fsdp2", "--model", "gpt2", "--fsdp2-unit-blocks", "13"],
          "--fsdp2-unit-blocks 13 is more blocks than the model's 12; use 1 to 12"),
         (["--plan", "--search", "--busbw-gbs", "1", "2", "3"], "--busbw-gbs takes one or two values"),
@@ -237,6 +240,22 @@ def test_the_fsdp2_unit_is_capped_at_the_model_depth() -> None:
     assert RunLayout.resolve(parse_args(fsdp2 + ["--model", "gpt2-tiny"]), 2, "cpu").fsdp2_unit_blocks == 2
     assert RunLayout.resolve(parse_args(fsdp2 + ["--model", "gpt2", "--fsdp2-unit-blocks", "3"]), 2,
                              "cpu").fsdp2_unit_blocks == 3
+
+
+@pytest.mark.parametrize("flags, device, gathered", [
+    ([], "cuda", torch.bfloat16),  # auto: bf16 for a bf16 run without fused kernels
+    (["--tp-size", "2"], "cuda", torch.bfloat16),
+    (["--fused-kernels", "triton"], "cuda", None),  # auto: not measured with fused kernels
+    (["--fused-kernels", "triton", "--fsdp2-gather", "bf16"], "cuda", torch.bfloat16),
+    (["--fsdp2-gather", "fp32"], "cuda", None),
+    (["--precision", "fp32"], "cuda", None),  # nothing to round to
+    (["--fsdp2-gather", "bf16"], "cpu", None),  # CPU runs are fp32
+])
+def test_fsdp2_gathers_bf16_where_it_was_measured_unless_asked(flags: list[str], device: str,
+                                                               gathered: torch.dtype | None) -> None:
+    argv = ["--mode", "hybrid", "--zero-engine", "fsdp2", *flags]
+    assert RunLayout.resolve(parse_args(argv), world_size=2, device=device).fsdp2_gather_dtype is gathered
+    assert RunLayout.resolve(parse_args(["--mode", "hybrid"]), 2, "cuda").fsdp2_gather_dtype is None  # DeepSpeed
 
 
 def test_global_batch_must_divide() -> None:

@@ -64,7 +64,8 @@ def test_peak_within_15_percent_of_h200_measurement(flags, measured):
     assert abs(predicted - measured) / measured < 0.15, (predicted, measured)
 
 
-FSDP2 = ["--mode", "hybrid", "--zero-engine", "fsdp2", "--compile"]  # units of 4 blocks unless said
+# units of 4 blocks unless said; gathered in fp32, as these were measured
+FSDP2 = ["--mode", "hybrid", "--zero-engine", "fsdp2", "--compile", "--fsdp2-gather", "fp32"]
 MEASURED_FSDP2 = [  # (flags, world size, measured peak allocated GiB), H200s, torch 2.11
     # benchmarks/results/memory/h200x2-2026-11-27 (benchmarks.memory_phases, backward peak)
     ([*FSDP2, "--batch-size", "8"], 2, 19.32),
@@ -119,12 +120,12 @@ def test_zero3_autocast_terms_by_hand():
 def test_fsdp2_terms_by_hand():
     """FSDP2 (--zero-engine fsdp2) holds ZeRO-3's sharded weights and optimizer states at both stages, and no
     gradient when backward starts (its reduce-scatters make the shards, counted at the optimizer step); it gathers
-    and reduces in fp32; when backward starts its stage 3 holds the root unit and the last block unit
-    (--fsdp2-unit-blocks blocks, default 4) gathered, its stage 2 the whole model."""
+    (--fsdp2-gather fp32) and reduces in fp32; when backward starts its stage 3 holds the root unit and the last
+    block unit (--fsdp2-unit-blocks blocks, default 4) gathered, its stage 2 the whole model."""
     from gpt2.planning.perf_model import local_block_params
     from gpt2.planning.planner import CUBLAS_WORKSPACE_BYTES, fsdp2_units, make_plan
 
-    fsdp2 = LARGE + ["--mode", "hybrid", "--zero-engine", "fsdp2"]
+    fsdp2 = LARGE + ["--mode", "hybrid", "--zero-engine", "fsdp2", "--fsdp2-gather", "fp32"]
     z3 = planned(fsdp2)
     z2 = planned(fsdp2 + ["--zero-stage", "2", "--grad-accum", "2"])
     last_unit, root = fsdp2_units(z3)
@@ -150,6 +151,27 @@ def test_fsdp2_terms_by_hand():
     ops2 = {op.name: op for op in predict_communication(z2) if op.group == "dp"}
     assert "FSDP2 param all-gather (bwd)" not in ops2 and ops2["FSDP2 param all-gather (fwd)"].calls == 2
     assert ops2["FSDP2 grad reduce-scatter"].calls == 1  # once a step: no sync on the first micro-step
+
+
+def test_fsdp2_bf16_gather_terms_by_hand():
+    """--fsdp2-gather bf16 (auto's choice on GPUs): the blocks' gathered weights are 2 B and are what their matmuls
+    save (no autocast copies); the root stays fp32 with autocast's copy; gradients still reduce in fp32."""
+    from gpt2.planning.planner import fsdp2_units
+
+    fsdp2 = LARGE + ["--mode", "hybrid", "--zero-engine", "fsdp2"]
+    bf16, fp32 = planned(fsdp2), planned(fsdp2 + ["--fsdp2-gather", "fp32"])
+    last_unit, root = fsdp2_units(bf16)
+    m, m32 = predict_memory(bf16), predict_memory(fp32)
+    assert (m.params, m.grads, m.optimizer, m.activations, m.step_transient) == (
+        m32.params, m32.grads, m32.optimizer, m32.activations, m32.step_transient)
+    assert m.weight_copies == 2 * root + 4 * root + 2 * last_unit
+    assert predict_memory(planned(fsdp2 + ["--zero-stage", "2"])).weight_copies == 2 * root + 4 * root + 2 * (
+        N_LARGE - root)  # every block unit held in bf16 from its forward to its backward
+    ops = {op.name: op for op in predict_communication(bf16) if op.group == "dp"}
+    ops32 = {op.name: op for op in predict_communication(fp32) if op.group == "dp"}
+    assert ops["FSDP2 param all-gather (fwd)"].message_bytes == 4 * root + 2 * (N_LARGE - root)
+    assert ops["FSDP2 param all-gather (bwd)"].message_bytes == 2 * (N_LARGE - root)
+    assert ops["FSDP2 grad reduce-scatter"] == ops32["FSDP2 grad reduce-scatter"]  # fp32
 
 
 def test_zero3_deepspeed_16bit_terms_by_hand():
