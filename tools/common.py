@@ -183,6 +183,41 @@ def _group_alive(group: int) -> bool:
     return False
 
 
+def _tree_groups(leader: int) -> set[int]:
+    """The process groups of `leader` and of every process descended from it, read from /proc while they run:
+    torchrun starts each worker in a session of its own, which a signal to the launch's group does not reach."""
+    children: dict[int, list[int]] = {}
+    group_of: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            _state, ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            pid = int(stat.parent.name)
+            children.setdefault(int(ppid), []).append(pid)
+            group_of[pid] = int(pgrp)
+    groups, todo = {leader}, [leader]
+    while todo:
+        pid = todo.pop()
+        groups.add(group_of.get(pid, leader))
+        todo += children.get(pid, [])
+    return groups
+
+
+def end_launches(leaders: list[int]) -> None:
+    """End launches and everything they started: SIGTERM to every process group of their trees (train.py stops at
+    its next step), SIGKILL to whatever runs after STOP_GRACE_S, then wait (a few seconds at most) until nothing
+    does. Signalling the launch's own group only once left torchrun's workers behind: a rank stuck in a collective
+    (it catches SIGTERM to save at a step boundary it never reached) outlived its torchrun and held its GPU's memory,
+    and every later run of that 4-GPU call ran out of memory."""
+    groups = set().union(*(_tree_groups(leader) for leader in leaders)) - {os.getpgrp()}  # never the tool's own
+    for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 10.0)):
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, sig)
+        deadline = time.monotonic() + wait_s
+        while any(_group_alive(g) for g in groups) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
 def stop_launches_on_signal() -> None:
     """From the tool's main thread: on SIGTERM or SIGINT (`timeout`, Slurm's time limit, Ctrl-C) start no more
     launches (a parity tool's queued rows), end every running launch's process group (SIGTERM, then SIGKILL after
@@ -190,16 +225,7 @@ def stop_launches_on_signal() -> None:
     parity run, orphaned by `timeout`, trained on beside the next tool's timed runs."""
     def stop(signum: int, _frame: object) -> None:
         _STOPPING.set()
-        groups = list(_RUNNING_GROUPS)
-        for group in groups:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(group, signal.SIGTERM)  # torchrun passes it on to its workers
-        deadline = time.monotonic() + STOP_GRACE_S
-        while any(_group_alive(g) for g in groups) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        for group in groups:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(group, signal.SIGKILL)
+        end_launches(list(_RUNNING_GROUPS))
         raise SystemExit(128 + signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -226,12 +252,8 @@ def launch(cmd: list[str], log_path: Path, timeout: float,
         try:
             rc: int | None = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)  # torchrun and its workers
-            try:
-                proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            end_launches([proc.pid])  # torchrun and its workers
+            proc.wait()
             rc = None
         finally:
             _RUNNING_GROUPS.discard(proc.pid)

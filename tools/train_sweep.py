@@ -145,11 +145,10 @@ class RunResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-def command(args: argparse.Namespace, mode: str, fused: str, batch: int, name: str) -> list[str]:
+def run_args(args: argparse.Namespace, mode: str, fused: str, batch: int, name: str) -> list[str]:
+    """The arguments of one run (train.py's, or the reference module's), without the launcher."""
     m = MODES[mode]
-    target = ["-m", m.module] if m.module else [str(ROOT / "train.py")]
-    cmd = [*torchrun(args.gpus), *target,
-           *m.flags, "--model", args.model, "--seq-len", str(args.seq_len), "--batch-size", str(batch),
+    cmd = [*m.flags, "--model", args.model, "--seq-len", str(args.seq_len), "--batch-size", str(batch),
            "--max-steps", str(args.steps), "--throughput-warmup-steps", str(args.warmup),
            "--log-interval", str(args.log_interval), "--precision", args.precision,
            "--out-dir", str(Path(args.out).resolve() / "runs"), "--run-name", name,
@@ -161,6 +160,28 @@ def command(args: argparse.Namespace, mode: str, fused: str, batch: int, name: s
     if not m.module:
         cmd += ["--fused-kernels", fused, "--data", args.data, "--eval-batches", "2", *shlex.split(args.extra_args)]
     return cmd
+
+
+def command(args: argparse.Namespace, mode: str, fused: str, batch: int, name: str) -> list[str]:
+    m = MODES[mode]
+    target = ["-m", m.module] if m.module else [str(ROOT / "train.py")]
+    return [*torchrun(args.gpus), *target, *run_args(args, mode, fused, batch, name)]
+
+
+def planned_peak_gib(args: argparse.Namespace, mode: str, fused: str, batch: int) -> tuple[float, float] | None:
+    """(the planner's peak GiB per GPU, the GPU's usable GiB) of a train.py run on this host's GPUs, the numbers
+    train.py's plan prints; None for the reference modes (not train.py) and without a GPU."""
+    import torch
+
+    from gpt2.config.cli import parse_args
+    from gpt2.config.layout import RunLayout
+    from gpt2.planning.planner import GIB, device_memory_gib, make_plan
+
+    if MODES[mode].module or not torch.cuda.is_available() or args.device == "cpu":
+        return None
+    layout = RunLayout.resolve(parse_args(run_args(args, mode, fused, batch, "plan")), args.gpus, "cuda")
+    plan = make_plan(layout, device_memory_gib(None))
+    return plan.memory.peak / GIB, plan.usable_gib
 
 
 def run_name(mode: str, fused: str, batch: int) -> str:
@@ -223,6 +244,11 @@ class Sweep:
         ran_out = [r.batch for r in same if r.status == "oom"]
         for batch in sorted(self.args.max_batches, reverse=True):
             if ran_out and batch >= min(ran_out):
+                continue
+            planned = planned_peak_gib(self.args, mode, fused, batch)
+            if planned is not None and planned[0] > planned[1]:  # an OOM with TP collectives can hang, not fail
+                print(f"{run_name(mode, fused, batch)}: skipped, the planner's peak {planned[0]:.1f} GiB does not "
+                      f"fit in {planned[1]:.1f} GiB", flush=True)
                 continue
             done = next((r for r in same if r.batch == batch and r.status == "ok"), None)
             if done is not None:  # already measured as a fixed size: it is also the largest that fits

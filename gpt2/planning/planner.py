@@ -424,8 +424,13 @@ class Plan:
     headroom: float = 0.05  # CUDA context + allocator fragmentation outside `allocated`, as a fraction
 
     @property
+    def usable_gib(self) -> float:
+        """The GPU memory a run's allocations may take: all of it but the headroom."""
+        return self.gpu_memory_gib * (1 - self.headroom)
+
+    @property
     def fits(self) -> bool:
-        return self.memory.peak / GIB <= self.gpu_memory_gib * (1 - self.headroom)
+        return self.memory.peak / GIB <= self.usable_gib
 
     @property
     def checkpoint_bytes(self) -> float:
