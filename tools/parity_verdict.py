@@ -136,6 +136,8 @@ def config_key(config: dict[str, Any], world_size: int) -> str:
         key += f" fetch={p['zero3_fetch']}"
     if t["mode"] == "hybrid" and not fsdp2:  # configs from before --zero-precision ran DeepSpeed's 16-bit model
         key += f" zprec={p.get('zero_precision', 'deepspeed')}"
+    if fsdp2:  # --fsdp2-gather as given (auto resolves from the fields above); runs before it gathered fp32
+        key += f" gather={p.get('fsdp2_gather', 'fp32')}"
     return key
 
 

@@ -362,6 +362,11 @@ def test_config_key_names_the_code_path():
     assert config_key(_config(["--mode", "baseline", "--tp-size", "2", "--sequence-parallel",
                                "--fused-kernels", "triton", "--activation-checkpointing"]), 2) == (
         "gpt2-large ddp-tp2-sp w2 kernels=triton attn=sdpa compile=off ckpt=on bf16")
+    # FSDP2: the gather dtype as asked for; a config from before --fsdp2-gather gathered fp32
+    fsdp2 = _config(["--mode", "hybrid", "--zero-engine", "fsdp2", "--compile"])
+    assert config_key(fsdp2, 4) == "gpt2-large fsdp2 w4 kernels=none attn=sdpa compile=blocks ckpt=off bf16 gather=auto"
+    del fsdp2["parallel"]["fsdp2_gather"]
+    assert config_key(fsdp2, 4).endswith(" gather=fp32")
     # batch, accumulation and learning rate do not change the code path
     assert config_key(_config(["--batch-size", "2", "--grad-accum", "4", "--lr", "1e-3"]), 1) == config_key(
         _config([]), 1)
