@@ -75,6 +75,8 @@ MEASURED_FSDP2 = [  # (flags, world size, measured peak allocated GiB), H200s, t
     ([*FSDP2, "--fsdp2-unit-blocks", "1", "--batch-size", "8"], 4, 16.9),
     ([*FSDP2, "--fsdp2-unit-blocks", "1", "--tp-size", "2", "--batch-size", "8"], 4, 12.9),
     ([*FSDP2, "--fsdp2-unit-blocks", "1", "--tp-size", "2", "--batch-size", "48"], 4, 61.8),
+    # the blocks gathered in bf16 (--fsdp2-gather auto on GPUs): call g1, 4 x H200
+    (["--mode", "hybrid", "--zero-engine", "fsdp2", "--compile", "--batch-size", "8"], 4, 15.67),
 ]
 
 
