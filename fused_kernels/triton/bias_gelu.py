@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import torch
 import triton
-from torch.library import wrap_triton
 
 from fused_kernels.custom_ops import bias_gelu_ops, opaque_requested
 from fused_kernels.triton.gelu import bias_gelu_bwd_kernel, bias_gelu_fwd_kernel
-from fused_kernels.triton.runtime import is_interpreted
+from fused_kernels.triton.runtime import is_interpreted, wrap_triton
 
 TILE = 4096  # elements per program on a GPU: 16 per thread with 8 warps
 INTERPRET_TILE = 1 << 14  # the CPU interpreter pays per program and per op, not per element

@@ -18,10 +18,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from fused_kernels.custom_ops import kernel_op, opaque_requested
-from fused_kernels.triton.runtime import is_interpreted
+from fused_kernels.triton.runtime import is_interpreted, wrap_triton
 
 
 @triton.jit

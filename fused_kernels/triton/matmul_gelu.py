@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from fused_kernels.custom_ops import kernel_op, opaque_requested
 from fused_kernels.triton.bias_gelu import bias_gelu_backward_op
 from fused_kernels.triton.gelu import gelu_fwd
+from fused_kernels.triton.runtime import wrap_triton
 
 INTERPRETING = triton.knobs.runtime.interpret  # read when the kernels below are decorated
 
