@@ -210,7 +210,7 @@ def end_launches(leaders: list[int]) -> None:
     and every later run of that 4-GPU call ran out of memory."""
     groups = set().union(*(_tree_groups(leader) for leader in leaders)) - {os.getpgrp()}  # never the tool's own
     for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 10.0)):
-        for group in groups:
+        for group in [g for g in groups if _group_alive(g)]:  # an ended group's id may be reused meanwhile
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(group, sig)
         deadline = time.monotonic() + wait_s

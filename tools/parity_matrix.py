@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from gpt2.config.cli import build_parser, parse_args
-from gpt2.config.layout import check_deepcompile_runs_here
-from gpt2.config.schema import ConfigError
+from gpt2.config.layout import RunLayout, check_deepcompile_runs_here
+from gpt2.config.schema import ConfigError, RunConfig
 from gpt2.engines.build import check_backends
 from parallel.dims import dp_size_of, tp_divides_world
 from tools.common import ROOT, torchrun
@@ -121,6 +121,15 @@ class Job:
         return [*launcher, *self.argv, "--run-name", run_name]
 
 
+def resolved_fsdp2_gather(cfg: RunConfig, world: int, device: str) -> str | None:
+    """--fsdp2-gather as the run will resolve it on `device` (RunLayout.fsdp2_gather); None where the layout itself
+    is refused (the row is skipped below for that) or the run is not FSDP2's."""
+    try:
+        return RunLayout.resolve(cfg, world, torch.device(device).type).fsdp2_gather
+    except ConfigError:
+        return None
+
+
 def plan(row: Row, model: str, common: list[str], batch: int, eval_batches: int, device: str,
          micro_batch: int | None = None) -> Job:
     """The row's flags for `model` with the global batch `batch` split over dp x grad-accum, or a skip reason.
@@ -134,7 +143,7 @@ def plan(row: Row, model: str, common: list[str], batch: int, eval_batches: int,
     except ConfigError as err:
         return Job(row, model, skip=str(err))
     world, tp, accum = row.nproc or 1, cfg.parallel.tp_size, cfg.train.grad_accum
-    key = config_key(cfg.to_dict(), world)
+    key = config_key(cfg.to_dict(), world, resolved_fsdp2_gather(cfg, world, device))
     try:
         check_backends(cfg)
         if cfg.train.compile and cfg.train.compiler == "deepcompile":

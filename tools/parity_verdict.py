@@ -118,13 +118,15 @@ def worst(verdicts: list[str]) -> str:
 # configuration keys: a throughput run meets the parity row of its configuration
 
 
-def config_key(config: dict[str, Any], world_size: int) -> str:
+def config_key(config: dict[str, Any], world_size: int, fsdp2_gather: str | None = None) -> str:
     """The code path a run takes, from its config.json (= RunConfig.to_dict()) and world size, e.g.
     `gpt2-large zero3-tp2-sp w4 kernels=triton attn=sdpa compile=blocks ckpt=off bf16 fetch=block zprec=autocast`.
 
     Batch size, accumulation, step counts and learning rate are left out: a parity run checks the code path at its
     own (small) batch, a throughput run measures it at its own. The precision is --precision as given (a CPU run
-    computes in fp32 whatever it says)."""
+    computes in fp32 whatever it says). `fsdp2_gather`: FSDP2's gather dtype as the run resolved it (its summary's
+    `fsdp2_gather`; `auto` follows rules that may change); without it, --fsdp2-gather as given, and fp32 for configs
+    from before that flag."""
     t, p = config["train"], config["parallel"]
     label = run_label(t["mode"], p["zero_stage"], p["tp_size"], p["sequence_parallel"],
                       p.get("zero_engine", "deepspeed"))
@@ -136,8 +138,8 @@ def config_key(config: dict[str, Any], world_size: int) -> str:
         key += f" fetch={p['zero3_fetch']}"
     if t["mode"] == "hybrid" and not fsdp2:  # configs from before --zero-precision ran DeepSpeed's 16-bit model
         key += f" zprec={p.get('zero_precision', 'deepspeed')}"
-    if fsdp2:  # --fsdp2-gather as given (auto resolves from the fields above); runs before it gathered fp32
-        key += f" gather={p.get('fsdp2_gather', 'fp32')}"
+    if fsdp2:
+        key += f" gather={fsdp2_gather or p.get('fsdp2_gather', 'fp32')}"
     return key
 
 
@@ -160,7 +162,8 @@ def run_key(run_dir: Path) -> str | None:
     config_path, summary_path = run_dir / "config.json", run_dir / "summary.json"
     if not (config_path.is_file() and summary_path.is_file()):
         return None
-    return config_key(json.loads(config_path.read_text()), json.loads(summary_path.read_text())["world_size"])
+    summary = json.loads(summary_path.read_text())
+    return config_key(json.loads(config_path.read_text()), summary["world_size"], summary.get("fsdp2_gather"))
 
 
 def verdict_of(run_dir: Path, verdicts: dict[str, str]) -> str:

@@ -12,7 +12,9 @@ fsdp2`, without and with TP 2), and the reference rows hf-ddp / hf-zero3
 (`tools.hf_reference`: Hugging Face GPT-2 as users run it). Each of our modes runs with every `--fused`
 backend; the HF rows have no fused kernels. `--batches` takes micro-batch sizes per GPU and `max`: the largest
 of `--max-batches` (tried in descending order) that completes without running out of CUDA memory; sizes at or
-above one that already ran out are not tried.
+above one that already ran out are not tried, nor, on a GPU host, train.py sizes whose planned peak (train.py's
+plan) does not fit in the GPU's memory (printed as skipped; an OOM under TP collectives can hang until the run's
+timeout instead of failing).
 
 Every run: `python -m torch.distributed.run --standalone --nproc_per_node=N train.py ...` (or `-m
 tools.hf_reference`), `--max-steps` steps of which the first `--warmup` are excluded from tokens/s and
@@ -170,16 +172,21 @@ def command(args: argparse.Namespace, mode: str, fused: str, batch: int, name: s
 
 def planned_peak_gib(args: argparse.Namespace, mode: str, fused: str, batch: int) -> tuple[float, float] | None:
     """(the planner's peak GiB per GPU, the GPU's usable GiB) of a train.py run on this host's GPUs, the numbers
-    train.py's plan prints; None for the reference modes (not train.py) and without a GPU."""
+    train.py's plan prints; None for the reference modes (not train.py), without a GPU, and for flags train.py
+    refuses (the run is launched and fails with train.py's own message, as a row of the sweep)."""
     import torch
 
     from gpt2.config.cli import parse_args
     from gpt2.config.layout import RunLayout
+    from gpt2.config.schema import ConfigError
     from gpt2.planning.planner import GIB, device_memory_gib, make_plan
 
     if MODES[mode].module or not torch.cuda.is_available() or args.device == "cpu":
         return None
-    layout = RunLayout.resolve(parse_args(run_args(args, mode, fused, batch, "plan")), args.gpus, "cuda")
+    try:
+        layout = RunLayout.resolve(parse_args(run_args(args, mode, fused, batch, "plan")), args.gpus, "cuda")
+    except (ConfigError, SystemExit):  # SystemExit: argparse's own refusals
+        return None
     plan = make_plan(layout, device_memory_gib(None))
     return plan.memory.peak / GIB, plan.usable_gib
 
@@ -245,15 +252,15 @@ class Sweep:
         for batch in sorted(self.args.max_batches, reverse=True):
             if ran_out and batch >= min(ran_out):
                 continue
+            done = next((r for r in same if r.batch == batch and r.status == "ok"), None)
+            if done is not None:  # already measured as a fixed size: it is also the largest that fits
+                self.results.append(RunResult(**{**done.__dict__, "batch_choice": "max"}))
+                return
             planned = planned_peak_gib(self.args, mode, fused, batch)
             if planned is not None and planned[0] > planned[1]:  # an OOM with TP collectives can hang, not fail
                 print(f"{run_name(mode, fused, batch)}: skipped, the planner's peak {planned[0]:.1f} GiB does not "
                       f"fit in {planned[1]:.1f} GiB", flush=True)
                 continue
-            done = next((r for r in same if r.batch == batch and r.status == "ok"), None)
-            if done is not None:  # already measured as a fixed size: it is also the largest that fits
-                self.results.append(RunResult(**{**done.__dict__, "batch_choice": "max"}))
-                return
             result = self.run(mode, fused, batch, "max")
             if result.status != "oom":
                 return

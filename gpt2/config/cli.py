@@ -169,8 +169,9 @@ def check_zero_engine(args: argparse.Namespace) -> None:
         fsdp2_only = [flag for flag, value in (("--fsdp2-unit-blocks", args.fsdp2_unit_blocks),
                                                ("--fsdp2-gather", args.fsdp2_gather)) if value is not None]
         if fsdp2_only:
-            raise ConfigError(f"{' / '.join(fsdp2_only)}: FSDP2 settings; add --mode hybrid --zero-engine fsdp2 or "
-                              f"drop {'it' if len(fsdp2_only) == 1 else 'them'}")
+            one = len(fsdp2_only) == 1
+            raise ConfigError(f"{' / '.join(fsdp2_only)}: {'an FSDP2 setting' if one else 'FSDP2 settings'}; add "
+                              f"--mode hybrid --zero-engine fsdp2 or drop {'it' if one else 'them'}")
         return
     if args.mode != "hybrid":
         raise ConfigError(f"--zero-engine fsdp2 picks who shards under --mode hybrid; --mode {args.mode} shards "

@@ -263,8 +263,9 @@ class RunLayout:
     def fsdp2_gather(self) -> str | None:
         """The dtype FSDP2 all-gathers the transformer blocks' weights in, --fsdp2-gather resolved: "bf16" or "fp32";
         None unless --zero-engine fsdp2. bf16 hands every Linear the values autocast would cast its fp32 weight to
-        (the matmuls are unchanged) and rounds the LayerNorm scales and biases to bf16 (LayerNorm still computes in
-        fp32: the one difference from single's recipe); half the all-gather bytes and no autocast weight copies.
+        (the matmuls are unchanged) and rounds the blocks' LayerNorm scales and biases and their gradients to bf16
+        (LayerNorm still computes in fp32; under TP the row-parallel bias is added in bf16): the differences from
+        single's recipe, within the GPU parity gate; half the all-gather bytes and no autocast weight copies.
         `auto` picks it for bf16 runs without fused kernels (the configurations the GPU parity gate covered with
         it, benchmarks/results/multi_gpu); fp32 runs (every CPU run) gather fp32."""
         if not self.fsdp2:

@@ -172,9 +172,10 @@ class ParallelConfig:
     # the dtype FSDP2 gathers the blocks' weights in (gpt2.config.layout.RunLayout.fsdp2_gather_dtype resolves auto)
     fsdp2_gather: Literal["auto", "bf16", "fp32"] = option(
         "auto", "--zero-engine fsdp2: the dtype the transformer blocks' weights are all-gathered in: bf16 = the "
-                "values autocast hands the matmuls (half the bytes; LayerNorm scales and biases rounded to bf16 too), "
-                "fp32 = single's recipe to the bit; the embeddings/head always fp32, gradients reduced in fp32; auto "
-                "= bf16 for bf16 runs without --fused-kernels (where it passed the parity gate on GPUs)", PARALLEL,
+                "values autocast hands the matmuls (half the bytes; LayerNorm scales, biases and their gradients "
+                "rounded to bf16), fp32 = single's recipe to the bit; the embeddings/head always fp32, gradients "
+                "reduced in fp32; auto = bf16 for bf16 runs without --fused-kernels (where it passed the parity gate "
+                "on GPUs)", PARALLEL,
         given_only=True)
     zero3_fetch: Literal["block", "module"] = option(
         "block", "hybrid mode, ZeRO-3: the parameter gather unit: block = each transformer block is a DeepSpeed leaf "

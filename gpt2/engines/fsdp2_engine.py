@@ -37,13 +37,14 @@ reduce-scattered in fp32 and averaged over the DP group (FSDP2 divides by its si
 - bf16 (auto's choice for bf16 runs without fused kernels): the block units gather their weights in bf16
   (`param_dtype=bf16`), which is what autocast would cast each Linear weight and bias to before its matmul, so the
   matmuls see the same values, with half the all-gather bytes and no autocast weight copies; the LayerNorm scales
-  and biases are rounded to bf16 too (LayerNorm still computes in fp32: autocast upcasts them), the one difference
-  from single's function, within the parity gate (benchmarks/results/multi_gpu). Inputs are not cast
+  and biases are rounded to bf16 too (LayerNorm still computes in fp32: autocast upcasts them), and so are their
+  gradients; under TP, RowParallelLinear adds its bias in bf16. Those are the differences from single's function,
+  within the parity gate (benchmarks/results/multi_gpu). Inputs are not cast
   (`cast_forward_inputs=False`): the residual stream stays fp32, as under autocast. The root (embeddings, tied
   head, final LayerNorm) gathers fp32: the embedding output is the residual stream. Gradients come out of the
-  blocks in bf16 (autocast's matmul gradients are bf16 before their cast to fp32 anyway) and are cast to fp32
-  before the reduce-scatter. DeepSpeed's torch_autocast does likewise for Linear weights and also reduces their
-  gradients in 16 bits.
+  blocks in bf16 (for the Linears no change: autocast's matmul gradients are bf16 before their cast to fp32) and
+  are cast to fp32 before the reduce-scatter. DeepSpeed's torch_autocast does likewise for Linear weights and also
+  reduces their gradients in 16 bits.
 - fp32: every unit gathers fp32 and autocast casts in each forward: single's function to the bit.
 A bf16 policy on the root too would cast the residual stream to bf16: another function, as DeepSpeed's own 16-bit
 model is (--zero-precision deepspeed), so it is not offered.

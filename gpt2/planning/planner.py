@@ -270,10 +270,12 @@ def predict_memory(layout: RunLayout) -> MemoryPlan:
     n_local = local_params(layout)
     copies = 0.0
     if num.autocast_copies:
-        # FSDP2 gathering the blocks in bf16: autocast casts (and copies) only the root's weights
-        n_copied = local_root_params(layout) if layout.fsdp2_gather_dtype else n_local
-        if tc.activation_checkpointing:  # recomputation makes the copies again, one block at a time
+        if layout.fsdp2_gather_dtype:  # FSDP2 gathering the blocks in bf16: autocast copies only the root's weights
+            n_copied = local_root_params(layout)
+        elif tc.activation_checkpointing:  # recomputation makes the copies again, one block at a time
             n_copied = cfg.padded_vocab_size * d / t + (12 * d * d + 7 * d) / t
+        else:
+            n_copied = n_local
         copies = e * n_copied
     workspace = float(CUBLAS_WORKSPACE_BYTES)
     step_transient = 0.0

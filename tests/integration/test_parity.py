@@ -362,11 +362,18 @@ def test_config_key_names_the_code_path():
     assert config_key(_config(["--mode", "baseline", "--tp-size", "2", "--sequence-parallel",
                                "--fused-kernels", "triton", "--activation-checkpointing"]), 2) == (
         "gpt2-large ddp-tp2-sp w2 kernels=triton attn=sdpa compile=off ckpt=on bf16")
-    # FSDP2: the gather dtype as asked for; a config from before --fsdp2-gather gathered fp32
+    # FSDP2: the gather dtype the run resolved (summary.json; a parity row resolves it for its device); without it,
+    # as asked for, and fp32 for a config from before --fsdp2-gather
     fsdp2 = _config(["--mode", "hybrid", "--zero-engine", "fsdp2", "--compile"])
-    assert config_key(fsdp2, 4) == "gpt2-large fsdp2 w4 kernels=none attn=sdpa compile=blocks ckpt=off bf16 gather=auto"
+    assert config_key(fsdp2, 4, "bf16") == (
+        "gpt2-large fsdp2 w4 kernels=none attn=sdpa compile=blocks ckpt=off bf16 gather=bf16")
+    assert config_key(fsdp2, 4).endswith(" gather=auto")
     del fsdp2["parallel"]["fsdp2_gather"]
     assert config_key(fsdp2, 4).endswith(" gather=fp32")
+    row = Row("fsdp2-w4", ("--mode", "hybrid", "--zero-engine", "fsdp2", "--compile"), 4)
+    common = ["--model", "gpt2-large"]
+    assert plan(row, "gpt2-large", common, 32, 2, "cuda").key.endswith(" gather=bf16")  # auto on a GPU
+    assert plan(row, "gpt2-large", common, 32, 2, "cpu").key.endswith(" gather=fp32")  # CPU runs are fp32
     # batch, accumulation and learning rate do not change the code path
     assert config_key(_config(["--batch-size", "2", "--grad-accum", "4", "--lr", "1e-3"]), 1) == config_key(
         _config([]), 1)

@@ -96,7 +96,7 @@ def test_every_float_flag_must_be_finite(value: str, capsys: pytest.CaptureFixtu
          "--compiler deepcompile: DeepSpeed settings, which --zero-engine fsdp2 does not read"),
         (["--mode", "hybrid", "--zero-engine", "fsdp2", "--zero3-fetch", "block", "--zero-precision", "autocast"],
          "--zero3-fetch / --zero-precision: DeepSpeed settings, which --zero-engine fsdp2 does not read; drop them"),
-        (["--mode", "hybrid", "--fsdp2-unit-blocks", "2"], "--fsdp2-unit-blocks: FSDP2 settings; add --mode "
+        (["--mode", "hybrid", "--fsdp2-unit-blocks", "2"], "--fsdp2-unit-blocks: an FSDP2 setting; add --mode "
                                                              "hybrid --zero-engine fsdp2 or drop it"),
         (["--mode", "hybrid", "--fsdp2-unit-blocks", "2", "--fsdp2-gather", "fp32"],
          "--fsdp2-unit-blocks / --fsdp2-gather: FSDP2 settings; add --mode hybrid --zero-engine fsdp2 or drop them"),
@@ -255,7 +255,10 @@ def test_fsdp2_gathers_bf16_where_it_was_measured_unless_asked(flags: list[str],
                                                                gathered: torch.dtype | None) -> None:
     argv = ["--mode", "hybrid", "--zero-engine", "fsdp2", *flags]
     assert RunLayout.resolve(parse_args(argv), world_size=2, device=device).fsdp2_gather_dtype is gathered
-    assert RunLayout.resolve(parse_args(["--mode", "hybrid"]), 2, "cuda").fsdp2_gather_dtype is None  # DeepSpeed
+
+
+def test_only_fsdp2_has_a_gather_dtype() -> None:
+    assert RunLayout.resolve(parse_args(["--mode", "hybrid"]), 2, "cuda").fsdp2_gather is None  # DeepSpeed
 
 
 def test_global_batch_must_divide() -> None:

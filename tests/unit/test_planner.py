@@ -167,6 +167,8 @@ def test_fsdp2_bf16_gather_terms_by_hand():
     assert (m.params, m.grads, m.optimizer, m.activations, m.step_transient) == (
         m32.params, m32.grads, m32.optimizer, m32.activations, m32.step_transient)
     assert m.weight_copies == 2 * root + 4 * root + 2 * last_unit
+    # recomputation under activation checkpointing makes no block copies either
+    assert predict_memory(planned(fsdp2 + ["--activation-checkpointing"])).weight_copies == m.weight_copies
     assert predict_memory(planned(fsdp2 + ["--zero-stage", "2"])).weight_copies == 2 * root + 4 * root + 2 * (
         N_LARGE - root)  # every block unit held in bf16 from its forward to its backward
     ops = {op.name: op for op in predict_communication(bf16) if op.group == "dp"}

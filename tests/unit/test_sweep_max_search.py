@@ -39,3 +39,21 @@ def test_the_max_search_skips_sizes_the_planner_does_not_fit(tmp_path: Path, mon
     out = capsys.readouterr().out
     assert "baseline-none-b96: skipped, the planner's peak" in out and "does not fit in 75.2 GiB" in out
     assert "baseline-none-b64: skipped" in out
+
+
+def test_flags_train_py_refuses_do_not_stop_the_search(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An FSDP2-only flag in --extra-args makes train.py refuse the DDP row; the plan gives way to the run, which
+    fails as a row of its own, and the sweep goes on (an exception here ended the sweep)."""
+    tried: list[str] = []
+
+    def fake_launch(cmd: list[str], log_path: Path, timeout: float) -> tuple[int, float]:
+        tried.append(cmd[cmd.index("--run-name") + 1])
+        log_path.write_text("ConfigError: --fsdp2-gather: an FSDP2 setting\n")
+        return 2, 1.0
+
+    monkeypatch.setattr(train_sweep, "launch", fake_launch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpt2.planning.planner, "device_memory_gib", lambda requested: 79.2)
+    train_sweep.main(["--gpus", "4", "--modes", "baseline", "fsdp2", "--fused", "none", "--batches", "max",
+                      "--max-batches", "8", "--extra-args=--compile --fsdp2-gather fp32", "--out", str(tmp_path)])
+    assert tried == ["baseline-none-b8", "fsdp2-none-b8"]
