@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,14 +173,17 @@ _STOPPING = threading.Event()  # the tool was signalled: launch() starts nothing
 STOP_GRACE_S = 30.0  # a launch ended early gets this long after SIGTERM (train.py stops at its next step), then SIGKILL
 
 
-def _group_alive(group: int) -> bool:
-    """Some process of `group` is running (zombies, waiting for their parent to reap them, do not count)."""
+def _processes() -> Iterator[tuple[int, str, int, int]]:
+    """(pid, state, parent pid, process group) of every process, from /proc (one that ends while read is left out)."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, IndexError, ValueError):
-            state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
-            if state != "Z" and int(pgrp) == group:
-                return True
-    return False
+            state, ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            yield int(stat.parent.name), state, int(ppid), int(pgrp)
+
+
+def _live_groups() -> set[int]:
+    """The process groups with a running process (zombies, waiting for their parent to reap them, do not count)."""
+    return {pgrp for _pid, state, _ppid, pgrp in _processes() if state != "Z"}
 
 
 def _tree_groups(leader: int) -> set[int]:
@@ -188,12 +191,9 @@ def _tree_groups(leader: int) -> set[int]:
     torchrun starts each worker in a session of its own, which a signal to the launch's group does not reach."""
     children: dict[int, list[int]] = {}
     group_of: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            _state, ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
-            pid = int(stat.parent.name)
-            children.setdefault(int(ppid), []).append(pid)
-            group_of[pid] = int(pgrp)
+    for pid, _state, ppid, pgrp in _processes():
+        children.setdefault(ppid, []).append(pid)
+        group_of[pid] = pgrp
     groups, todo = {leader}, [leader]
     while todo:
         pid = todo.pop()
@@ -210,11 +210,11 @@ def end_launches(leaders: list[int]) -> None:
     and every later run of that 4-GPU call ran out of memory."""
     groups = set().union(*(_tree_groups(leader) for leader in leaders)) - {os.getpgrp()}  # never the tool's own
     for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 10.0)):
-        for group in [g for g in groups if _group_alive(g)]:  # an ended group's id may be reused meanwhile
+        for group in groups & _live_groups():  # an ended group's id may be reused meanwhile
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(group, sig)
         deadline = time.monotonic() + wait_s
-        while any(_group_alive(g) for g in groups) and time.monotonic() < deadline:
+        while groups & _live_groups() and time.monotonic() < deadline:
             time.sleep(0.1)
 
 

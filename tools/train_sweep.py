@@ -47,7 +47,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpt2.config.schema import PROFILED_STEPS
+import torch
+
+from gpt2.config.cli import parse_args as parse_train_args
+from gpt2.config.layout import RunLayout
+from gpt2.config.schema import PROFILED_STEPS, ConfigError
+from gpt2.planning import planner
 from tools import report
 from tools.common import (
     ROOT,
@@ -170,25 +175,17 @@ def command(args: argparse.Namespace, mode: str, fused: str, batch: int, name: s
     return [*torchrun(args.gpus), *target, *run_args(args, mode, fused, batch, name)]
 
 
-def planned_peak_gib(args: argparse.Namespace, mode: str, fused: str, batch: int) -> tuple[float, float] | None:
-    """(the planner's peak GiB per GPU, the GPU's usable GiB) of a train.py run on this host's GPUs, the numbers
-    train.py's plan prints; None for the reference modes (not train.py), without a GPU, and for flags train.py
-    refuses (the run is launched and fails with train.py's own message, as a row of the sweep)."""
-    import torch
-
-    from gpt2.config.cli import parse_args
-    from gpt2.config.layout import RunLayout
-    from gpt2.config.schema import ConfigError
-    from gpt2.planning.planner import GIB, device_memory_gib, make_plan
-
+def planned(args: argparse.Namespace, mode: str, fused: str, batch: int) -> planner.Plan | None:
+    """train.py's plan of a run on this host's GPUs (what its start-up prints); None for the reference modes (not
+    train.py), without a GPU, and for flags train.py refuses (the run is launched and fails with train.py's own
+    message, as a row of the sweep)."""
     if MODES[mode].module or not torch.cuda.is_available() or args.device == "cpu":
         return None
     try:
-        layout = RunLayout.resolve(parse_args(run_args(args, mode, fused, batch, "plan")), args.gpus, "cuda")
+        layout = RunLayout.resolve(parse_train_args(run_args(args, mode, fused, batch, "plan")), args.gpus, "cuda")
     except (ConfigError, SystemExit):  # SystemExit: argparse's own refusals
         return None
-    plan = make_plan(layout, device_memory_gib(None))
-    return plan.memory.peak / GIB, plan.usable_gib
+    return planner.make_plan(layout, planner.device_memory_gib(None))
 
 
 def run_name(mode: str, fused: str, batch: int) -> str:
@@ -256,10 +253,11 @@ class Sweep:
             if done is not None:  # already measured as a fixed size: it is also the largest that fits
                 self.results.append(RunResult(**{**done.__dict__, "batch_choice": "max"}))
                 return
-            planned = planned_peak_gib(self.args, mode, fused, batch)
-            if planned is not None and planned[0] > planned[1]:  # an OOM with TP collectives can hang, not fail
-                print(f"{run_name(mode, fused, batch)}: skipped, the planner's peak {planned[0]:.1f} GiB does not "
-                      f"fit in {planned[1]:.1f} GiB", flush=True)
+            plan = planned(self.args, mode, fused, batch)
+            if plan is not None and not plan.fits:  # an OOM with TP collectives can hang, not fail
+                peak = plan.memory.peak / planner.GIB
+                print(f"{run_name(mode, fused, batch)}: skipped, the planner's peak {peak:.1f} GiB does not fit in "
+                      f"{plan.usable_gib:.1f} GiB", flush=True)
                 continue
             result = self.run(mode, fused, batch, "max")
             if result.status != "oom":

@@ -270,9 +270,9 @@ class RunLayout:
         it, benchmarks/results/multi_gpu); fp32 runs (every CPU run) gather fp32."""
         if not self.fsdp2:
             return None
-        choice = self.cfg.parallel.fsdp2_gather
         if self.precision != "bf16":
             return "fp32"
+        choice = self.cfg.parallel.fsdp2_gather
         if choice == "auto":
             return "bf16" if self.cfg.train.fused_kernels == "none" else "fp32"
         return choice
