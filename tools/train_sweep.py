@@ -288,7 +288,7 @@ def table_row(r: RunResult) -> dict[str, Any]:
         "status": r.status, "error": r.error,
         "run": r.name, "mode": r.mode, "device": s.get("device"), "host_cpu": s.get("host_cpu"),
         "compile_wrapper": s.get("compile_wrapper"), "fsdp2_unit_blocks": s.get("fsdp2_unit_blocks"),
-        "fsdp2_gather": s.get("fsdp2_gather"),
+        "fsdp2_gather": s.get("fsdp2_gather"), "fsdp2_forward_prefetch": s.get("fsdp2_forward_prefetch"),
     }
 
 

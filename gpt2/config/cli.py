@@ -167,7 +167,9 @@ def check_zero_engine(args: argparse.Namespace) -> None:
     DeepSpeed-only flags among them."""
     if args.zero_engine != "fsdp2":
         fsdp2_only = [flag for flag, value in (("--fsdp2-unit-blocks", args.fsdp2_unit_blocks),
-                                               ("--fsdp2-gather", args.fsdp2_gather)) if value is not None]
+                                               ("--fsdp2-gather", args.fsdp2_gather),
+                                               ("--fsdp2-forward-prefetch", args.fsdp2_forward_prefetch))
+                      if value is not None]
         if fsdp2_only:
             one = len(fsdp2_only) == 1
             raise ConfigError(f"{' / '.join(fsdp2_only)}: {'an FSDP2 setting' if one else 'FSDP2 settings'}; add "

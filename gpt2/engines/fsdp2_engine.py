@@ -119,12 +119,13 @@ def mixed_precision(gather_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
 
 
 def shard_model(model: GPT, mesh: DeviceMesh, *, reshard_after_forward: bool, unit_blocks: int,
-                block_gather_dtype: torch.dtype | None = None) -> list[nn.Module]:
+                block_gather_dtype: torch.dtype | None = None, forward_prefetch: int = 0) -> list[nn.Module]:
     """`fully_shard` the blocks in groups of `unit_blocks` consecutive ones (`reshard_after_forward` as --zero-stage
     says; a group is one FSDP2 unit: one all-gather, one reduce-scatter, one set of hooks; weights gathered in
     `block_gather_dtype`, None: fp32), then the root (embeddings, final LayerNorm, tied LM head; gathered fp32, never
-    resharded after forward), in place; the TP plan's marks move to the new DTensor parameters. Returns one module of
-    each unit (a group's first block), root last."""
+    resharded after forward), in place; the TP plan's marks move to the new DTensor parameters; each unit's forward
+    prefetches the next `forward_prefetch` block units (set_forward_prefetch). Returns one module of each unit (a
+    group's first block), root last."""
     marks = {name: {m: getattr(p, m) for m in PARAM_MARKS if hasattr(p, m)} for name, p in model.named_parameters()}
     groups = [list(model.blocks[i:i + unit_blocks]) for i in range(0, len(model.blocks), unit_blocks)]
     for group in groups:  # a one-module list is one module's unit
@@ -137,7 +138,22 @@ def shard_model(model: GPT, mesh: DeviceMesh, *, reshard_after_forward: bool, un
     for name, p in model.named_parameters():
         for mark, value in marks.get(name, {}).items():
             setattr(p, mark, value)
+    set_forward_prefetch(units, forward_prefetch)
     return units
+
+
+def set_forward_prefetch(units: list[nn.Module], depth: int) -> None:
+    """Each unit's forward (the root's first: it runs the embeddings before block 0) issues the all-gathers of the
+    next `depth` block units (`units`: shard_model's, root last; 0 leaves FSDP2's default, no forward prefetch).
+    Without it a unit's all-gather is issued by its own pre-forward hook, so it overlaps the previous unit's
+    compute only when the host runs ahead of the device; at batch 8 the host is the bottleneck (device busy ~75%,
+    benchmarks/results/profiles) and the gather is exposed. Prefetching holds at most `depth` more units gathered
+    during forward, below the peak at backward's start (gpt2.planning.planner.fsdp2_memory)."""
+    *blocks, root = units
+    if depth == 0 or not blocks:
+        return
+    for i, unit in enumerate([root, *blocks]):  # the root is followed by blocks[0], blocks[i - 1] by blocks[i]
+        unit.set_modules_to_forward_prefetch(blocks[i:i + depth])
 
 
 class _Counted:
@@ -210,14 +226,15 @@ class FSDP2Engine(TorchEngine):
         layout, dims = self.layout, self.ctx.dims
         reshard = layout.zero_stage == 3
         unit_blocks = layout.fsdp2_unit_blocks
+        prefetch = layout.cfg.parallel.fsdp2_forward_prefetch
         self.units = shard_model(model, dp_mesh(self.ctx), reshard_after_forward=reshard, unit_blocks=unit_blocks,
-                                 block_gather_dtype=layout.fsdp2_gather_dtype)
+                                 block_gather_dtype=layout.fsdp2_gather_dtype, forward_prefetch=prefetch)
         self.root: FSDPModule = model  # type: ignore[assignment]
         log.info("FSDP2: %d units (transformer blocks in units of at most %d, + embeddings/head) sharded over the "
                  "data-parallel group of %d (reshard_after_forward=%s: ZeRO-%d), fp32 parameters, blocks gathered in "
-                 "%s, fp32 gradient reduction, autocast %s",
+                 "%s, fp32 gradient reduction, autocast %s, forward prefetch of %d units",
                  len(self.units), unit_blocks, dims.dp_size, reshard, layout.zero_stage,
-                 layout.fsdp2_gather, layout.autocast_dtype or "off")
+                 layout.fsdp2_gather, layout.autocast_dtype or "off", prefetch)
         return model
 
     def no_sync(self, last_micro_step: bool) -> contextlib.AbstractContextManager:

@@ -311,6 +311,7 @@ def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, m
         "compile_wrapper": layout.compile_wrapper,
         "fsdp2_unit_blocks": layout.fsdp2_unit_blocks if layout.fsdp2 else None,
         "fsdp2_gather": layout.fsdp2_gather,
+        "fsdp2_forward_prefetch": layout.cfg.parallel.fsdp2_forward_prefetch if layout.fsdp2 else None,
         "activation_checkpointing": t.activation_checkpointing, "device": _device_name(ctx),
         "host_cpu": host_cpu(),
         "peak_tflops_per_gpu": peak, "flops_per_token": meter.flops_per_token,

@@ -98,6 +98,8 @@ def test_every_float_flag_must_be_finite(value: str, capsys: pytest.CaptureFixtu
          "--zero3-fetch / --zero-precision: DeepSpeed settings, which --zero-engine fsdp2 does not read; drop them"),
         (["--mode", "hybrid", "--fsdp2-unit-blocks", "2"], "--fsdp2-unit-blocks: an FSDP2 setting; add --mode "
                                                              "hybrid --zero-engine fsdp2 or drop it"),
+        (["--mode", "hybrid", "--fsdp2-forward-prefetch", "2"], "--fsdp2-forward-prefetch: an FSDP2 setting; add "
+                                                                  "--mode hybrid --zero-engine fsdp2 or drop it"),
         (["--mode", "hybrid", "--fsdp2-unit-blocks", "2", "--fsdp2-gather", "fp32"],
          "--fsdp2-unit-blocks / --fsdp2-gather: FSDP2 settings; add --mode hybrid --zero-engine fsdp2 or drop them"),
         (["--mode", "hybrid", "--zero-engine", "fsdp2", "--model", "gpt2", "--fsdp2-unit-blocks", "13"],

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -29,3 +30,25 @@ def test_blocks_are_sharded_in_groups_of_the_unit_size(gloo_world) -> None:
     loss, _ = model(x, x)
     loss.backward()  # the groups gather for forward and backward and reshard after
     assert all(isinstance(p, torch.distributed.tensor.DTensor) and p.grad is not None for p in model.parameters())
+
+
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_forward_prefetch_issues_the_next_units_gathers_before_a_unit_runs(gloo_world, depth: int) -> None:
+    """When block i starts (FSDP2's hook has gathered its unit and resharded the ones before), the block units with
+    an all-gather issued or done are i and the `depth` after it (FSDP2's own hook issues only its unit's)."""
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**{**MODEL_PRESETS["gpt2-tiny"], "n_layer": 4}))
+    units = shard_model(model, init_device_mesh("cpu", (1,)), reshard_after_forward=True, unit_blocks=1,
+                        forward_prefetch=depth)
+    groups = [unit._get_fsdp_state()._fsdp_param_group for unit in units[:-1]]
+    issued_at_start: list[list[int]] = []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda *_: issued_at_start.append(
+            [i for i, g in enumerate(groups) if g.is_unsharded or g._all_gather_result is not None]))
+    x = torch.randint(0, 50257, (2, 16))
+    loss, _ = model(x, x)
+    assert issued_at_start == [list(range(i, min(i + 1 + depth, 4))) for i in range(4)]
+    loss.backward()  # backward gathers the resharded units again, prefetched or not
+    assert all(p.grad is not None for p in model.parameters())
