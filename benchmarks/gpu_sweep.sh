@@ -7,7 +7,7 @@
 #   3. with the time left: our modes (SWEEP_MODES, default DDP, ZeRO-3, ZeRO-3 + TP2), all with --compile (+ EXTRA),
 #      at BATCHES (default "8 max"; max: the largest of MAX_BATCHES that fits), fused kernels FUSED (default "none
 #      triton"), STEPS (25) of which WARMUP (10) untimed, each run at most RUN_TIMEOUT s (150), in the time left
-#      (tools.train_sweep --budget-s),
+#      (tools.train_sweep --budget-s; NUMA=node: torchrun --numa-binding node for these runs),
 #      with the HF runs and any run folders in INCLUDE added to its tables -> $OUT/sweep/{sweep.md,sweep.csv,...}
 #   OUT=/tmp/out bash benchmarks/gpu_sweep.sh
 #   OUT=/tmp/out2 HF_RUNS="" TP_SCALING=0 SWEEP_MODES="hybrid-tp2" INCLUDE="/tmp/out/sweep/runs/*" bash ...  # a 2nd call
@@ -75,6 +75,6 @@ if [ "$left" -gt 60 ]; then
     --warmup "${WARMUP:-10}" --modes ${SWEEP_MODES:-baseline hybrid hybrid-tp2} --fused ${FUSED:-none triton} \
     --batches ${BATCHES:-8 max} --max-batches ${MAX_BATCHES:-64 48 32 24 16} --extra-args="--compile ${EXTRA:-}" \
     --run-timeout "${RUN_TIMEOUT:-150}" --budget-s "$left" --out "$OUT/sweep" \
-    --include "$OUT"/hf/runs/* ${INCLUDE:-} ${PARITY:+--parity $PARITY} 2>&1 | tail -40
+    --include "$OUT"/hf/runs/* ${INCLUDE:-} ${PARITY:+--parity $PARITY} ${NUMA:+--numa-binding $NUMA} 2>&1 | tail -40
 fi
 echo "[${SECONDS}s] done; results under $OUT"

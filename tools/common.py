@@ -82,11 +82,13 @@ def markdown_table(rows: list[dict[str, object]], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def torchrun(nproc: int) -> list[str]:
+def torchrun(nproc: int, numa_binding: str | None = None) -> list[str]:
     """The torchrun command line for `nproc` local processes, up to the script. --standalone: the launcher binds its
     rendezvous store on a port of its own choosing and holds it, where a --master_port picked beforehand by
-    free_port() could be taken by another process (a concurrent launch's listener) before torchrun binds it."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    free_port() could be taken by another process (a concurrent launch's listener) before torchrun binds it.
+    `numa_binding`: torchrun's --numa-binding (each rank's CPU affinity to its GPU's NUMA node, socket, ...)."""
+    binding = ["--numa-binding", numa_binding] if numa_binding else []
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", *binding, f"--nproc_per_node={nproc}"]
 
 
 def free_port() -> int:

@@ -96,6 +96,9 @@ MIN_RUN_S = 60.0  # under --budget-s, a run with less time left than this could 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int, default=4, help="processes per run (--nproc_per_node)")
+    p.add_argument("--numa-binding", choices=["node", "socket", "exclusive", "core-complex"],
+                   help="torchrun's --numa-binding for every run (torch >= 2.9, GPU hosts): each rank's CPUs near its "
+                        "GPU; the cores a run could use are in its host_cpu column")
     p.add_argument("--model", default="gpt2-large")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (--max-steps)")
@@ -172,7 +175,7 @@ def run_args(args: argparse.Namespace, mode: str, fused: str, batch: int, name: 
 def command(args: argparse.Namespace, mode: str, fused: str, batch: int, name: str) -> list[str]:
     m = MODES[mode]
     target = ["-m", m.module] if m.module else [str(ROOT / "train.py")]
-    return [*torchrun(args.gpus), *target, *run_args(args, mode, fused, batch, name)]
+    return [*torchrun(args.gpus, args.numa_binding), *target, *run_args(args, mode, fused, batch, name)]
 
 
 def planned(args: argparse.Namespace, mode: str, fused: str, batch: int) -> planner.Plan | None:
