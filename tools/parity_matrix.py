@@ -64,15 +64,16 @@ def one_device_rows() -> list[Row]:
 def multi_device_rows(world: int) -> list[Row]:
     """DDP and ZeRO at `world` processes, DDP and ZeRO-3 also compiled (the configurations the 4-GPU speed table
     times); tensor parallelism under DDP and ZeRO-3: TP 2 +- sequence parallel, each eager and compiled, and TP 4
-    where 4 divides the world; FSDP2 (--zero-engine fsdp2) and FSDP2 + TP 2, each eager and compiled."""
+    where 4 divides the world; FSDP2 (--zero-engine fsdp2) and FSDP2 + TP 2 +- sequence parallel, each eager and
+    compiled."""
     w = f"-w{world}"
     rows = [Row("ddp" + w, DDP, world)] + [Row(f"zero{s}{w}", _zero(s), world) for s in (1, 2, 3)]
     rows += [Row(f"ddp-compile{w}", (*DDP, COMPILE), world), Row(f"zero3-compile{w}", (*_zero(3), COMPILE), world)]
     for name, flags in (("ddp-tp2", (*DDP, *TP2)), ("zero3-tp2", (*_zero(3), *TP2))):
         for variant, extra in (("", ()), ("-sp", (SP,)), ("-compile", (COMPILE,)), ("-sp-compile", (SP, COMPILE))):
             rows.append(Row(f"{name}{variant}{w}", (*flags, *extra), world))
-    # FSDP2 beside DeepSpeed ZeRO-3: the same rows, eager and compiled, without and with TP 2
-    for name, flags in (("fsdp2", FSDP2), ("fsdp2-tp2", (*FSDP2, *TP2))):
+    # FSDP2 beside DeepSpeed ZeRO-3: the same rows, eager and compiled, without and with TP 2 (+- sequence parallel)
+    for name, flags in (("fsdp2", FSDP2), ("fsdp2-tp2", (*FSDP2, *TP2)), ("fsdp2-tp2-sp", (*FSDP2, *TP2, SP))):
         rows += [Row(f"{name}{w}", flags, world), Row(f"{name}-compile{w}", (*flags, COMPILE), world)]
     if world % 4 == 0:
         rows += [Row(f"ddp-tp4{w}", (*DDP, "--tp-size", "4"), world),

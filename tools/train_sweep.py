@@ -7,8 +7,8 @@
 
 Modes (train.py flags): single (--gpus 1 only), baseline (DDP), zero1 / zero2, hybrid (ZeRO-3),
 hybrid-deepcompile (ZeRO-3 under DeepSpeed's DeepCompile: --compile --compiler deepcompile), hybrid-tp2
-(ZeRO-3 + TP 2), hybrid-tp2-sp (+ sequence parallelism), fsdp2 / fsdp2-tp2 (ZeRO-3 by PyTorch FSDP2, `--zero-engine
-fsdp2`, without and with TP 2), and the reference rows hf-ddp / hf-zero3
+(ZeRO-3 + TP 2), hybrid-tp2-sp (+ sequence parallelism), fsdp2 / fsdp2-tp2 / fsdp2-tp2-sp (ZeRO-3 by PyTorch FSDP2,
+`--zero-engine fsdp2`, without and with TP 2, +- sequence parallelism), and the reference rows hf-ddp / hf-zero3
 (`tools.hf_reference`: Hugging Face GPT-2 as users run it). Each of our modes runs with every `--fused`
 backend; the HF rows have no fused kernels. `--batches` takes micro-batch sizes per GPU and `max`: the largest
 of `--max-batches` (tried in descending order) that completes without running out of CUDA memory; sizes at or
@@ -86,6 +86,8 @@ MODES: dict[str, Mode] = {
     "hybrid-tp2-sp": Mode("ZeRO-3 + TP2 + SP", ("--mode", "hybrid", "--tp-size", "2", "--sequence-parallel")),
     "fsdp2": Mode("FSDP2", ("--mode", "hybrid", "--zero-engine", "fsdp2")),  # ZeRO-3 by PyTorch FSDP2
     "fsdp2-tp2": Mode("FSDP2 + TP2", ("--mode", "hybrid", "--zero-engine", "fsdp2", "--tp-size", "2")),
+    "fsdp2-tp2-sp": Mode("FSDP2 + TP2 + SP", ("--mode", "hybrid", "--zero-engine", "fsdp2", "--tp-size", "2",
+                                              "--sequence-parallel")),
     "hf-ddp": Mode("HF transformers DDP", ("--mode", "ddp"), "tools.hf_reference", takes_fused=False),
     "hf-zero3": Mode("HF transformers ZeRO-3", ("--mode", "zero3"), "tools.hf_reference", takes_fused=False),
 }
