@@ -146,9 +146,10 @@ def set_forward_prefetch(units: list[nn.Module], depth: int) -> None:
     """Each unit's forward (the root's first: it runs the embeddings before block 0) issues the all-gathers of the
     next `depth` block units (`units`: shard_model's, root last; 0 leaves FSDP2's default, no forward prefetch).
     Without it a unit's all-gather is issued by its own pre-forward hook, so it overlaps the previous unit's
-    compute only when the host runs ahead of the device; at batch 8 the host is the bottleneck (device busy ~75%,
-    benchmarks/results/profiles) and the gather is exposed. Prefetching holds at most `depth` more units gathered
-    during forward, below the peak at backward's start (gpt2.planning.planner.fsdp2_memory)."""
+    compute only when the host runs ahead of the device, which at batch 8 it barely does (device busy ~75%,
+    benchmarks/results/profiles); yet depth 1 measured no gain there (4x H200, benchmarks/results/multi_gpu), so
+    the default is 0. Prefetching holds at most `depth` more units gathered during forward, below the peak at
+    backward's start (gpt2.planning.planner.fsdp2_memory)."""
     *blocks, root = units
     if depth == 0 or not blocks:
         return

@@ -32,8 +32,6 @@ def test_blocks_are_sharded_in_groups_of_the_unit_size(gloo_world) -> None:
     assert all(isinstance(p, torch.distributed.tensor.DTensor) and p.grad is not None for p in model.parameters())
 
 
-
-
 @pytest.mark.parametrize("depth", [0, 1, 2])
 def test_forward_prefetch_issues_the_next_units_gathers_before_a_unit_runs(gloo_world, depth: int) -> None:
     """When block i starts (FSDP2's hook has gathered its unit and resharded the ones before), the block units with
