@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 
 from benchmarks import tp_scaling
 from gpt2.observe.metrics import host_cpu
+from tests._processes import alive
 from tools import train_sweep
 from tools.common import ROOT, free_port
 
@@ -276,22 +277,14 @@ with ThreadPoolExecutor(max_workers=1) as pool:  # as the parity tool: one runni
     rc = proc.wait(timeout=30)
     started = [int(p) for p in pids.read_text().split()]
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in started) and time.monotonic() < deadline:
+    while any(alive(p) for p in started) and time.monotonic() < deadline:
         time.sleep(0.05)
-    alive = [p for p in started if _alive(p)]
-    for p in alive:
+    survivors = [p for p in started if alive(p)]
+    for p in survivors:
         os.kill(p, signal.SIGKILL)
-    assert not alive, "a launched run outlived its tool"
+    assert not survivors, "a launched run outlived its tool"
     assert len(started) == 1, "a queued launch started after the signal"
     assert rc == 128 + sig
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for its new parent to reap it counts as ended)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 def test_sweep_refuses_a_missing_parity_file_before_any_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

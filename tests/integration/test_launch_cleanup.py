@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._processes import alive
 from tools import common
 
 # a stand-in for torchrun: starts a "worker" in a session of its own that ignores SIGTERM, records its pid, and waits
@@ -24,14 +25,6 @@ time.sleep(120)
 """
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for its new parent to reap it counts as ended)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
 def test_a_timed_out_launch_ends_workers_in_their_own_sessions(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(common, "STOP_GRACE_S", 1.0)
@@ -41,9 +34,9 @@ def test_a_timed_out_launch_ends_workers_in_their_own_sessions(tmp_path: Path,
     assert pid_file.exists(), (tmp_path / "launch.log").read_text()
     worker = int(pid_file.read_text())
     deadline = time.monotonic() + 5
-    while _alive(worker) and time.monotonic() < deadline:
+    while alive(worker) and time.monotonic() < deadline:
         time.sleep(0.05)
-    survived = _alive(worker)
+    survived = alive(worker)
     if survived:
         os.kill(worker, signal.SIGKILL)
     assert not survived, "the launch's worker outlived it"
