@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.numa.binding import AffinityMode
 
 from gpt2.config.cli import parse_args as parse_train_args
 from gpt2.config.layout import RunLayout
@@ -98,7 +99,7 @@ MIN_RUN_S = 60.0  # under --budget-s, a run with less time left than this could 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int, default=4, help="processes per run (--nproc_per_node)")
-    p.add_argument("--numa-binding", choices=["node", "socket", "exclusive", "core-complex"],
+    p.add_argument("--numa-binding", choices=[mode.value for mode in AffinityMode],
                    help="torchrun's --numa-binding for every run (torch >= 2.9, GPU hosts): each rank's CPUs near its "
                         "GPU; the cores a run could use are in its host_cpu column")
     p.add_argument("--model", default="gpt2-large")
