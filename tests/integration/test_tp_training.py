@@ -2,9 +2,12 @@
 
 Runs (global batch 4 sequences of 32 tokens everywhere), compared with the session's single reference (batch 4,
 tests/conftest.py):
-    ddp-tp2dp2     --mode baseline --tp-size 2 on 4 ranks, batch 2, --sequence-parallel
-    zero3-tp2dp2   --mode hybrid (ZeRO-3) --tp-size 2 on 4 ranks, batch 1 x accum 2, --no-tp-overlap,
-                   --activation-checkpointing
+    ddp-tp2dp2-sp-accum  --mode baseline --tp-size 2 --sequence-parallel on 4 ranks, batch 1 x accum 2: DDP's
+                   no_sync on the first micro-step, the sequence-parallel all-reduce once after the last backward, on
+                   the accumulated gradient (reducing after each micro-step would double-count the first)
+    zero3-tp2dp2-sp  --mode hybrid (ZeRO-3) --tp-size 2 --sequence-parallel on 4 ranks, batch 1 x accum 2,
+                   --no-tp-overlap, --activation-checkpointing, checkpoint at step 5 (a DeepSpeed checkpoint in TP
+                   layout: one mp_rank per TP rank, each partitioned over DP), resumed
     tp2            --mode baseline --tp-size 2 on 2 ranks (dp 1), batch 4, checkpoint at step 5, resumed
     tp2-compile    as tp2 with --compile (compiled blocks; the vocab-parallel head stays eager)
     zero3-tp2-sp-compile  --mode hybrid --tp-size 2 --sequence-parallel --compile on 2 ranks (dp 1): compiled
@@ -48,14 +51,16 @@ from tests.train_runs import (
 
 pytestmark = pytest.mark.slow
 TP_RUNS = {  # run name -> (processes, flags)
-    "ddp-tp2dp2": (4, ["--mode", "baseline", "--tp-size", "2", "--batch-size", "2", "--sequence-parallel"]),
-    "zero3-tp2dp2": (4, ["--mode", "hybrid", "--tp-size", "2", "--batch-size", "1", "--grad-accum", "2",
-                         "--no-tp-overlap", "--activation-checkpointing"]),
+    "ddp-tp2dp2-sp-accum": (4, ["--mode", "baseline", "--tp-size", "2", "--batch-size", "1", "--grad-accum", "2",
+                                "--sequence-parallel"]),
+    "zero3-tp2dp2-sp": (4, ["--mode", "hybrid", "--tp-size", "2", "--batch-size", "1", "--grad-accum", "2",
+                            "--sequence-parallel", "--no-tp-overlap", "--activation-checkpointing"]),
     "tp2": (2, ["--mode", "baseline", "--tp-size", "2", "--batch-size", "4"]),
     "tp2-compile": (2, ["--mode", "baseline", "--tp-size", "2", "--batch-size", "4", "--compile"]),
     "zero3-tp2-sp-compile": (2, ["--mode", "hybrid", "--tp-size", "2", "--batch-size", "4", "--sequence-parallel",
                                  "--compile"]),
 }
+RESUMED = ("tp2", "zero3-tp2dp2-sp")  # checkpointed at step 5 and resumed from it
 GRAD_NORM_REL_TOL = 1e-3
 
 
@@ -63,11 +68,13 @@ GRAD_NORM_REL_TOL = 1e-3
 def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tp")
     for name, (nproc, flags) in TP_RUNS.items():
-        resumable = ["--save-interval", "5"] if name == "tp2" else []
+        resumable = ["--save-interval", "5"] if name in RESUMED else []
         run_train(REFERENCE_ARGS + flags + resumable + ["--run-name", name, "--save-dir", str(root / f"ck-{name}")],
                   root, nproc=nproc)
-    run_train(REFERENCE_ARGS + TP_RUNS["tp2"][1] + ["--run-name", "tp2-resumed",
-                                                   "--resume", str(root / "ck-tp2" / "step-000005")], root, nproc=2)
+    for name in RESUMED:
+        nproc, flags = TP_RUNS[name]
+        run_train(REFERENCE_ARGS + flags + ["--run-name", f"{name}-resumed",
+                                            "--resume", str(root / f"ck-{name}" / "step-000005")], root, nproc=nproc)
     return root
 
 
@@ -80,10 +87,16 @@ def test_tp_matches_single(single_reference: ReferenceRun, runs: Path, name: str
     assert s["tokens_per_step"] == REFERENCE_BATCH * 32  # dp x batch x accum x seq: TP ranks share their batch
 
 
-def test_tp_resume_is_exact(runs: Path) -> None:
-    assert_resume_exact(runs / "tp2", runs / "tp2-resumed", at=5)
-    assert sorted(p.name for p in (runs / "ck-tp2" / "step-000005").glob("*-tp*.pt")) == [
-        "model-tp00.pt", "model-tp01.pt", "optimizer-tp00.pt", "optimizer-tp01.pt"]
+@pytest.mark.parametrize("name", RESUMED)
+def test_tp_resume_is_exact(runs: Path, name: str) -> None:
+    assert_resume_exact(runs / name, runs / f"{name}-resumed", at=5)
+    step5 = runs / f"ck-{name}" / "step-000005"
+    if name == "tp2":  # DDP: one model and optimizer file per TP rank
+        assert sorted(p.name for p in step5.glob("*-tp*.pt")) == [
+            "model-tp00.pt", "model-tp01.pt", "optimizer-tp00.pt", "optimizer-tp01.pt"]
+    else:  # DeepSpeed: one mp_rank per TP rank, each partitioned over DP
+        assert sorted(p.name for p in (step5 / "zero").glob("*_optim_states.pt")) == [
+            f"zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt" for dp in range(2) for tp in range(2)]
 
 
 def test_resume_with_another_tp_size_names_both(runs: Path, tmp_path: Path, capsys) -> None:
@@ -107,8 +120,8 @@ def test_tp_checkpoints_export_and_init(single_reference: ReferenceRun, runs: Pa
             assert tp_sd[key].shape == tensor.shape, (name, key)
             assert torch.allclose(tp_sd[key], tensor, atol=5e-4, rtol=0), (name, key)
 
-    export_hf(runs / "ck-zero3-tp2dp2", tmp_path / "hf")  # the save dir: its latest checkpoint
-    _, zero3_sd = consolidated_state_dict(runs / "ck-zero3-tp2dp2" / "step-000010")
+    export_hf(runs / "ck-zero3-tp2dp2-sp", tmp_path / "hf")  # the save dir: its latest checkpoint
+    _, zero3_sd = consolidated_state_dict(runs / "ck-zero3-tp2dp2-sp" / "step-000010")
     _, hf = assert_hf_export_matches(cfg, zero3_sd, tmp_path / "hf")
 
     # --init-from the export into TP=2 (each rank cuts its shards from the HF weights): the first step's loss
