@@ -4,11 +4,10 @@ most steps, so a wrong gradient norm changes the updates).
 
 Runs (10 steps each; the same global batch of 4 sequences):
     fsdp2            2 ranks, batch 1 x accum 2 (set_requires_gradient_sync off on the first micro-step),
-                     checkpoints at steps 5 and 10, --comm-log; fsdp2-resumed from step 5
+                     --activation-checkpointing (each block recomputed in backward, its FSDP2 gather inside the
+                     recomputed call), checkpoints at steps 5 and 10, --comm-log; fsdp2-resumed from step 5
     fsdp2-zero2      --zero-stage 2 (reshard_after_forward=False), 2 ranks, batch 2, --comm-log
     fsdp2-compile    --compile (each block's forward compiled, FSDP2's hooks eager), 2 ranks, batch 2, --comm-log
-    fsdp2-act-ckpt   --activation-checkpointing (each block recomputed in backward, its FSDP2 gather inside the
-                     recomputed call), 2 ranks, batch 2, --comm-log
     fsdp2-tp2dp2-sp  --tp-size 2 --sequence-parallel on 4 ranks (DP groups [0, 2] and [1, 3]), batch 2, checkpoint
                      at step 5; resumed from it
     tp-compile       --tp-size 2 --compile on 4 ranks, batch 2
@@ -53,10 +52,10 @@ TP_GRAD_NORM_REL_TOL = 1e-3  # with TP, as tests/integration/test_tp_modes.py
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """FSDP2 with accumulation and checkpoints, and its resume from step 5; one block a unit (the other tests run the
-    default unit, both blocks of the reference model)."""
+    """FSDP2 with accumulation, activation checkpointing and checkpoints, and its resume from step 5; one block a
+    unit (the other tests run the default unit, both blocks of the reference model)."""
     root = tmp_path_factory.mktemp("fsdp2")
-    args = FSDP2 + ["--batch-size", "1", "--grad-accum", "2", "--fsdp2-unit-blocks", "1"]
+    args = FSDP2 + ["--batch-size", "1", "--grad-accum", "2", "--fsdp2-unit-blocks", "1", "--activation-checkpointing"]
     run_train(args + ["--run-name", "fsdp2", "--save-dir", str(root / "ck"), "--save-interval", "5", "--comm-log"],
               root, nproc=2)
     run_train(args + ["--run-name", "fsdp2-resumed", "--resume", str(root / "ck" / "step-000005")], root, nproc=2)
@@ -75,6 +74,7 @@ def test_fsdp2_matches_single(single_reference: ReferenceRun, runs: Path) -> Non
     console = (runs / "fsdp2" / "console.log").read_text()
     assert "FSDP2: 3 units (transformer blocks in units of at most 1, + embeddings/head) sharded over the " \
            "data-parallel group of 2" in console
+    assert "reshard_after_forward=True: ZeRO-3" in console
 
 
 def assert_comm_log_is_the_plan(s: dict) -> None:
@@ -94,7 +94,7 @@ def test_fsdp2_resume_is_exact(runs: Path) -> None:
 def test_fsdp2_checkpoint_resumes_at_another_unit_size(runs: Path, tmp_path: Path) -> None:
     """--fsdp2-unit-blocks changes how blocks are grouped, not the parameters' names or shards: a checkpoint saved at
     one block a unit resumes exactly at two."""
-    args = FSDP2 + ["--batch-size", "1", "--grad-accum", "2", "--fsdp2-unit-blocks", "2"]
+    args = FSDP2 + ["--batch-size", "1", "--grad-accum", "2", "--fsdp2-unit-blocks", "2", "--activation-checkpointing"]
     run_train(args + ["--run-name", "regrouped", "--resume", str(runs / "ck" / "step-000005")], tmp_path, nproc=2)
     assert_resume_exact(runs / "fsdp2", tmp_path / "regrouped", at=5)
 
@@ -125,8 +125,7 @@ def test_fsdp2_checkpoint_does_not_resume_under_deepspeed(runs: Path, tmp_path: 
 
 
 @pytest.mark.parametrize(("name", "flags"), [("fsdp2-zero2", ["--zero-stage", "2"]),
-                                             ("fsdp2-compile", ["--compile"]),
-                                             ("fsdp2-act-ckpt", ["--activation-checkpointing"])])
+                                             ("fsdp2-compile", ["--compile"])])
 def test_fsdp2_zero2_and_compile_match_single(single_reference: ReferenceRun, tmp_path: Path, name: str,
                                               flags: list[str]) -> None:
     # an evaluation mid-run (its forwards leave the units that are not resharded after forward gathered, until the
