@@ -119,6 +119,11 @@ def summary(run_dir: Path) -> dict:
     return next(r for r in read_records(run_dir) if r["type"] == "summary")
 
 
+def by_collective(record: dict, prefix: str) -> dict[str, float]:
+    """A summary's `prefix<collective>` entries (e.g. "plan/dp_payload_bytes/"), by collective."""
+    return {k.removeprefix(prefix): v for k, v in record.items() if k.startswith(prefix)}
+
+
 def assert_matches_reference(ref: ReferenceRun, run_dir: Path, grad_norm_rel_tol: float,
                              loss_rel_tol: float = LOSS_REL_TOL) -> None:
     """A run with the reference's flags trains its function: per-step loss within `loss_rel_tol` and pre-clip

@@ -8,6 +8,8 @@ TP (gloo CPU ranks, fp32, tp 2): every collective of our TP layers counts its lo
     ddp-sp    --mode baseline, --sequence-parallel (overlapped backward), activation checkpointing
     zero3-sp  --mode hybrid ZeRO-3, --sequence-parallel, grad accum 2 (SP gradients summed by per-parameter
               hooks in every micro-step's backward)
+ZeRO-3's data-parallel bytes (--comm-log, DeepSpeed's comms logger) against the planner: a test of
+tests/integration/test_zero.py on its ZeRO-3 run; FSDP2's in tests/integration/test_fsdp2.py.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_runs import TINY_ARGS, run_train, summary
+from tests.train_runs import TINY_ARGS, by_collective, run_train, summary
 
 pytestmark = pytest.mark.slow
 COMMON = TINY_ARGS + ["--data", "synthetic", "--max-steps", "3", "--eval-batches", "1", "--max-samples", "8",
@@ -29,43 +31,14 @@ TP_RUNS = {
 }
 
 
-def _by_collective(record: dict, prefix: str) -> dict[str, float]:
-    return {k.removeprefix(prefix): v for k, v in record.items() if k.startswith(prefix)}
-
-
 @pytest.mark.parametrize("name", list(TP_RUNS))
 def test_tp_bytes_measured_equal_predicted(name: str, tmp_path: Path) -> None:
     run_train(COMMON + TP_RUNS[name] + ["--run-name", name], tmp_path, nproc=2)
     s = summary(tmp_path / name)
-    predicted = _by_collective(s, "plan/tp_payload_bytes/")
-    measured = _by_collective(s, "plan/measured_tp_payload_bytes/")
+    predicted = by_collective(s, "plan/tp_payload_bytes/")
+    measured = by_collective(s, "plan/measured_tp_payload_bytes/")
     kinds = {"all_reduce", "all_gather", "reduce_scatter"} if "sp" in name else {"all_reduce"}
     assert set(predicted) == kinds, predicted
     assert measured == predicted, (measured, predicted)
     assert s["plan/measured_tp_payload_bytes"] == s["plan/tp_payload_bytes"] > 0
     assert "plan/comm_note" not in s
-
-
-def test_zero3_bytes_with_comm_log(tmp_path: Path) -> None:
-    """ZeRO-3 on 2 ranks (dp 2) with --comm-log: DeepSpeed's comms logger against the planner, per step after
-    the first (DeepSpeed records its parameter trace in step 1 and gathers every use separately there:
-    measured on CPU, 4x the tied embedding + 3x the persistent parameters, ~4x steady state).
-
-    Steady state: the reduce-scatter carries every gradient once per micro-step; the all-gathers carry the
-    partitioned weights once in forward (gpt2-tiny: only the tied embedding is above the persistence
-    threshold, and it stays gathered to backward, reused by the LM head within stage3_max_reuse_distance)
-    plus the persistent parameters' refresh after the step. Partitions are padded to a multiple of dp, and
-    gpt2-tiny's embedding (50304 x 64) needs no padding, so the counts agree exactly; the tolerance (0.1%)
-    leaves room only for that padding with other shapes. all_reduce / broadcast (overflow and norm scalars,
-    a few hundred bytes) are not predicted.
-    """
-    run_train(TINY_ARGS + ["--data", "synthetic", "--max-steps", "3", "--eval-batches", "1", "--max-samples", "8",
-                           "--mode", "hybrid", "--batch-size", "2", "--comm-log", "--run-name", "z3"],
-              tmp_path, nproc=2)
-    s = summary(tmp_path / "z3")
-    predicted = _by_collective(s, "plan/dp_payload_bytes/")
-    measured = _by_collective(s, "plan/measured_dp_payload_bytes/")
-    assert set(predicted) == {"all_gather", "reduce_scatter"}, predicted
-    for kind, want in predicted.items():
-        assert measured[kind] == pytest.approx(want, rel=1e-3), (kind, measured, predicted)
-    assert sum(v for k, v in measured.items() if k not in predicted) < 4096  # scalars only

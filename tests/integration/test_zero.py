@@ -35,6 +35,7 @@ from tests.train_runs import (
     assert_hf_export_matches,
     assert_matches_reference,
     assert_resume_exact,
+    by_collective,
     read_records,
     run_train,
     step_losses,
@@ -55,11 +56,11 @@ def single_reference(tmp_path_factory) -> ReferenceRun:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """ZeRO-3 with accumulation + checkpoints, ZeRO-3 resumed from step 5."""
+    """ZeRO-3 with accumulation + checkpoints + --comm-log, ZeRO-3 resumed from step 5."""
     root = tmp_path_factory.mktemp("zero")
     zero3 = ARGS + ["--mode", "hybrid", "--batch-size", "1", "--grad-accum", "2"]
-    run_train(zero3 + ["--run-name", "zero3", "--save-dir", str(root / "ck-zero3"), "--save-interval", "5"], root,
-              nproc=2)
+    run_train(zero3 + ["--run-name", "zero3", "--save-dir", str(root / "ck-zero3"), "--save-interval", "5",
+                       "--comm-log"], root, nproc=2)
     run_train(zero3 + ["--run-name", "zero3-resumed", "--resume", str(root / "ck-zero3" / "step-000005")], root,
               nproc=2)
     return root
@@ -79,6 +80,25 @@ def test_zero3_matches_single(single_reference: ReferenceRun, runs: Path) -> Non
     shared = re.search(r"ZeRO-3: the fp32 master shares (\d+) of (\d+) weight partitions",
                        (runs / "zero3" / "console.log").read_text())
     assert shared and shared[1] == shared[2] != "0"  # every group: with and without weight decay
+
+
+def test_zero3_comm_log_bytes_are_the_plan(runs: Path) -> None:
+    """--comm-log on 2 ranks (dp 2), batch 1 x accum 2: DeepSpeed's comms logger against the planner, per step after
+    the first (DeepSpeed records its parameter trace in step 1 and gathers every use separately there: measured on
+    CPU, 4x the tied embedding + 3x the persistent parameters, ~4x steady state).
+
+    Steady state: the reduce-scatter carries every gradient once per micro-step; the all-gathers carry the
+    partitioned weights in every micro-step's forward. Partitions are padded to a multiple of dp, and gpt2-tiny's
+    embedding (50304 x 64) needs no padding, so the counts agree exactly; the tolerance (0.1%) leaves room only for
+    that padding with other shapes. all_reduce / broadcast (overflow and norm scalars, a few hundred bytes) are not
+    predicted."""
+    s = summary(runs / "zero3")
+    predicted = by_collective(s, "plan/dp_payload_bytes/")
+    measured = by_collective(s, "plan/measured_dp_payload_bytes/")
+    assert set(predicted) == {"all_gather", "reduce_scatter"}, predicted
+    for kind, want in predicted.items():
+        assert measured[kind] == pytest.approx(want, rel=1e-3), (kind, measured, predicted)
+    assert sum(v for k, v in measured.items() if k not in predicted) < 4096  # scalars only
 
 
 @pytest.mark.parametrize("stage", [1, 2])
