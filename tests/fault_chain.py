@@ -36,7 +36,8 @@ BEFORE_RENAME = SAVE_STAGES[:SAVE_STAGES.index("renamed")]
 PRUNE_STAGES = ("prune-renamed", "prune-partial")  # reached only when --keep-last deletes an older checkpoint
 FLAGS = {"ddp": ["--mode", "baseline"], "zero3": ["--mode", "hybrid", "--zero-stage", "3"],
          "fsdp2": ["--mode", "hybrid", "--zero-engine", "fsdp2"]}
-STEPS = 16  # 12 stage kills advance the run 5 steps, a random one about 0.6 (at most 2): 4 of them, 13 at most
+STEPS = 12  # 12 stage kills advance the run 5 steps (6 if the prunes come first), a random one about 0.6 (at most 2):
+# 2 of them, 10 at most
 RANDOM_WINDOW_S = 0.4  # a random kill comes 0-0.4 s after the launch's first step record: 1-2 steps and saves
 
 
