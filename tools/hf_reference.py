@@ -155,9 +155,9 @@ def init_partitioned_weights(model: torch.nn.Module, deepspeed) -> None:
 def build_zero3(cfg: RunConfig, device: torch.device) -> tuple[StepFn, str]:
     from transformers import GPT2LMHeadModel
 
-    from gpt2.engines.deepspeed_engine import _import_deepspeed  # DS_ACCELERATOR and no op JIT-builds on CPU
+    from gpt2.engines.deepspeed_engine import import_deepspeed  # DS_ACCELERATOR and no op JIT-builds on CPU
 
-    deepspeed = _import_deepspeed(device)
+    deepspeed = import_deepspeed(device)
     ds_config = zero3_ds_config(cfg.train.batch_size, cfg.model.n_embd,
                                 run_precision(cfg.train.precision, device.type) == "bf16")
     torch.manual_seed(cfg.train.seed)

@@ -71,7 +71,7 @@ from torch.func import functional_call  # noqa: E402
 from benchmarks.measure import report_table  # noqa: E402
 from gpt2.config.cli import parse_args as parse_train_args  # noqa: E402
 from gpt2.config.layout import RunLayout  # noqa: E402
-from gpt2.engines.deepspeed_engine import _import_deepspeed, zero3_master_shares_fp32_weights  # noqa: E402
+from gpt2.engines.deepspeed_engine import import_deepspeed, zero3_master_shares_fp32_weights  # noqa: E402
 from gpt2.engines.ds_config import build_ds_config  # noqa: E402
 from gpt2.model.gpt import GPT, Block  # noqa: E402
 from gpt2.runtime.distributed import DistContext, init_distributed, launched_by_launcher, run_as_process  # noqa: E402
@@ -178,7 +178,7 @@ def held_storage_bytes(saved: list[torch.Tensor]) -> int:
 def make_step(variant: str, layout: RunLayout, ctx: DistContext, data: Iterator[tuple[torch.Tensor, torch.Tensor]],
               losses: list[float]) -> tuple[Callable[[list[torch.Tensor] | None], None], dict[str, int]]:
     """One ZeRO-3 training step of a fresh `variant` model (appending its loss to `losses`), and its tensor counts."""
-    deepspeed = _import_deepspeed(ctx.device)
+    deepspeed = import_deepspeed(ctx.device)
     t = layout.cfg.train
     model = parallelize(build_model(layout, ctx.device, ctx.dims), layout, ctx.dims)
     if variant == "flat":
@@ -241,7 +241,7 @@ def run_rank(args: argparse.Namespace) -> int:
                         f"{kind}_paired_ratio": round(statistics.median(a / b for a, b in zip(ms, base)), 3)}
             rows.append({**row, "max_loss_diff_rank0": f"{diff[v]:.2e}"})
         report_table(f"ZeRO-3 step, per-tensor vs flat block parameters, {args.ranks} ranks (CPU, gloo, fp32, torch "
-                     f"{torch.__version__}, DeepSpeed {_import_deepspeed(ctx.device).__version__})",
+                     f"{torch.__version__}, DeepSpeed {import_deepspeed(ctx.device).__version__})",
                      shlex.join(["python", "-m", MODULE, *args.argv]), rows, list(rows[0]), out=args.out,
                      stem="flat_params", tag={"device": "cpu"})
         print(f"losses (per_tensor, rank 0): {[round(x, 4) for x in losses['per_tensor']]}", flush=True)

@@ -38,7 +38,7 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks.measure import report_table, time_ms  # noqa: E402
 from gpt2.config.deepspeed_file import persistence_threshold_default  # noqa: E402
 from gpt2.config.schema import ParallelConfig  # noqa: E402
-from gpt2.engines.deepspeed_engine import _import_deepspeed  # noqa: E402
+from gpt2.engines.deepspeed_engine import import_deepspeed  # noqa: E402
 from gpt2.runtime.distributed import run_as_process  # noqa: E402
 from tools.common import ROOT, free_port  # noqa: E402
 
@@ -102,7 +102,7 @@ def init_single_process() -> torch.device:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     # deepspeed.comm over that group, as train.py makes it: on CPU without JIT-building DeepSpeed's shared-memory
     # all-reduce op (only its inference all-reduce uses it; 30+ s to compile on a machine without a build cache)
-    _import_deepspeed(device)
+    import_deepspeed(device)
     return device
 
 

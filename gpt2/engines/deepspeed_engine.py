@@ -90,7 +90,7 @@ from parallel.grads import register_sequence_parallel_grad_hooks
 from parallel.mpu import ModelParallelUnit
 
 
-def _import_deepspeed(device: torch.device):
+def import_deepspeed(device: torch.device):
     """Import DeepSpeed with the accelerator matching our device; never JIT-build an op on CPU."""
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -218,7 +218,7 @@ class DeepSpeedEngine:
         self.ctx = ctx
         t = cfg.train
         stage = layout.zero_stage
-        deepspeed = _import_deepspeed(ctx.device)
+        deepspeed = import_deepspeed(ctx.device)
         set_deepspeed_nvtx(cfg.parallel.deepspeed_nvtx)
         self.ds_config = build_ds_config(layout)
         if cfg.parallel.comm_log:  # every collective synchronises: measurement runs only

@@ -24,9 +24,9 @@ STEPS, LR, CLIP = 3, 0.5, 0.5
 
 
 def run_zero3_checks(dims: ParallelDims) -> None:
-    from gpt2.engines.deepspeed_engine import _import_deepspeed
+    from gpt2.engines.deepspeed_engine import import_deepspeed
 
-    deepspeed = _import_deepspeed(torch.device("cpu"))
+    deepspeed = import_deepspeed(torch.device("cpu"))
     ref = build()
     opt_ref = torch.optim.SGD(ref.parameters(), lr=LR)
     ref_losses = []
