@@ -77,7 +77,7 @@ def test_wandb_offline_run_is_written(tmp_path: Path) -> None:
 def test_wikitext2_training_reduces_loss(tmp_path: Path) -> None:
     args = TINY_ARGS + ["--data-path", str(SHARED_DATA / "wikitext-2"), "--tokenizer",
                         str(SHARED_DATA / "gpt2-tokenizer" / "tokenizer.json"), "--cache-dir", str(tmp_path / "cache"),
-                        "--max-steps", "20", "--batch-size", "8", "--lr", "3e-3", "--num-proc", "2",
+                        "--max-steps", "30", "--batch-size", "8", "--lr", "3e-3", "--num-proc", "2",
                         "--run-name", "wt2", "--max-samples", "2000"]
     run_train(args, tmp_path, timeout=600)
     losses = step_losses(tmp_path / "wt2")
