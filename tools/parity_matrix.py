@@ -65,7 +65,7 @@ def multi_device_rows(world: int) -> list[Row]:
     """DDP and ZeRO at `world` processes, DDP and ZeRO-3 also compiled (the configurations the 4-GPU speed table
     times); tensor parallelism under DDP and ZeRO-3: TP 2 +- sequence parallel, each eager and compiled, and TP 4
     where 4 divides the world; FSDP2 (--zero-engine fsdp2) and FSDP2 + TP 2 +- sequence parallel, each eager and
-    compiled."""
+    compiled; and each compiled mode of the speed table with `--fused-kernels cuda`."""
     w = f"-w{world}"
     rows = [Row("ddp" + w, DDP, world)] + [Row(f"zero{s}{w}", _zero(s), world) for s in (1, 2, 3)]
     rows += [Row(f"ddp-compile{w}", (*DDP, COMPILE), world), Row(f"zero3-compile{w}", (*_zero(3), COMPILE), world)]
@@ -75,6 +75,10 @@ def multi_device_rows(world: int) -> list[Row]:
     # FSDP2 beside DeepSpeed ZeRO-3: the same rows, eager and compiled, without and with TP 2 (+- sequence parallel)
     for name, flags in (("fsdp2", FSDP2), ("fsdp2-tp2", (*FSDP2, *TP2)), ("fsdp2-tp2-sp", (*FSDP2, *TP2, SP))):
         rows += [Row(f"{name}{w}", flags, world), Row(f"{name}-compile{w}", (*flags, COMPILE), world)]
+    # the fused CUDA kernels in each compiled mode of the 4-GPU speed table (its `--fused cuda` rows)
+    for name, flags in (("ddp", DDP), ("zero3", _zero(3)), ("zero3-tp2", (*_zero(3), *TP2)), ("fsdp2", FSDP2),
+                        ("fsdp2-tp2", (*FSDP2, *TP2))):
+        rows.append(Row(f"{name}-cuda-compile{w}", (*flags, "--fused-kernels", "cuda", COMPILE), world))
     if world % 4 == 0:
         rows += [Row(f"ddp-tp4{w}", (*DDP, "--tp-size", "4"), world),
                  Row(f"zero3-tp4{w}", (*_zero(3), "--tp-size", "4"), world)]

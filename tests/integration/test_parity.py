@@ -256,7 +256,9 @@ def test_matrix_keeps_the_global_batch_in_every_layout():
     jobs = {row.name: plan(row, "gpt2-tiny", common, 8, 2, "cuda") for row in matrix(4)}
     assert {"ddp-w4", "zero1-w4", "zero3-w4", "ddp-tp2-w4", "ddp-tp2-sp-w4", "zero3-tp2-sp-w4", "zero3-tp2-compile-w4",
             "ddp-tp2-compile-w4", "zero3-tp2-sp-compile-w4", "ddp-tp4-w4", "zero3-tp4-w4", "ddp-compile-w4",
-            "zero3-compile-w4"} <= set(jobs)
+            "zero3-compile-w4", "ddp-cuda-compile-w4", "zero3-tp2-cuda-compile-w4",
+            "fsdp2-tp2-cuda-compile-w4"} <= set(jobs)
+    assert " kernels=cuda " in jobs["zero3-tp2-cuda-compile-w4"].key  # the sweep's --fused cuda rows find it
     assert not any("tp4" in row.name for row in matrix(2))  # TP 4 only where 4 divides the world
 
     def flag(job, name: str) -> int:
