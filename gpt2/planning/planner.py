@@ -143,7 +143,8 @@ def numerics(layout: RunLayout) -> Numerics:
         # weights and moments
         return Numerics(MIXED_PRECISION, 2, False, MIXED_PRECISION)
     if mode == "hybrid":  # DeepSpeed torch_autocast: Linear weights and gradients travel in 16 bits (the
-        # embeddings and LayerNorms in fp32: not modelled, 5% of GPT-2 Large's parameters, 31% of GPT-2's)
+        # embeddings and LayerNorms in fp32: zero3_fp32_traffic adds them to the communication, the memory terms
+        # leave them out, 5% of GPT-2 Large's parameters, 31% of GPT-2's)
         return Numerics(AMP_FP32_WEIGHTS, 4, True, MIXED_PRECISION)
     return Numerics(AMP_FP32_WEIGHTS, 4, True, AMP_FP32_WEIGHTS)  # torch.autocast over fp32 weights
 
@@ -234,6 +235,18 @@ def zero3_persistent_params(layout: RunLayout) -> float:
     block = [d, d, 3 * d * d / t, 3 * d / t, d * d / t, d, d, d, 4 * d * d / t, 4 * d / t, 4 * d * d / t, d]
     once = [cfg.padded_vocab_size * d / t, cfg.n_positions * d, d, d]
     return sum(n for n in once if n < threshold) + cfg.n_layer * sum(n for n in block if n < threshold)
+
+
+def zero3_fp32_params(layout: RunLayout) -> tuple[float, float]:
+    """Elements DeepSpeed's torch_autocast keeps in fp32 through ZeRO-3's collectives: every parameter outside its
+    lower-precision modules (gpt2.engines.ds_config's: the Linears, biases included), i.e. the word and position
+    embeddings and the LayerNorms. As (gathered, persistent): under `stage3_param_persistence_threshold` a tensor is
+    never gathered, only refreshed after the step. Their gradients are all reduce-scattered."""
+    cfg, t, threshold = layout.cfg.model, layout.tp_size, DeepSpeedSettings.of(layout).param_persistence_threshold
+    d = cfg.n_embd
+    tensors = [cfg.padded_vocab_size * d / t, cfg.n_positions * d] + [d] * (4 * cfg.n_layer + 2)  # LN weight, bias
+    persistent = sum(n for n in tensors if n < threshold)
+    return sum(tensors) - persistent, persistent
 
 
 def loss_bytes(layout: RunLayout, tokens: int, e: int) -> float:
@@ -356,6 +369,9 @@ def predict_communication(layout: RunLayout) -> list[CommOp]:
         ops = fsdp2_communication(layout, ops)
     elif layout.zero_stage == 3 and layout.dp_size > 1:
         ops = zero3_gathers(layout, ops, num.comm.param_bytes)
+        if layout.cfg.parallel.zero_precision == "autocast" and num.comm.param_bytes < FP32_BYTES:
+            # DeepSpeed's torch_autocast: the Linears travel in 16 bits, the rest in fp32
+            ops = zero3_fp32_traffic(layout, ops, FP32_BYTES - num.comm.param_bytes)
     if layout.tp_size > 1:
         t, m, tokens = layout.tp_size, layout.grad_accum, tc.batch_size * tc.seq_len
         if tc.activation_checkpointing and cfg.dropout == 0:
@@ -399,6 +415,18 @@ def zero3_gathers(layout: RunLayout, ops: list[CommOp], param_bytes: int) -> lis
         else:
             out.append(op)
     return out
+
+
+def zero3_fp32_traffic(layout: RunLayout, ops: list[CommOp], extra_bytes: int) -> list[CommOp]:
+    """`zero3_gathers`' ops with the embeddings' and LayerNorms' fp32 bytes added (`zero3_fp32_params`): their
+    gradients in the reduce-scatter, their weights in the forward gathers or the after-step refresh. (Held from
+    forward to backward, the embeddings are not gathered again; a LayerNorm re-gathered in backward, 2d elements a
+    block, is left out.) On 4x H100 this is the whole difference between the plan and `--comm-log` for GPT-2 Large's
+    reduce-scatter, 131,773,440 bytes a step (benchmarks/results/multi_gpu/comm_log_h100x4_2026-11-28)."""
+    gathered, persistent = zero3_fp32_params(layout)
+    more = {"grad reduce-scatter": gathered + persistent, "param all-gather (fwd)": gathered,
+            "persistent param all-gather (after step)": persistent}
+    return [replace(op, message_bytes=op.message_bytes + more.get(op.name, 0.0) * extra_bytes) for op in ops]
 
 
 def tp_payload_bytes(ops: list[CommOp]) -> float:
