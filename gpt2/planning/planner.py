@@ -262,6 +262,29 @@ def loss_bytes(layout: RunLayout, tokens: int, e: int) -> float:
     return tokens * v * 3 * FP32_BYTES
 
 
+@dataclass(frozen=True)
+class GatheredInputs:
+    """Column-parallel layers that keep their all-gathered, full-sequence input for backward under sequence
+    parallelism (per block, and the LM head)."""
+
+    per_block: int
+    lm_head: int
+
+
+def sp_gathered_inputs(layout: RunLayout) -> GatheredInputs:
+    """Under --sequence-parallel, which column-parallel layers save the all-gathered input `[B, T, d]` (what their
+    matmul reads) instead of their `[B, T/tp, d]` shard, the Korthikanti et al. assumption of layer_activation_bytes.
+    Only parallel.layers' overlapped path (`_ColumnParallelMatmul`: eager, `--tp-overlap` on, no fused GELU) saves
+    the shard and gathers again in backward; `--compile` traces the plain path, and the MLP up-projection (GELU
+    fused into its matmul) always takes it. Measured on 4x H100 (ZeRO-3 + TP2 + SP, batch 48, --compile): 57.4 GiB
+    where the shard assumption planned 52.9 (benchmarks/results/multi_gpu)."""
+    if not layout.sequence_parallel or layout.tp_size == 1:
+        return GatheredInputs(0, 0)
+    if layout.cfg.train.compile or not layout.cfg.parallel.tp_overlap:
+        return GatheredInputs(2, 1)  # c_attn and c_fc; the LM head
+    return GatheredInputs(1, 0)  # c_fc only
+
+
 def predict_memory(layout: RunLayout) -> MemoryPlan:
     cfg, tc, num = layout.cfg.model, layout.cfg.train, numerics(layout)
     e, r = num.states.activation_bytes, num.residual_bytes
@@ -273,11 +296,14 @@ def predict_memory(layout: RunLayout) -> MemoryPlan:
         layer -= (r - e) * sbh_shard  # inductor keeps one fp32 residual-stream tensor in 16 bits
         if not num.autocast_copies:  # 16-bit model (DeepSpeed): the GELU output is recomputed in backward
             layer -= 4 * e * b * seq * d / t
+    gathered = sp_gathered_inputs(layout)
+    layer += gathered.per_block * e * b * seq * d * (1 - 1 / t)
     if tc.activation_checkpointing:
         activations = cfg.n_layer * r * sbh_shard + layer  # block inputs + one recomputed block
     else:
         activations = cfg.n_layer * layer
     activations += (r + e) * sbh_shard  # ln_f input (residual stream) and output
+    activations += gathered.lm_head * e * b * seq * d * (1 - 1 / t)
     logits = loss_bytes(layout, b * seq, e)
 
     n_local = local_params(layout)
