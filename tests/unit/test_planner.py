@@ -161,7 +161,7 @@ def test_zero3_autocast_terms_by_hand():
 def test_zero_bytes_are_what_comm_log_measured_on_4_gpus(flags, measured):
     """ZeRO's bytes per step as `--comm-log` counted them on 4x H100 (GPT-2 Large, batch 8, bf16;
     benchmarks/results/multi_gpu/comm_log_h100x4_2026-11-28). DeepSpeed ZeRO-3's all-gather is left out: the
-    planner's backward re-gathers (515 MiB) did not appear in DeepSpeed's log, an open question there."""
+    planner's backward re-gathers (515 MiB) do not happen (DeepSpeed keeps its leaf blocks gathered; see there)."""
     layout = planned(LARGE + ["--batch-size", "8", "--mode", "hybrid", *flags])
     predicted = {}
     for op in predict_communication(layout):
