@@ -16,7 +16,8 @@ The terms, and why (GPT-2 Large, seq 1024, on 4 x H200, is the calibration case 
   gradients communicated in 16 bits. DeepSpeed's own bf16/fp16 (--zero-precision deepspeed) keeps 16-bit
   weights (2 B) and gradients (2 B) and an fp32 master copy + moments (12 B), sharded by ZeRO stage; at the
   step it makes an fp32 copy of its gradient partition (4 B / dp). The calibration runs below used the latter;
-  the autocast recipe's ZeRO terms (fp32 gathered weights) are not yet calibrated on a GPU.
+  the autocast recipe's ZeRO terms were checked since against 4x H100 runs (tests/unit/test_planner.py: the
+  ZeRO-3 + TP2 rows within 2%; benchmarks/results/multi_gpu for the rest).
 - Saved activations per block (perf_model.layer_activation_bytes, Korthikanti et al. 2022, flash/SDPA):
   under autocast the residual stream is fp32, so both LayerNorm inputs cost 4 B per element and their
   16-bit casts 2 B: 36 B per token per unit width (+ the fp32 log-sum-exp). Compiled blocks (inductor's
@@ -31,7 +32,10 @@ The terms, and why (GPT-2 Large, seq 1024, on 4 x H200, is the calibration case 
   one block's copies and the tied embedding's are alive. ZeRO-3 keeps gathered 16-bit weights alive from
   their forward to their backward when DeepSpeed's trace says they are reused within
   `stage3_max_reuse_distance` parameters (ds_configs/zero3.json: 1e9, i.e. most of GPT-2 Large's later
-  blocks and the tied embedding); this is simulated on the module order.
+  blocks and the tied embedding); this is simulated on the module order. Measured since: with our blocks as
+  DeepSpeed's leaf modules it keeps every gathered weight to backward at any reuse distance, so the backward
+  re-gathers this model predicts do not happen (benchmarks/results/multi_gpu/comm_log_h100x4_2026-11-28); the
+  memory term is kept until a measurement tells the two apart.
 - Loss (the "logits" term), per token with Vp the padded vocabulary: eager cross-entropy keeps the fp32
   log-softmax and, during its backward, the fp32 nll and log-softmax gradients: 12 B x V. Compiled
   (--compile): inductor saves the 16-bit logits and writes one 16-bit gradient: 2 x 2 B x Vp. Vocab-parallel
@@ -265,24 +269,31 @@ def loss_bytes(layout: RunLayout, tokens: int, e: int) -> float:
 @dataclass(frozen=True)
 class GatheredInputs:
     """Column-parallel layers that keep their all-gathered, full-sequence input for backward under sequence
-    parallelism (per block, and the LM head)."""
+    parallelism (per block, and the LM head). The others keep their shard and all-gather it again in backward."""
 
-    per_block: int
+    per_block: int  # of c_attn and c_fc
     lm_head: int
+
+    def regathered(self, n_layer: int) -> int:
+        """Backward all-gathers of a saved shard per micro-step: the column layers that keep only their shard."""
+        return n_layer * (2 - self.per_block) + 1 - self.lm_head
 
 
 def sp_gathered_inputs(layout: RunLayout) -> GatheredInputs:
     """Under --sequence-parallel, which column-parallel layers save the all-gathered input `[B, T, d]` (what their
     matmul reads) instead of their `[B, T/tp, d]` shard, the Korthikanti et al. assumption of layer_activation_bytes.
     Only parallel.layers' overlapped path (`_ColumnParallelMatmul`: eager, `--tp-overlap` on, no fused GELU) saves
-    the shard and gathers again in backward; `--compile` traces the plain path, and the MLP up-projection (GELU
-    fused into its matmul) always takes it. Measured on 4x H100 (ZeRO-3 + TP2 + SP, batch 48, --compile): 57.4 GiB
-    where the shard assumption planned 52.9 (benchmarks/results/multi_gpu)."""
+    the shard and gathers again in backward; `--compile` traces the plain path inside the blocks, and the MLP
+    up-projection (GELU fused into its matmul) always takes it. The vocab-parallel LM head is never compiled
+    (gpt2.runtime.compiling.compiled_parts), so it keeps its shard whenever --tp-overlap is on. Measured on 4x H100
+    (ZeRO-3 + TP2 + SP, batch 48, --compile): 57.4 GiB where the shard assumption planned 52.9
+    (benchmarks/results/multi_gpu)."""
     if not layout.sequence_parallel or layout.tp_size == 1:
         return GatheredInputs(0, 0)
-    if layout.cfg.train.compile or not layout.cfg.parallel.tp_overlap:
-        return GatheredInputs(2, 1)  # c_attn and c_fc; the LM head
-    return GatheredInputs(1, 0)  # c_fc only
+    overlap = layout.cfg.parallel.tp_overlap
+    if not overlap:
+        return GatheredInputs(2, 1)  # every column layer takes the plain path
+    return GatheredInputs(2 if layout.cfg.train.compile else 1, 0)  # c_fc, and c_attn when compiled
 
 
 def predict_memory(layout: RunLayout) -> MemoryPlan:
@@ -417,9 +428,10 @@ def predict_communication(layout: RunLayout) -> list[CommOp]:
             ops.append(CommOp("SP replicated-param grad all-reduce", "tp", "all_reduce", t,
                               (6 * L + 2) * d * num.states.grad_bytes,
                               m if layout.mode == "hybrid" and not layout.fsdp2 else 1))
-            if layout.cfg.parallel.tp_overlap:  # the overlapped backward re-gathers c_attn's and the LM head's inputs
+            regathered = sp_gathered_inputs(layout).regathered(L)  # the overlapped path's saved shards
+            if regathered:
                 ops.append(CommOp("recomputed input all-gather (SP overlap)", "tp", "all_gather", t, act,
-                                  m * (L + 1)))
+                                  m * regathered))
     return ops
 
 

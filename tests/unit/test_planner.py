@@ -107,13 +107,19 @@ def test_tp_peak_within_2_percent_of_h100_measurement(flags, measured):
 
 
 def test_sp_keeps_gathered_inputs_where_the_plain_path_runs():
-    """Eager with --tp-overlap only the GELU'd MLP up-projection keeps its gathered input; compiled or without
-    overlap, c_attn and the LM head too: one [b, s, d] bf16 tensor less its shard, per such layer."""
+    """Eager with --tp-overlap only the GELU'd MLP up-projection keeps its gathered input; compiled, c_attn too (the
+    LM head stays eager); without overlap, every column layer: one [b, s, d] bf16 tensor less its shard, per such
+    layer. Each layer that keeps only its shard all-gathers it again in backward."""
     sp = LARGE + ["--mode", "hybrid", "--tp-size", "2", "--sequence-parallel", "--batch-size", "8"]
     eager, no_overlap = predict_memory(planned(sp)), predict_memory(planned(sp + ["--no-tp-overlap"]))
     half_input = 2 * 8 * 1024 * 1280 / 2  # bf16 [b, s, d] minus its shard at tp 2
     assert no_overlap.activations - eager.activations == (36 + 1) * half_input
-    assert sp_gathered_inputs(planned(sp + ["--compile"])) == sp_gathered_inputs(planned(sp + ["--no-tp-overlap"]))
+    compiled = sp_gathered_inputs(planned(sp + ["--compile"]))
+    assert (compiled.per_block, compiled.lm_head, compiled.regathered(36)) == (2, 0, 1)
+    assert sp_gathered_inputs(planned(sp)).regathered(36) == 36 + 1  # eager: c_attn's and the head's shards
+    assert sp_gathered_inputs(planned(sp + ["--no-tp-overlap"])).regathered(36) == 0
+    regathers = {op.calls for op in predict_communication(planned(sp + ["--compile"])) if "recomputed" in op.name}
+    assert regathers == {1}
     assert sp_gathered_inputs(planned(sp[:-3] + ["--batch-size", "8"])).per_block == 0  # no SP: nothing gathered
 
 
