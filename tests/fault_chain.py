@@ -34,6 +34,11 @@ from tests.train_runs import ROOT, TINY_ARGS, read_killed_records, run_train, st
 
 BEFORE_RENAME = SAVE_STAGES[:SAVE_STAGES.index("renamed")]
 PRUNE_STAGES = ("prune-renamed", "prune-partial")  # reached only when --keep-last deletes an older checkpoint
+# the stages of the ZeRO-3 chains: the two around the engine's own writes (engine.save_state runs between them, on
+# every rank) and the end of a save (so a later launch loads the engine's checkpoint, whatever the random kills do).
+# The other 9 are rank 0's prepare and commit (gpt2.train.checkpoint.save_checkpoint), the same code and files for
+# every engine: the DDP chain kills at every stage.
+ENGINE_STAGES = ("rank-state-written", "model-state-written", "pruned")
 FLAGS = {"ddp": ["--mode", "baseline"], "zero3": ["--mode", "hybrid", "--zero-stage", "3"],
          "fsdp2": ["--mode", "hybrid", "--zero-engine", "fsdp2"]}
 STEPS = 12  # 12 stage kills advance the run 5 steps (6 if the prunes come first), a random one about 0.6 (at most 2):
@@ -101,17 +106,18 @@ def _kill_at_random(proc: subprocess.Popen, run_dir: Path, kind: str, delay: flo
     return kind
 
 
-def run_chain(name: str, tmp: Path, n_random: int, seed: int) -> list[Launch]:
-    """The uninterrupted run, then the chain: every stage of SAVE_STAGES once and `n_random` random kills (half of
-    the whole job, half of one rank; instants spread over the window by `kill_delays`), in a seeded random order,
-    then a launch that finishes. Returns the launches (for timing and messages)."""
+def run_chain(name: str, tmp: Path, n_random: int, seed: int, stages: tuple[str, ...] = SAVE_STAGES) -> list[Launch]:
+    """The uninterrupted run, then the chain: each of `stages` (default: every stage of SAVE_STAGES) once and
+    `n_random` random kills (half of the whole job, half of one rank; instants spread over the window by
+    `kill_delays`), in a seeded random order, then a launch that finishes. Returns the launches (for timing and
+    messages)."""
     args = chain_args(name)
     run_train(args + ["--run-name", "full", "--save-dir", str(tmp / "ck-full")], tmp, nproc=2)
     reference = {key: step_values(tmp / "full", key) for key in ("loss", "grad_norm")}
     assert len(reference["loss"]) == STEPS
 
     rng = random.Random(seed)
-    faults = list(SAVE_STAGES) + [("job", "rank")[i % 2] for i in range(n_random)]
+    faults = list(stages) + [("job", "rank")[i % 2] for i in range(n_random)]
     rng.shuffle(faults)
     delays = iter(kill_delays(n_random, rng))
     ck, out = tmp / "ck", tmp / "runs"
