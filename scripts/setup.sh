@@ -65,7 +65,13 @@ if [ "$(uname -s)" = Linux ] && ! "$PYTHON" -c "import triton" 2>/dev/null; then
   "${PIP[@]}" "$TRITON_SPEC"
 fi
 "${PIP[@]}" setuptools wheel
-DS_BUILD_OPS=0 "${PIP[@]}" --no-build-isolation -e ".[dev]"
+# the editable install writes the repository's .egg-info: environments of one checkout made at once (.ci/run makes
+# .venv and .venv-torch2.11 side by side) take turns here, locking the repository folder (flock: util-linux)
+lock=()
+if command -v flock >/dev/null; then
+  lock=(flock .)
+fi
+DS_BUILD_OPS=0 ${lock[@]+"${lock[@]}"} "${PIP[@]}" --no-build-isolation -e ".[dev]"
 if [ -n "$stamp" ]; then
   echo "$want" >"$stamp"
 fi
