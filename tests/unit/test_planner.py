@@ -29,7 +29,9 @@ from gpt2.planning.planner import (
     predict_memory,
     search,
     sp_gathered_inputs,
+    zero3_fp32_params,
     zero3_held_params,
+    zero3_persistent_params,
 )
 
 LARGE = ["--model", "gpt2-large", "--seq-len", "1024"]
@@ -268,6 +270,16 @@ def test_zero3_reuse_distance_holds(distance, expected, tmp_path: Path):
     ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10_000,
                                                     "stage3_max_reuse_distance": distance}}))
     assert zero3_held_params(planned(TINY + ["--mode", "hybrid", "--ds-config", str(ds)], world_size=2)) == expected
+
+
+def test_persistence_threshold_includes_its_own_size(tmp_path: Path):
+    """DeepSpeed persists a parameter of `ds_numel <= stage3_param_persistence_threshold` (partition_parameters.py):
+    at 1280, GPT-2 Large's LayerNorm vectors and the two 1280-wide row biases of each block, and ln_f's two."""
+    ds = tmp_path / "zero3.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1280}}))
+    layout = planned(LARGE + ["--mode", "hybrid", "--ds-config", str(ds)])
+    assert zero3_persistent_params(layout) == (6 * 36 + 2) * 1280
+    assert zero3_fp32_params(layout)[1] == (4 * 36 + 2) * 1280  # of those, the LayerNorms travel in fp32
 
 
 @pytest.mark.timeout(120)  # linear: seconds at 100k layers; a scan per module per layout ran for hours
