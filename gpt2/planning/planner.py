@@ -194,8 +194,7 @@ def zero3_held_params(layout: RunLayout) -> float:
 
     DeepSpeed releases a module's gathered weights after its forward unless one of them appears again
     among the next `stage3_max_reuse_distance` parameters of the recorded module order (forward, then
-    backward in reverse); parameters of at most `stage3_param_persistence_threshold` elements are never partitioned
-    (DeepSpeed: `ds_numel <= threshold`).
+    backward in reverse); persistent parameters (`persists`) are never partitioned.
     The LM head reuses the tied word embedding, so that one is held from the embedding onwards.
     """
     cfg, ds = layout.cfg.model, DeepSpeedSettings.of(layout)
@@ -224,7 +223,7 @@ def _zero3_held(n_layer: int, d: int, n_positions: int, padded_vocab: int, t: in
         seen[trace[k][0]] = k
     held: dict[str, float] = {}
     for i, (name, numel) in enumerate(forward):
-        if numel <= threshold:
+        if persists(numel, threshold):
             continue  # persistent: counted nowhere (a few small vectors)
         held.pop(name, None)
         j = next_use[i]
@@ -233,24 +232,31 @@ def _zero3_held(n_layer: int, d: int, n_positions: int, padded_vocab: int, t: in
     return sum(held.values())
 
 
+def persists(numel: float, threshold: int) -> bool:
+    """Whether ZeRO-3 keeps a parameter whole on every rank: DeepSpeed persists one of `ds_numel <=
+    stage3_param_persistence_threshold` (partition_parameters.py)."""
+    return numel <= threshold
+
+
 def zero3_persistent_params(layout: RunLayout) -> float:
-    """Elements of the parameters ZeRO-3 never partitions: each of at most `stage3_param_persistence_threshold`."""
+    """Elements of the parameters ZeRO-3 never partitions (`persists`)."""
     cfg, t, threshold = layout.cfg.model, layout.tp_size, DeepSpeedSettings.of(layout).param_persistence_threshold
     d = cfg.n_embd
     block = [d, d, 3 * d * d / t, 3 * d / t, d * d / t, d, d, d, 4 * d * d / t, 4 * d / t, 4 * d * d / t, d]
     once = [cfg.padded_vocab_size * d / t, cfg.n_positions * d, d, d]
-    return sum(n for n in once if n <= threshold) + cfg.n_layer * sum(n for n in block if n <= threshold)
+    return (sum(n for n in once if persists(n, threshold))
+            + cfg.n_layer * sum(n for n in block if persists(n, threshold)))
 
 
 def zero3_fp32_params(layout: RunLayout) -> tuple[float, float]:
     """Elements DeepSpeed's torch_autocast keeps in fp32 through ZeRO-3's collectives: every parameter outside its
     lower-precision modules (gpt2.engines.ds_config's: the Linears, biases included), i.e. the word and position
-    embeddings and the LayerNorms. As (gathered, persistent): at or under `stage3_param_persistence_threshold` a
-    tensor is never gathered, only refreshed after the step. Their gradients are all reduce-scattered."""
+    embeddings and the LayerNorms. As (gathered, persistent): a persistent tensor (`persists`) is never gathered,
+    only refreshed after the step. Their gradients are all reduce-scattered."""
     cfg, t, threshold = layout.cfg.model, layout.tp_size, DeepSpeedSettings.of(layout).param_persistence_threshold
     d = cfg.n_embd
     tensors = [cfg.padded_vocab_size * d / t, cfg.n_positions * d] + [d] * (4 * cfg.n_layer + 2)  # LN weight, bias
-    persistent = sum(n for n in tensors if n <= threshold)
+    persistent = sum(n for n in tensors if persists(n, threshold))
     return sum(tensors) - persistent, persistent
 
 
@@ -309,13 +315,14 @@ def predict_memory(layout: RunLayout) -> MemoryPlan:
         if not num.autocast_copies:  # 16-bit model (DeepSpeed): the GELU output is recomputed in backward
             layer -= 4 * e * b * seq * d / t
     gathered = sp_gathered_inputs(layout)
-    layer += gathered.per_block * e * b * seq * d * (1 - 1 / t)
+    gathered_beyond_shard = e * b * seq * d * (1 - 1 / t)  # one [b, s, d] input kept whole instead of its shard
+    layer += gathered.per_block * gathered_beyond_shard
     if tc.activation_checkpointing:
         activations = cfg.n_layer * r * sbh_shard + layer  # block inputs + one recomputed block
     else:
         activations = cfg.n_layer * layer
     activations += (r + e) * sbh_shard  # ln_f input (residual stream) and output
-    activations += gathered.lm_head * e * b * seq * d * (1 - 1 / t)
+    activations += gathered.lm_head * gathered_beyond_shard
     logits = loss_bytes(layout, b * seq, e)
 
     n_local = local_params(layout)

@@ -25,6 +25,7 @@ from gpt2.planning.planner import (
     Hardware,
     compare_with_run,
     make_plan,
+    payload_by_collective,
     predict_communication,
     predict_memory,
     search,
@@ -170,11 +171,8 @@ def test_zero_bytes_are_what_comm_log_measured_on_4_gpus(flags, measured):
     """ZeRO's bytes per step as `--comm-log` counted them on 4x H100 (GPT-2 Large, batch 8, bf16;
     benchmarks/results/multi_gpu/comm_log_h100x4_2026-11-28). DeepSpeed ZeRO-3's all-gather is left out: the
     planner's backward re-gathers (515 MiB) do not happen (DeepSpeed keeps its leaf blocks gathered; see there)."""
-    layout = planned(LARGE + ["--batch-size", "8", "--mode", "hybrid", *flags])
-    predicted = {}
-    for op in predict_communication(layout):
-        if op.group == "dp":
-            predicted[op.collective] = predicted.get(op.collective, 0) + op.message_bytes * op.calls
+    predicted = payload_by_collective(predict_communication(planned(LARGE + ["--batch-size", "8", "--mode", "hybrid",
+                                                                          *flags])), "dp")
     assert {k: predicted[k] for k in measured} == measured
 
 
