@@ -126,13 +126,15 @@ class Job:
         return [*launcher, *self.argv, "--run-name", run_name]
 
 
-def resolved_fsdp2_gather(cfg: RunConfig, world: int, device: str) -> str | None:
-    """--fsdp2-gather as the run will resolve it on `device` (RunLayout.fsdp2_gather); None where the layout itself
-    is refused (the row is skipped below for that) or the run is not FSDP2's."""
+def resolved_key(cfg: RunConfig, world: int, device: str) -> str:
+    """The row's config_key with what the run will resolve on `device`: FSDP2's gather dtype and the compiled
+    graphs' wrapper (RunLayout.fsdp2_gather, .compile_wrapper); neither where the layout itself is refused (the row
+    is skipped below for that)."""
     try:
-        return RunLayout.resolve(cfg, world, torch.device(device).type).fsdp2_gather
+        layout = RunLayout.resolve(cfg, world, torch.device(device).type)
     except ConfigError:
-        return None
+        return config_key(cfg.to_dict(), world)
+    return config_key(cfg.to_dict(), world, layout.fsdp2_gather, layout.compile_wrapper)
 
 
 def plan(row: Row, model: str, common: list[str], batch: int, eval_batches: int, device: str,
@@ -148,7 +150,7 @@ def plan(row: Row, model: str, common: list[str], batch: int, eval_batches: int,
     except ConfigError as err:
         return Job(row, model, skip=str(err))
     world, tp, accum = row.nproc or 1, cfg.parallel.tp_size, cfg.train.grad_accum
-    key = config_key(cfg.to_dict(), world, resolved_fsdp2_gather(cfg, world, device))
+    key = resolved_key(cfg, world, device)
     try:
         check_backends(cfg)
         if cfg.train.compile and cfg.train.compiler == "deepcompile":

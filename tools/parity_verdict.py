@@ -118,7 +118,8 @@ def worst(verdicts: list[str]) -> str:
 # configuration keys: a throughput run meets the parity row of its configuration
 
 
-def config_key(config: dict[str, Any], world_size: int, fsdp2_gather: str | None = None) -> str:
+def config_key(config: dict[str, Any], world_size: int, fsdp2_gather: str | None = None,
+               compile_wrapper: str | None = None) -> str:
     """The code path a run takes, from its config.json (= RunConfig.to_dict()) and world size, e.g.
     `gpt2-large zero3-tp2-sp w4 kernels=triton attn=sdpa compile=blocks ckpt=off bf16 fetch=block zprec=autocast`.
 
@@ -126,7 +127,9 @@ def config_key(config: dict[str, Any], world_size: int, fsdp2_gather: str | None
     own (small) batch, a throughput run measures it at its own. The precision is --precision as given (a CPU run
     computes in fp32 whatever it says). `fsdp2_gather`: FSDP2's gather dtype as the run resolved it (its summary's
     `fsdp2_gather`; `auto` follows rules that may change); without it, --fsdp2-gather as given, and fp32 for configs
-    from before that flag."""
+    from before that flag. `compile_wrapper`: the host code of the compiled graphs as the run resolved it (its
+    summary's `compile_wrapper`, "cpp" or "python"): the same kernels, but C++ calls the graphs' collectives and
+    custom ops through other code, so a verdict holds for the wrapper it ran with; without it, none is named."""
     t, p = config["train"], config["parallel"]
     label = run_label(t["mode"], p["zero_stage"], p["tp_size"], p["sequence_parallel"],
                       p.get("zero_engine", "deepspeed"))
@@ -140,6 +143,8 @@ def config_key(config: dict[str, Any], world_size: int, fsdp2_gather: str | None
         key += f" zprec={p.get('zero_precision', 'deepspeed')}"
     if fsdp2:
         key += f" gather={fsdp2_gather or p.get('fsdp2_gather', 'fp32')}"
+    if compile_wrapper:
+        key += f" wrapper={compile_wrapper}"
     return key
 
 
@@ -163,7 +168,8 @@ def run_key(run_dir: Path) -> str | None:
     if not (config_path.is_file() and summary_path.is_file()):
         return None
     summary = json.loads(summary_path.read_text())
-    return config_key(json.loads(config_path.read_text()), summary["world_size"], summary.get("fsdp2_gather"))
+    return config_key(json.loads(config_path.read_text()), summary["world_size"], summary.get("fsdp2_gather"),
+                      summary.get("compile_wrapper"))
 
 
 def verdict_of(run_dir: Path, verdicts: dict[str, str]) -> str:

@@ -374,8 +374,13 @@ def test_config_key_names_the_code_path():
     assert config_key(fsdp2, 4).endswith(" gather=fp32")
     row = Row("fsdp2-w4", ("--mode", "hybrid", "--zero-engine", "fsdp2", "--compile"), 4)
     common = ["--model", "gpt2-large"]
-    assert plan(row, "gpt2-large", common, 32, 2, "cuda").key.endswith(" gather=bf16")  # auto on a GPU
-    assert plan(row, "gpt2-large", common, 32, 2, "cpu").key.endswith(" gather=fp32")  # CPU runs are fp32
+    assert plan(row, "gpt2-large", common, 32, 2, "cuda").key.endswith(" gather=bf16 wrapper=cpp")  # auto, GPU
+    assert plan(row, "gpt2-large", common, 32, 2, "cpu").key.endswith(" gather=fp32 wrapper=python")  # CPU: fp32
+    # the compiled graphs' host code as resolved: a verdict holds for the wrapper it ran with; eager names none
+    tp = Row("zero3-tp2-w2", ("--mode", "hybrid", "--tp-size", "2", "--compile", "--compile-wrapper", "cpp"), 2)
+    assert plan(tp, "gpt2-large", common, 32, 2, "cuda").key.endswith(" zprec=autocast wrapper=cpp")
+    assert config_key(_config(["--compile"]), 1, compile_wrapper="python").endswith(" bf16 wrapper=python")
+    assert "wrapper=" not in plan(Row("ddp-w2", ("--mode", "baseline"), 2), "gpt2-large", common, 32, 2, "cuda").key
     # batch, accumulation and learning rate do not change the code path
     assert config_key(_config(["--batch-size", "2", "--grad-accum", "4", "--lr", "1e-3"]), 1) == config_key(
         _config([]), 1)
