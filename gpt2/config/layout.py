@@ -200,11 +200,13 @@ class RunLayout:
         where torch.compile compiles nothing (no --compile, DeepCompile). `auto` picks C++ where it was measured
         faster and checked on GPUs: the ZeRO-3 engines' per-block graphs on CUDA (DeepSpeed's and FSDP2's, not
         ZeRO-1/2), host-bound at batch 8 (2xH200, GPT-2 Large: FSDP2 with 4 blocks a unit 158.9 -> 115.4 ms a step,
-        DeepSpeed ZeRO-3 437 -> 310 ms; both passed parity with it, benchmarks/results/multi_gpu). Not yet with TP
-        (its collectives in the graphs) or fused kernels (custom ops in the graphs), which have not run with it on a
-        GPU, nor for single/DDP's whole-model graph (DDP ran with it in two calls and passed parity, but was not
-        timed like for like). CPU runs keep Python: their kernels, not their launches, take the time, and the C++
-        build would lengthen every compiled CPU test."""
+        DeepSpeed ZeRO-3 437 -> 310 ms), and with TP in them (its all-reduces in the graphs; TP 2 on 2xH200,
+        batch 8, alternating runs: DeepSpeed ZeRO-3 + TP2 1.29x the tokens/s, FSDP2 + TP2 1.29x); every one passed
+        parity with it (benchmarks/results/multi_gpu). Not yet with sequence parallelism (other collectives in the
+        graphs) or fused kernels (custom ops in the graphs), which have not run with it on a GPU, nor for
+        single/DDP's whole-model graph (DDP ran with it in two calls and passed parity, but was not timed like for
+        like). CPU runs keep Python: their kernels, not their launches, take the time, and the C++ build would
+        lengthen every compiled CPU test."""
         t = self.cfg.train
         if self.compile_scope not in ("blocks", "model"):
             return None
@@ -212,7 +214,7 @@ class RunLayout:
             return t.compile_wrapper
         zero3_graphs = self.zero3_blocks or (self.fsdp2 and self.zero_stage == 3)  # what ran with it on GPUs
         measured = (self.device_type == "cuda" and zero3_graphs and self.compile_scope == "blocks"
-                    and self.tp_size == 1 and t.fused_kernels == "none")
+                    and not self.sequence_parallel and t.fused_kernels == "none")
         return "cpp" if measured else "python"
 
     @property

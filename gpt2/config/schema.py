@@ -293,8 +293,8 @@ class TrainConfig:
     compile_wrapper: Literal["auto", "cpp", "python"] = option(
         "auto", "with --compile (--compiler torch): the host code Inductor generates to launch each graph's kernels: "
                 "cpp = a compiled C++ wrapper (less host time per kernel, a longer first compile), python = Python; "
-                "auto = cpp for ZeRO-3's per-block graphs (DeepSpeed or FSDP2) on CUDA without TP or fused "
-                "kernels (where measured), else python",
+                "auto = cpp for ZeRO-3's per-block graphs (DeepSpeed or FSDP2, with or without TP) on CUDA "
+                "without sequence parallelism or fused kernels (where measured), else python",
         OPTIM, given_only=True)
     ddp_bucket_mb: int = option(100, "DDP gradient bucket size (all-reduce granularity; --mode baseline)", OPTIM,
                                 parse=positive_int, given_only=True)

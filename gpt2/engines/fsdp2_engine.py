@@ -59,7 +59,7 @@ gradients are summed over the TP group after the last micro-step's reduce-scatte
 TP ranks of a DP position hold the same shard of a replicated parameter; sums commute with the DP average).
 --compile compiles each block's (and the final LayerNorm's and LM head's) forward before `fully_shard`
 (`gpt2.runtime.compiling.compile_forwards`): FSDP2's gather hooks stay eager, outside the graphs (launch code in C++
-where --compile-wrapper auto says: on CUDA at ZeRO-3 without TP or fused kernels).
+where --compile-wrapper auto says: on CUDA at ZeRO-3 without sequence parallelism or fused kernels).
 
 Checkpoints (through `save_state`/`load_state`, so `gpt2.train.checkpoint`'s kill-safe folder protocol, manifest
 and resume apply unchanged): `torch.distributed.checkpoint` writes the model and optimizer state sharded, one DCP

@@ -222,7 +222,10 @@ def test_settings_that_run_but_surprise_are_warned_about_once_in_the_layout() ->
     (["--mode", "hybrid", "--compile"], "cpu", False),  # auto: Python on CPU
     (["--compile"], "cuda", False),  # single's whole-model graph: no gain measured
     (["--compile", "--compile-scope", "blocks"], "cuda", False),  # single's per-block graphs: not run with it
-    (["--mode", "hybrid", "--compile", "--tp-size", "2"], "cuda", False),  # not run with TP on a GPU yet
+    (["--mode", "hybrid", "--compile", "--tp-size", "2"], "cuda", True),  # TP's all-reduces in the graphs
+    (["--mode", "hybrid", "--zero-engine", "fsdp2", "--compile", "--tp-size", "2"], "cuda", True),
+    (["--mode", "hybrid", "--compile", "--tp-size", "2", "--sequence-parallel"], "cuda", False),  # not run with SP
+    (["--mode", "baseline", "--compile", "--tp-size", "2"], "cuda", False),  # DDP + TP: not run with it
     (["--mode", "hybrid", "--compile", "--fused-kernels", "triton"], "cuda", False),  # nor with fused kernels
     (["--compile", "--compile-wrapper", "cpp"], "cpu", True),
     (["--mode", "hybrid", "--zero-stage", "2", "--compile"], "cuda", False),  # ZeRO-2's graphs: not run with it
