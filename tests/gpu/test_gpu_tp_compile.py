@@ -1,6 +1,7 @@
 """GPU: tensor parallelism under --compile trains single's function on 2 GPUs (NCCL), DDP and ZeRO-3, +- sequence
-parallelism. On torch 2.11 without parallel.comm's views (pytorch/pytorch#184113) the blocks got no gradient: on
-4 H200s the step-1 gradient norm read 2.67 against single's 23.9 and the loss ended 1.78 off.
+parallelism, and FSDP2; the ZeRO-3 engines' graphs with either launch code (C++ by default on CUDA). On torch 2.11
+without parallel.comm's views (pytorch/pytorch#184113) the blocks got no gradient: on 4 H200s the step-1 gradient
+norm read 2.67 against single's 23.9 and the loss ended 1.78 off.
 
 Runs tests/train_runs.REFERENCE_ARGS (gpt2-tiny, fp32, seq 32, lr 3e-3, 10 steps, clip active) on the GPU: single
 eager on one GPU, each TP row on two (dp 1, the same batch of 4). fp32 on a GPU without TF32 (PyTorch's default):
@@ -31,6 +32,9 @@ ROWS = {
     "ddp-tp2-sp-compile": ["--mode", "baseline", *TP2, "--sequence-parallel"],
     "zero3-tp2-compile": ["--mode", "hybrid", *TP2],
     "zero3-tp2-sp-compile": ["--mode", "hybrid", *TP2, "--sequence-parallel"],
+    # the ZeRO-3 engines' TP graphs launch from C++ on CUDA (--compile-wrapper auto); Python stays a choice
+    "zero3-tp2-compile-python": ["--mode", "hybrid", *TP2, "--compile-wrapper", "python"],
+    "fsdp2-tp2-compile": ["--mode", "hybrid", "--zero-engine", "fsdp2", *TP2],
 }
 
 
