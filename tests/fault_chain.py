@@ -1,5 +1,5 @@
-"""A chain of 2-rank torchrun launches of one run, each killed by one fault and continued by the next with
-`--resume auto` (tests/integration/test_faults_ddp.py, tests/integration/test_faults_zero3.py).
+"""A chain of launches of one run (2-rank torchrun; `single`: one process), each killed by one fault and continued by
+the next with `--resume auto` (tests/integration/test_faults.py, test_faults_ddp.py, test_faults_zero3.py).
 
 Each launch is both the resume check of the previous fault and the next fault, so one launch per fault: a kill at
 one stage of a save (`GPT2_TEST_KILL_AT=STAGE@STEP`, the step the launch saves first) or a SIGKILL at a random
@@ -12,8 +12,9 @@ instant after the launch logged its first step (inside a step, a save or a prune
 
 After every kill: each complete-looking `step-XXXXXX` folder passes its manifest check (nothing half-written can
 be picked), and the next launch resumes from the newest one (for a stage kill at step k: k - 1 before the rename,
-k from the rename on). Every step any launch logged equals the uninterrupted run's (loss and grad norm, 1e-6), and
-the last launch, unfaulted, finishes the run with `latest` and the last checkpoint only.
+k from the rename on). Every step any launch logged equals the uninterrupted run's (loss and grad norm, 1e-6 for 2
+ranks; bit for bit in one process), and the last launch, unfaulted, finishes the run with `latest` and the last
+checkpoint only.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ PRUNE_STAGES = ("prune-renamed", "prune-partial")  # reached only when --keep-la
 # The other 9 are rank 0's prepare and commit (gpt2.train.checkpoint.save_checkpoint), the same code and files for
 # every engine: the DDP chain kills at every stage.
 ENGINE_STAGES = ("rank-state-written", "model-state-written", "pruned")
-FLAGS = {"ddp": ["--mode", "baseline"], "zero3": ["--mode", "hybrid", "--zero-stage", "3"],
-         "fsdp2": ["--mode", "hybrid", "--zero-engine", "fsdp2"]}
+FLAGS = {"single": ["--mode", "single"], "ddp": ["--mode", "baseline"],
+         "zero3": ["--mode", "hybrid", "--zero-stage", "3"], "fsdp2": ["--mode", "hybrid", "--zero-engine", "fsdp2"]}
 STEPS = 12  # 12 stage kills advance the run 5 steps (6 if the prunes come first), a random one about 0.6 (at most 2):
 # 2 of them, 10 at most
 RANDOM_WINDOW_S = 0.4  # a random kill comes 0-0.4 s after the launch's first step record: 1-2 steps and saves
@@ -106,19 +107,23 @@ def _kill_at_random(proc: subprocess.Popen, run_dir: Path, kind: str, delay: flo
     return kind
 
 
-def run_chain(name: str, tmp: Path, n_random: int, seed: int, stages: tuple[str, ...] = SAVE_STAGES) -> list[Launch]:
+def run_chain(name: str, tmp: Path, n_random: int, seed: int, stages: tuple[str, ...] = SAVE_STAGES,
+              shuffle: bool = True) -> list[Launch]:
     """The uninterrupted run, then the chain: each of `stages` (default: every stage of SAVE_STAGES) once and
-    `n_random` random kills (half of the whole job, half of one rank; instants spread over the window by
-    `kill_delays`), in a seeded random order, then a launch that finishes. Returns the launches (for timing and
-    messages)."""
+    `n_random` random kills (2 ranks only: half of the whole job, half of one rank; instants spread over the window by
+    `kill_delays`), in a seeded random order (`shuffle`) or as given, then a launch that finishes. Returns the
+    launches (for timing and messages)."""
+    nproc = 1 if name == "single" else 2
+    tol = 0.0 if nproc == 1 else 1e-6  # one process: no reduction order to differ
     args = chain_args(name)
-    run_train(args + ["--run-name", "full", "--save-dir", str(tmp / "ck-full")], tmp, nproc=2)
+    run_train(args + ["--run-name", "full", "--save-dir", str(tmp / "ck-full")], tmp, nproc=nproc)
     reference = {key: step_values(tmp / "full", key) for key in ("loss", "grad_norm")}
     assert len(reference["loss"]) == STEPS
 
     rng = random.Random(seed)
     faults = list(stages) + [("job", "rank")[i % 2] for i in range(n_random)]
-    rng.shuffle(faults)
+    if shuffle:
+        rng.shuffle(faults)
     delays = iter(kill_delays(n_random, rng))
     ck, out = tmp / "ck", tmp / "runs"
     launches: list[Launch] = []
@@ -128,7 +133,7 @@ def run_chain(name: str, tmp: Path, n_random: int, seed: int, stages: tuple[str,
         env = train_env()
         if fault in SAVE_STAGES:  # the first save this launch makes; a prune needs an older checkpoint
             env[FAULT_ENV] = f"{fault}@{start + 2 if fault in PRUNE_STAGES and start == 0 else start + 1}"
-        cmd = [*train_command(2), *args, "--save-dir", str(ck), "--resume", "auto",
+        cmd = [*train_command(nproc), *args, "--save-dir", str(ck), "--resume", "auto",
                "--out-dir", str(out), "--run-name", run_dir.name]
         launch = Launch(fault, run_dir)
         launches.append(launch)
@@ -162,7 +167,7 @@ def run_chain(name: str, tmp: Path, n_random: int, seed: int, stages: tuple[str,
         assert records and records[0]["step"] == start + 1, (run_dir.name, records[:1])
         for r in records:
             for key, want in reference.items():
-                assert abs(r[key] - want[r["step"] - 1]) <= 1e-6, (run_dir.name, r["step"], key, r[key])
+                assert abs(r[key] - want[r["step"] - 1]) <= tol, (run_dir.name, r["step"], key, r[key])
 
         newest = _newest_complete(ck)
         if fault in SAVE_STAGES:  # killed at the save of step start + 1 (start + 2: the first prune of a run)

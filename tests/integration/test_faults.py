@@ -1,30 +1,36 @@
 """Fault injection: real runs killed (SIGKILL) at every stage of a checkpoint save and at random instants, then
 `--resume auto`.
 
-Each fault tried (single process, `--save-interval 1 --keep-last 1`, killed at the save of step 2 through
-GPT2_TEST_KILL_AT) and the outcome this file asserts:
+Each fault tried (single process, `--save-interval 1 --keep-last 1`, killed through GPT2_TEST_KILL_AT at the first
+save of a launch, each launch of one chain resuming the previous one: tests/fault_chain.py) and what it must resume
+from:
 
-- tmp-created, rank-state-written, model-state-written, meta-written, manifest-written, synced: step 2's save is a
-  `step-000002.tmp` (never read, removed by the next save) -> resumes from step 1
-- pending-written: `latest.pending` names step 2, not renamed yet (ignored) -> step 1
-- renamed: a complete `step-000002` that `latest` does not name (the old code exited 2 here) -> step 2, warning
-- latest-written: `latest` names step 2, step 1 not pruned yet -> step 2
-- prune-renamed, prune-partial: step 1 renamed to `step-000001.deleting`, then half deleted -> step 2
-- pruned: the save finished -> step 2
+- tmp-created, rank-state-written, model-state-written, meta-written, manifest-written, synced: the save of step k
+  is a `step-00000k.tmp` (never read, removed by the next save) -> resumes from step k - 1
+- pending-written: `latest.pending` names step k, not renamed yet (ignored) -> k - 1
+- renamed: a complete `step-00000k` that `latest` does not name (the old code exited 2 here) -> k, warning
+- latest-written: `latest` names step k, step k - 1 not pruned yet -> k
+- prune-renamed, prune-partial: the older checkpoint renamed to `.deleting`, then half deleted -> k
+- pruned: the save finished -> k
 
-In every case the resumed run's losses equal the uninterrupted run's (bit-identical, CPU fp32), and the save
-dir ends with `latest` and the newest checkpoint only: no `.tmp`, `.deleting` or `latest.pending` left.
+After every kill each complete-looking step folder passes its manifest check (every file it lists, nothing else)
+and the next launch resumes from the newest of them; every step any launch logged equals the uninterrupted run's
+(bit-identical, CPU fp32), and the last launch finishes with `latest` and the newest checkpoint only: no `.tmp`,
+`.deleting` or `latest.pending` left. The chain's order puts every stage after a first complete save (a resume
+point older than the killed save exists), and pending-written right after renamed: killed after step k's rename
+(`latest` still names k - 1, `latest.pending` k), resumed from k, then killed at step k + 1's pending-written
+(`latest.pending` now names the unrenamed k + 1), the next launch must resume from k again (CI's ZeRO-3 fault chain
+hit this: it went back to `latest` and refused to overwrite step k).
 
 - 4 SIGKILLs of one run at random instants (0-0.4 s after each launch's first step record, one in each quarter of
   that window: inside a step, a save or a prune), each followed by `--resume auto` -> every step any launch logged
   equals the uninterrupted run's (bit-identical), and the run finishes with `latest` and its last checkpoint only.
 
 The same with 2 gloo ranks under torchrun, DDP and ZeRO-3, in tests/integration/test_faults_ddp.py and
-tests/integration/test_faults_zero3.py (tests/fault_chain.py): the stages (DDP all 12; ZeRO-3 the 2 around the
-engine's writes and pruned) and 2 random kills (the whole job, and one rank) chained in one run, each launch
-resuming from the newest complete checkpoint (the stage outcomes above) within 1e-6 of the uninterrupted run. The
-commit stages (from meta-written on) run on rank 0 alone; at tmp-created rank 0 dies, at rank-state-written and
-model-state-written every rank does.
+tests/integration/test_faults_zero3.py: the stages (DDP all 12; ZeRO-3 the 2 around the engine's writes and
+pruned) and 2 random kills (the whole job, and one rank) chained in one run, each launch resuming from the newest
+complete checkpoint within 1e-6 of the uninterrupted run. The commit stages (from meta-written on) run on rank 0
+alone; at tmp-created rank 0 dies, at rank-state-written and model-state-written every rank does.
 """
 
 from __future__ import annotations
@@ -34,80 +40,33 @@ from pathlib import Path
 
 import pytest
 
-from gpt2.train.checkpoint import FAULT_ENV, SAVE_STAGES
-from tests.fault_chain import RANDOM_WINDOW_S, kill_delays
+from gpt2.train.checkpoint import SAVE_STAGES
+from tests.fault_chain import RANDOM_WINDOW_S, kill_delays, run_chain
 from tests.train_runs import (
     ROOT,
     TINY_ARGS,
     read_killed_records,
     run_train,
     step_values,
-    summary,
     train_command,
     train_env,
 )
 
 ARGS = TINY_ARGS + ["--data", "synthetic", "--max-steps", "4", "--seed", "7", "--batch-size", "2",
                     "--eval-batches", "1", "--save-interval", "1", "--keep-last", "1"]
-KILL_STEP = 2
-BEFORE_RENAME = ("tmp-created", "rank-state-written", "model-state-written", "meta-written", "manifest-written",
-                 "synced", "pending-written")
+# latest-written first (a complete save: every later kill has an older checkpoint to fall back to), renamed right
+# before pending-written (see above)
+CHAIN_ORDER = ("latest-written", "tmp-created", "rank-state-written", "model-state-written", "meta-written",
+               "manifest-written", "synced", "renamed", "pending-written", "prune-renamed", "prune-partial", "pruned")
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("faults")
-    run_train(ARGS + ["--run-name", "full", "--save-dir", str(root / "ck")], root)
-    return root / "full"
+def test_the_chain_kills_at_every_stage() -> None:
+    assert sorted(CHAIN_ORDER) == sorted(SAVE_STAGES)
 
 
-def _killed_run(args: list[str], out_dir: Path, stage: str, step: int = KILL_STEP) -> subprocess.CompletedProcess:
-    env = train_env() | {FAULT_ENV: f"{stage}@{step}"}
-    return subprocess.run(train_command(1) + args + ["--out-dir", str(out_dir)],
-                          capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
-
-
-def test_stages_are_the_documented_ones() -> None:
-    assert set(SAVE_STAGES) == set(BEFORE_RENAME) | {"renamed", "latest-written", "prune-renamed", "prune-partial",
-                                                      "pruned"}
-
-
-@pytest.mark.parametrize("stage", SAVE_STAGES)
-def test_kill_at_every_save_stage_then_resume_auto_continues_exactly(reference: Path, tmp_path: Path,
-                                                                     stage: str) -> None:
-    ck = tmp_path / "ck"
-    killed = _killed_run(ARGS + ["--run-name", "killed", "--save-dir", str(ck)], tmp_path, stage)
-    assert killed.returncode == -9, f"not killed at {stage}: rc {killed.returncode}\n{killed.stderr[-3000:]}"
-    for folder in ck.glob("step-*"):  # what a resume could pick is whole; the rest is named .tmp / .deleting
-        if folder.suffix not in (".tmp", ".deleting"):
-            assert sorted(p.name for p in folder.iterdir()) == ["manifest.json", "meta.json", "model.pt",
-                                                                 "optimizer.pt", "rank-00000.pt"], folder
-
-    proc = run_train(ARGS + ["--run-name", "resumed", "--save-dir", str(ck), "--resume", "auto"], tmp_path)
-    expected_start = 1 if stage in BEFORE_RENAME else KILL_STEP
-    assert summary(tmp_path / "resumed")["start_step"] == expected_start
-    if stage == "renamed":
-        assert "resuming from the newer step-000002" in proc.stderr
-    for key in ("loss", "grad_norm"):
-        assert step_values(tmp_path / "resumed", key) == step_values(reference, key)[expected_start:], key
-    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-000004"]
-
-
-def test_a_kill_before_the_rename_after_resuming_from_a_pending_checkpoint_resumes_from_it_again(
-        reference: Path, tmp_path: Path) -> None:
-    """Killed after step 2's rename (`latest` still names step 1, `latest.pending` step 2), resumed from step 2, then
-    killed at step 3's pending-written: `latest.pending` now names the unrenamed step 3. The next resume must start
-    from step 2 again (CI's ZeRO-3 fault chain hit this: it went back to `latest` and refused to overwrite step 2)."""
-    ck = tmp_path / "ck"
-    for name, stage, step in (("first", "renamed", KILL_STEP), ("second", "pending-written", KILL_STEP + 1)):
-        killed = _killed_run(ARGS + ["--run-name", name, "--save-dir", str(ck), "--resume", "auto"], tmp_path, stage,
-                             step)
-        assert killed.returncode == -9, f"not killed at {stage}@{step}: rc {killed.returncode}\n{killed.stderr[-3000:]}"
-    run_train(ARGS + ["--run-name", "resumed", "--save-dir", str(ck), "--resume", "auto"], tmp_path)
-    assert summary(tmp_path / "resumed")["start_step"] == KILL_STEP
-    for key in ("loss", "grad_norm"):
-        assert step_values(tmp_path / "resumed", key) == step_values(reference, key)[KILL_STEP:], key
-    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-000004"]
+def test_kill_at_every_save_stage_then_resume_auto_continues_exactly(tmp_path: Path) -> None:
+    launches = run_chain("single", tmp_path, n_random=0, seed=0, stages=CHAIN_ORDER, shuffle=False)
+    print(" ".join(f"{launch.fault or 'finish'}:{launch.seconds:.1f}s" for launch in launches))
 
 
 @pytest.mark.slow
