@@ -2,20 +2,31 @@
 
 Runs (global batch 4 sequences of 32 tokens everywhere), compared with the session's single reference (batch 4,
 tests/conftest.py):
-    ddp-tp2dp2-sp-accum  --mode baseline --tp-size 2 --sequence-parallel on 4 ranks, batch 1 x accum 2: DDP's
-                   no_sync on the first micro-step, the sequence-parallel all-reduce once after the last backward, on
-                   the accumulated gradient (reducing after each micro-step would double-count the first)
+    ddp-tp2dp2-sp-accum  --mode baseline --tp-size 2 --sequence-parallel on 4 ranks, batch 1 x accum 2,
+                   --activation-checkpointing: DDP's no_sync on the first micro-step, the sequence-parallel all-reduce
+                   once after the last backward, on the accumulated gradient (reducing after each micro-step would
+                   double-count the first)
     zero3-tp2dp2-sp  --mode hybrid (ZeRO-3) --tp-size 2 --sequence-parallel on 4 ranks, batch 1 x accum 2,
                    --no-tp-overlap, --activation-checkpointing, checkpoint at step 5 (a DeepSpeed checkpoint in TP
                    layout: one mp_rank per TP rank, each partitioned over DP), resumed
-    tp2            --mode baseline --tp-size 2 on 2 ranks (dp 1), batch 4, checkpoint at step 5, resumed
-    tp2-compile    as tp2 with --compile (compiled blocks; the vocab-parallel head stays eager)
+    tp2            --mode baseline --tp-size 2 on 2 ranks (dp 1), batch 2 x accum 2, --activation-checkpointing,
+                   --eval-interval 1, checkpoint at step 5, resumed
+    tp2-compile    --mode baseline --tp-size 2 --compile on 2 ranks (dp 1), batch 4 (compiled blocks; the
+                   vocab-parallel head stays eager)
     zero3-tp2-sp-compile  --mode hybrid --tp-size 2 --sequence-parallel --compile on 2 ranks (dp 1): compiled
                    block forwards inside ZeRO-3's per-block (leaf-module) gather hooks
 
 tests/train_runs.REFERENCE_ARGS: lr 3e-3 on 8 repeated synthetic blocks, so the loss falls (10.84 -> 9.44 in 10
 steps) and the gradient clip (1.0) is active on most steps: a wrong gradient shows (without the sequence-parallel
 all-reduce, step 2 is off by 1.7e-4 relative).
+
+The eager runs' measured TP bytes per step (our TP layers count each collective's payload in the engine's `CommStats`:
+the summary's `plan/measured_tp_payload_bytes/<collective>`) equal the planner's `plan/tp_payload_bytes/<collective>`
+exactly. The runs cover the code paths that change the count: no SP with accumulation, activation checkpointing and
+an evaluation every step (its forwards must not be counted: tp2); SP's overlapped backward with activation
+checkpointing (ddp-tp2dp2-sp-accum); ZeRO-3 with SP and accumulation, the SP gradients summed by per-parameter hooks
+in every micro-step's backward (zero3-tp2dp2-sp). ZeRO-3's data-parallel bytes (--comm-log) are checked in
+tests/integration/test_zero.py, FSDP2's in tests/integration/test_fsdp2.py.
 
 Tolerances (measured on CPU in brackets): per-step loss vs single <= 1e-5 relative [<= 3.9e-7]; pre-clip
 gradient norm vs single <= 1e-3 relative [1.1e-5 at step 1, <= 2.5e-4 after: single's clip_grad_norm_ reduces
@@ -43,6 +54,7 @@ from tests.train_runs import (
     assert_hf_export_matches,
     assert_matches_reference,
     assert_resume_exact,
+    by_collective,
     run_train,
     step_losses,
     summary,
@@ -52,15 +64,17 @@ from tests.train_runs import (
 pytestmark = pytest.mark.slow
 TP_RUNS = {  # run name -> (processes, flags)
     "ddp-tp2dp2-sp-accum": (4, ["--mode", "baseline", "--tp-size", "2", "--batch-size", "1", "--grad-accum", "2",
-                                "--sequence-parallel"]),
+                                "--sequence-parallel", "--activation-checkpointing"]),
     "zero3-tp2dp2-sp": (4, ["--mode", "hybrid", "--tp-size", "2", "--batch-size", "1", "--grad-accum", "2",
                             "--sequence-parallel", "--no-tp-overlap", "--activation-checkpointing"]),
-    "tp2": (2, ["--mode", "baseline", "--tp-size", "2", "--batch-size", "4"]),
+    "tp2": (2, ["--mode", "baseline", "--tp-size", "2", "--batch-size", "2", "--grad-accum", "2",
+                "--activation-checkpointing", "--eval-interval", "1"]),
     "tp2-compile": (2, ["--mode", "baseline", "--tp-size", "2", "--batch-size", "4", "--compile"]),
     "zero3-tp2-sp-compile": (2, ["--mode", "hybrid", "--tp-size", "2", "--batch-size", "4", "--sequence-parallel",
                                  "--compile"]),
 }
 RESUMED = ("tp2", "zero3-tp2dp2-sp")  # checkpointed at step 5 and resumed from it
+COUNTED = ("ddp-tp2dp2-sp-accum", "zero3-tp2dp2-sp", "tp2")  # eager: CommStats counts no collective inside a graph
 GRAD_NORM_REL_TOL = 1e-3
 
 
@@ -85,6 +99,19 @@ def test_tp_matches_single(single_reference: ReferenceRun, runs: Path, name: str
     dp = s["world_size"] // 2
     assert (s["tp_size"], s["dp_size"]) == (2, dp)
     assert s["tokens_per_step"] == REFERENCE_BATCH * 32  # dp x batch x accum x seq: TP ranks share their batch
+
+
+@pytest.mark.parametrize("name", COUNTED)
+def test_tp_bytes_measured_equal_predicted(runs: Path, name: str) -> None:
+    s = summary(runs / name)
+    predicted = by_collective(s, "plan/tp_payload_bytes/")
+    measured = by_collective(s, "plan/measured_tp_payload_bytes/")
+    kinds = {"all_reduce", "all_gather", "reduce_scatter"} if "--sequence-parallel" in TP_RUNS[name][1] else {
+        "all_reduce"}
+    assert set(predicted) == kinds, predicted
+    assert measured == predicted, (measured, predicted)
+    assert s["plan/measured_tp_payload_bytes"] == s["plan/tp_payload_bytes"] > 0
+    assert "plan/comm_note" not in s
 
 
 @pytest.mark.parametrize("name", RESUMED)
