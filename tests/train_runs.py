@@ -88,6 +88,23 @@ def train_error(argv: list[str], capsys, out_dir: Path = NEVER_CREATED) -> str:
     return capsys.readouterr().err
 
 
+def first_batch_loss(model, args: list[str]) -> float:
+    """`model`'s loss (fp32, no grad) on the first training batch of a one-process run with `args` (its step 1's
+    batch; dp ranks split this global batch): what a run that starts from `model`'s weights logs at step 1."""
+    import torch
+
+    from gpt2.config.cli import parse_args
+    from gpt2.data.loader import build_data
+
+    cfg = parse_args(args)
+    data = build_data(cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
+                      model_vocab_size=cfg.model.vocab_size, dp_rank=0, dp_size=1, seed=cfg.train.seed, is_main=True,
+                      barrier=lambda: None)
+    x, y = data.train.next_batch()
+    with torch.no_grad():
+        return model(x, y)[0].item()
+
+
 def read_records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -6,11 +6,13 @@ Runs (10 steps each; the same global batch of 4 sequences):
     fsdp2            2 ranks, batch 1 x accum 2 (set_requires_gradient_sync off on the first micro-step),
                      --activation-checkpointing (each block recomputed in backward, its FSDP2 gather inside the
                      recomputed call), checkpoints at steps 5 and 10, --comm-log; fsdp2-resumed from step 5
-    fsdp2-zero2      --zero-stage 2 (reshard_after_forward=False), 2 ranks, batch 2, --comm-log
-    fsdp2-compile    --compile (each block's forward compiled, FSDP2's hooks eager), 2 ranks, batch 2, --comm-log
+    ds-launcher      --zero-stage 2 (reshard_after_forward=False) under the deepspeed launcher, 2 ranks, batch 2,
+                     --comm-log, an evaluation mid-run
     fsdp2-tp2dp2-sp  --tp-size 2 --sequence-parallel on 4 ranks (DP groups [0, 2] and [1, 3]), batch 2, checkpoint
                      at step 5; resumed from it
-    tp-compile       --tp-size 2 --compile on 4 ranks, batch 2
+    tp-compile       --tp-size 2 --compile (each block's forward compiled, FSDP2's hooks eager) on 4 ranks, batch 2,
+                     --comm-log, an evaluation mid-run (the plain blocks' compiled graph is ZeRO-3's in
+                     tests/integration/test_zero.py: one launch fewer here)
 Tolerances (measured on CPU, torch 2.13, in brackets): per-step loss vs single <= 1e-5 relative
 (tests/train_runs.LOSS_REL_TOL) [2.0e-7 on 2 ranks, 2.9e-7 with TP], pre-clip gradient norm (the global norm the clip
 uses: DTensor gradients reduced over DP, TP shards over TP) <= 2e-4 relative at tp 1, as the DeepSpeed tests
@@ -39,6 +41,7 @@ from tests.train_runs import (
     assert_matches_reference,
     assert_resume_exact,
     assert_weights_match,
+    first_batch_loss,
     run_train,
     step_losses,
     summary,
@@ -106,56 +109,60 @@ def test_fsdp2_checkpoint_exports_and_inits(single_reference: ReferenceRun, runs
 
     cfg, fsdp2_sd = assert_weights_match(runs / "ck" / "step-000010", single_reference.checkpoint, atol=1e-4)
     export_hf(runs / "ck", tmp_path / "hf")  # the save dir: its latest checkpoint
-    assert_hf_export_matches(cfg, fsdp2_sd, tmp_path / "hf")
+    ours, _ = assert_hf_export_matches(cfg, fsdp2_sd, tmp_path / "hf")
 
+    # --init-from under FSDP2: its first loss is the exported model's on that batch (single's --init-from:
+    # tests/integration/test_checkpoint.py)
     args = REFERENCE_ARGS + ["--max-steps", "1", "--init-from", str(tmp_path / "hf")]
-    run_train(args + ["--batch-size", "4", "--run-name", "init-single"], tmp_path)
     run_train(args + ["--mode", "hybrid", "--zero-engine", "fsdp2", "--batch-size", "2", "--run-name", "init-fsdp2"],
               tmp_path, nproc=2)
-    (a,), (b,) = step_losses(tmp_path / "init-single"), step_losses(tmp_path / "init-fsdp2")
+    a, (b,) = first_batch_loss(ours, REFERENCE_ARGS + ["--batch-size", "4"]), step_losses(tmp_path / "init-fsdp2")
     assert abs(a - b) <= 1e-5 and abs(a - step_losses(single_reference.run_dir)[0]) > 1e-3  # trained weights
 
 
-def test_fsdp2_checkpoint_does_not_resume_under_deepspeed(runs: Path, tmp_path: Path) -> None:
-    """The engines' checkpoints differ (DCP folders vs DeepSpeed's): the other engine is refused, naming both."""
+def test_fsdp2_checkpoint_does_not_resume_under_deepspeed(runs: Path) -> None:
+    """The engines' checkpoints differ (DCP folders vs DeepSpeed's): the other engine is refused, naming both (the
+    start-up check train.py runs on every rank, here for this checkpoint's 2 ranks: no launch needed)."""
+    from gpt2.config.cli import parse_args
+    from gpt2.config.layout import RunLayout
+    from gpt2.train.checkpoint import CheckpointError, check_compatible, read_meta
+
+    step5 = runs / "ck" / "step-000005"
+    cfg = parse_args(REFERENCE_ARGS + ["--mode", "hybrid", "--batch-size", "1", "--grad-accum", "2"])
     wrong = re.escape("zero_engine: checkpoint 'fsdp2', this run 'deepspeed' (--zero-engine)")
-    with pytest.raises(AssertionError, match=wrong):
-        run_train(REFERENCE_ARGS + ["--mode", "hybrid", "--batch-size", "1", "--grad-accum", "2", "--run-name", "ds",
-                                    "--resume", str(runs / "ck" / "step-000005")], tmp_path, nproc=2)
+    with pytest.raises(CheckpointError, match=wrong):
+        check_compatible(read_meta(step5), RunLayout.resolve(cfg, 2, "cpu"), step5)
 
 
-@pytest.mark.parametrize(("name", "flags"), [("fsdp2-zero2", ["--zero-stage", "2"]),
-                                             ("fsdp2-compile", ["--compile"])])
-def test_fsdp2_zero2_and_compile_match_single(single_reference: ReferenceRun, tmp_path: Path, name: str,
-                                              flags: list[str]) -> None:
-    # an evaluation mid-run (its forwards leave the units that are not resharded after forward gathered, until the
-    # engine reshards them) changes nothing the run trains
-    run_train(FSDP2 + ["--batch-size", "2", "--run-name", name, "--comm-log", "--eval-interval", "5"] + flags, tmp_path,
-              nproc=2)
-    assert_matches_reference(single_reference, tmp_path / name, GRAD_NORM_REL_TOL)
-    s = summary(tmp_path / name)
-    assert_comm_log_is_the_plan(s)
-    assert (s["fsdp2_unit_blocks"], s["compile_wrapper"]) == (2, "python" if "--compile" in flags else None)
-    assert s["fsdp2_gather"] == "fp32"  # CPU runs are fp32
-    reshard = "reshard_after_forward=False: ZeRO-2" if "--zero-stage" in flags else "reshard_after_forward=True: ZeRO-3"
-    console = (tmp_path / name / "console.log").read_text()
+def assert_default_units(run_dir: Path, reshard: str) -> dict:
+    """A run at the default unit size (both blocks of the reference model in one unit): its console names the units
+    and the reshard mode; returns its summary."""
+    s = summary(run_dir)
+    assert s["fsdp2_unit_blocks"] == 2 and s["fsdp2_gather"] == "fp32"  # CPU runs are fp32
+    console = (run_dir / "console.log").read_text()
     assert reshard in console
-    assert "FSDP2: 2 units (transformer blocks in units of at most 2, + embeddings/head)" in console  # the default
+    assert "FSDP2: 2 units (transformer blocks in units of at most 2, + embeddings/head)" in console
+    return s
 
 
-def test_fsdp2_under_the_deepspeed_launcher_matches_single(single_reference: ReferenceRun, tmp_path: Path) -> None:
+def test_fsdp2_zero2_under_the_deepspeed_launcher_matches_single(single_reference: ReferenceRun,
+                                                                 tmp_path: Path) -> None:
     """`deepspeed --num_gpus 2 train.py --mode hybrid --zero-engine fsdp2` (the launcher users start hybrid runs with;
-    CPU ranks under DS_ACCELERATOR=cpu) trains single's function as under torchrun."""
+    CPU ranks under DS_ACCELERATOR=cpu) trains single's function as under torchrun, here at --zero-stage 2; an
+    evaluation mid-run (its forwards leave the units that are not resharded after forward gathered, until the engine
+    reshards them) changes nothing the run trains."""
     from tests.train_runs import ROOT, train_env
     from tools.common import free_port
 
     launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
-    proc = subprocess.run([*launcher, str(ROOT / "train.py"), *FSDP2, "--batch-size", "2", "--run-name", "ds-launcher",
-                           "--out-dir", str(tmp_path)], capture_output=True, text=True, env=train_env(), timeout=300,
-                          cwd=ROOT)
+    proc = subprocess.run([*launcher, str(ROOT / "train.py"), *FSDP2, "--batch-size", "2", "--zero-stage", "2",
+                           "--comm-log", "--eval-interval", "5", "--run-name", "ds-launcher", "--out-dir",
+                           str(tmp_path)], capture_output=True, text=True, env=train_env(), timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert summary(tmp_path / "ds-launcher")["world_size"] == 2
     assert_matches_reference(single_reference, tmp_path / "ds-launcher", GRAD_NORM_REL_TOL)
+    s = assert_default_units(tmp_path / "ds-launcher", "reshard_after_forward=False: ZeRO-2")
+    assert (s["world_size"], s["compile_wrapper"]) == (2, None)
+    assert_comm_log_is_the_plan(s)
 
 
 def test_fsdp2_tp_sp_matches_single_resumes_and_exports(single_reference: ReferenceRun, tmp_path: Path) -> None:
@@ -173,10 +180,14 @@ def test_fsdp2_tp_sp_matches_single_resumes_and_exports(single_reference: Refere
 
 
 def test_fsdp2_tp_compile_matches_single(single_reference: ReferenceRun, tmp_path: Path) -> None:
-    """The parity row fsdp2-tp2-compile-wW on CPU: TP 2 x DP 2 with each block's forward compiled."""
-    run_train(FSDP2 + ["--tp-size", "2", "--compile", "--batch-size", "2", "--run-name", "tp-compile"], tmp_path,
-              nproc=4)
+    """The parity row fsdp2-tp2-compile-wW on CPU: TP 2 x DP 2 with each block's forward compiled (FSDP2's hooks
+    eager), an evaluation mid-run; --comm-log's bytes are the plan's under compile too."""
+    run_train(FSDP2 + ["--tp-size", "2", "--compile", "--batch-size", "2", "--comm-log", "--eval-interval", "5",
+                       "--run-name", "tp-compile"], tmp_path, nproc=4)
     assert_matches_reference(single_reference, tmp_path / "tp-compile", TP_GRAD_NORM_REL_TOL)
+    s = assert_default_units(tmp_path / "tp-compile", "reshard_after_forward=True: ZeRO-3")
+    assert (s["tp_size"], s["dp_size"], s["compile_wrapper"]) == (2, 2, "python")
+    assert_comm_log_is_the_plan(s)
 
 
 CLIP = 0.05  # below this model's gradient norm (asserted): the clip scales every gradient
