@@ -38,8 +38,14 @@ PRUNE_STAGES = ("prune-renamed", "prune-partial")  # reached only when --keep-la
 # the stages of the ZeRO-3 chains: the two around the engine's own writes (engine.save_state runs between them, on
 # every rank) and the end of a save (so a later launch loads the engine's checkpoint, whatever the random kills do).
 # The other 9 are rank 0's prepare and commit (gpt2.train.checkpoint.save_checkpoint), the same code and files for
-# every engine: the DDP chain kills at every stage.
+# every engine and world size: the single-process chain (tests/integration/test_faults.py) kills at every stage.
 ENGINE_STAGES = ("rank-state-written", "model-state-written", "pruned")
+# the DDP chain's: those, rank 0 dying in its prepare (tmp-created) while the other rank waits, and the commit's two
+# that decide the resume point (pending-written, the last before the rename: every file written, `latest.pending`
+# naming an unrenamed folder; renamed: a complete folder that only `latest.pending` names, which every rank must
+# resume from). The commit's other 6 leave rank 0's files as the single-process chain's do, the other rank waiting
+# at the same barrier.
+DDP_STAGES = ("tmp-created", "rank-state-written", "model-state-written", "pending-written", "renamed", "pruned")
 FLAGS = {"single": ["--mode", "single"], "ddp": ["--mode", "baseline"],
          "zero3": ["--mode", "hybrid", "--zero-stage", "3"], "fsdp2": ["--mode", "hybrid", "--zero-engine", "fsdp2"]}
 STEPS = 12  # 12 stage kills advance the run 5 steps (6 if the prunes come first), a random one about 0.6 (at most 2):

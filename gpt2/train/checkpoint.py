@@ -55,7 +55,7 @@ With several ranks, each rank that reaches STAGE kills itself: every rank at ran
 model-state-written, rank 0 alone at the others (they run in rank 0's prepare and commit); the launcher stops the
 rest. tests/integration/test_faults.py kills real single-process runs at every stage and resumes them;
 tests/fault_chain.py
-does it for 2 ranks (DDP at every stage; ZeRO-3 at the two around engine.save_state and at pruned), one launch per
+does it for 2 ranks (DDP at 6 stages; ZeRO-3 at the two around engine.save_state and at pruned), one launch per
 kill.
 """
 

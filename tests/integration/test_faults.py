@@ -27,10 +27,11 @@ hit this: it went back to `latest` and refused to overwrite step k).
   equals the uninterrupted run's (bit-identical), and the run finishes with `latest` and its last checkpoint only.
 
 The same with 2 gloo ranks under torchrun, DDP and ZeRO-3, in tests/integration/test_faults_ddp.py and
-tests/integration/test_faults_zero3.py: the stages (DDP all 12; ZeRO-3 the 2 around the engine's writes and
-pruned) and 2 random kills (the whole job, and one rank) chained in one run, each launch resuming from the newest
-complete checkpoint within 1e-6 of the uninterrupted run. The commit stages (from meta-written on) run on rank 0
-alone; at tmp-created rank 0 dies, at rank-state-written and model-state-written every rank does.
+tests/integration/test_faults_zero3.py: the stages (DDP 6, fault_chain.DDP_STAGES; ZeRO-3 the 2 around the
+engine's writes and pruned) and 2 random kills (the whole job, and one rank) chained in one run, each launch
+resuming from the newest complete checkpoint within 1e-6 of the uninterrupted run. The commit stages (from
+meta-written on) run on rank 0 alone; at tmp-created rank 0 dies, at rank-state-written and model-state-written every
+rank does.
 """
 
 from __future__ import annotations
