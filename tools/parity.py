@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
                    "always run")
     p.add_argument("--extra-row", action="append", default=[], metavar="NAME=FLAGS",
                    help="another row (repeatable; always run): train.py flags on top of the common ones, e.g. "
-                        "lr-x2='--lr 1.2e-3'")
+                        "lr-x2='--lr 1.2e-3'; a NAME ending in -wN runs N processes (else one per TP rank)")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=8, help="global batch: sequences per optimizer step")
     p.add_argument("--micro-batch", type=int, help="largest per-rank micro-batch: every row accumulates gradients "

@@ -8,6 +8,7 @@ only the code path differs. Rows whose backend cannot run here are skipped with 
 from __future__ import annotations
 
 import fnmatch
+import re
 import shlex
 import sys
 from dataclasses import dataclass
@@ -91,12 +92,20 @@ def matrix(world: int) -> list[Row]:
 
 def extra_row(spec: str) -> Row:
     """`NAME=FLAGS` (--extra-row): a row of your own, e.g. `lr-x2=--lr 1.2e-3`. --mode single runs under plain
-    python, other modes under torchrun with one process per TP rank (dp 1)."""
+    python, other modes under torchrun with one process per TP rank (dp 1), or, where NAME ends in `-wN` as the
+    matrix's rows of world size N do, N processes (e.g. `ddp-cpp-compile-w4=--mode baseline --compile
+    --compile-wrapper cpp`)."""
     name, sep, flags = spec.partition("=")
-    if not sep or not name.strip():
+    name = name.strip()
+    if not sep or not name:
         raise ValueError(f"--extra-row {spec!r}: expected NAME=FLAGS, e.g. lr-x2='--lr 1.2e-3'")
     args = build_parser().parse_args(shlex.split(flags))  # a bad flag stops here, with train.py's message
-    return Row(name.strip(), tuple(shlex.split(flags)), None if args.mode == "single" else args.tp_size)
+    world = re.search(r"-w(\d+)$", name)
+    if args.mode == "single":
+        if world:
+            raise ValueError(f"--extra-row {name}: --mode single runs one process; drop -w{world[1]} from its name")
+        return Row(name, tuple(shlex.split(flags)), None)
+    return Row(name, tuple(shlex.split(flags)), int(world[1]) if world else args.tp_size)  # plan() checks tp | N
 
 
 def select(rows: list[Row], patterns: list[str] | None) -> list[Row]:

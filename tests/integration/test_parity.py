@@ -21,7 +21,7 @@ from tests.train_runs import ROOT, SHARED_DATA, train_env
 from tests.unit.test_data import tiny_tokenizer, wiki_lines, write  # noqa: F401 (tiny_tokenizer: a fixture)
 from tools import parity, parity_verdict, train_sweep
 from tools.common import write_csv
-from tools.parity_matrix import Row, matrix, plan
+from tools.parity_matrix import Row, extra_row, matrix, plan
 from tools.parity_verdict import (
     Curve,
     CurveError,
@@ -272,6 +272,22 @@ def test_matrix_keeps_the_global_batch_in_every_layout():
     assert jobs["zero3-tp2-sp-w4"].key.startswith("gpt2-tiny zero3-tp2-sp w4 ")
     assert "does not divide" in plan(Row("tp2-w3", ("--mode", "baseline", "--tp-size", "2"), 3), "gpt2-tiny",
                                      common, 8, 2, "cuda").skip
+
+
+def test_an_extra_row_runs_the_world_its_name_ends_in():
+    """`--extra-row NAME-wN=FLAGS` is a row of world size N, as the matrix's `-wN` rows are (a wrapper's parity at 4
+    GPUs: its key names the world and the wrapper, as the sweep's runs will); without -wN one process per TP rank."""
+    common = ["--model", "gpt2-tiny", "--seq-len", "32", "--data", "synthetic"]
+    row = extra_row("ddp-cpp-compile-w4=--mode baseline --compile --compile-wrapper cpp")
+    assert (row.name, row.nproc) == ("ddp-cpp-compile-w4", 4)
+    job = plan(row, "gpt2-tiny", common, 8, 2, "cuda")
+    assert job.key.startswith("gpt2-tiny ddp w4 ") and " wrapper=cpp" in job.key
+    assert job.argv[job.argv.index("--batch-size", len(common)) + 1] == "2"  # 8 sequences over 4 ranks
+    assert extra_row("tp2=--mode hybrid --tp-size 2").nproc == 2 and extra_row("lr=--lr 1e-3").nproc is None
+    assert "does not divide" in plan(extra_row("tp2-w3=--mode hybrid --tp-size 2"), "gpt2-tiny", common, 8, 2,
+                                     "cuda").skip
+    with pytest.raises(ValueError, match="drop -w4"):
+        extra_row("single-w4=--lr 1e-3")
 
 
 def test_micro_batch_accumulates_to_the_global_batch():
