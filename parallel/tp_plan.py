@@ -61,6 +61,9 @@ class Shard:
 
 
 REPLICATED = Shard(None)
+# the attributes the plan sets on a Parameter (read by DeepSpeed, parallel.grads and the engines that re-create
+# Parameters: FSDP2's DTensors, --zero3-fetch flat's flat tensors)
+PARAM_MARKS = ("tensor_model_parallel", "sequence_parallel")
 
 
 def shard_tensor(full: torch.Tensor, spec: Shard, rank: int, size: int) -> torch.Tensor:

@@ -306,8 +306,8 @@ def validate(cfg: RunConfig) -> None:
     if t.mode != "hybrid" and cfg.parallel.comm_log:
         raise ConfigError("--comm-log only applies to --mode hybrid (DeepSpeed's comms logger)")
     if t.compile and cfg.zero_stage == 3 and cfg.parallel.zero3_fetch == "module":
-        raise ConfigError("--compile with ZeRO-3 needs --zero3-fetch block (per-module gather hooks inside a block "
-                          "break graph capture); drop --zero3-fetch module or --compile")
+        raise ConfigError("--compile with ZeRO-3 needs --zero3-fetch block or flat (per-module gather hooks inside a "
+                          "block break graph capture); drop --zero3-fetch module or --compile")
     if (t.compile and t.compile_scope == "model" and t.compiler == "torch"
             and (t.mode == "hybrid" or cfg.parallel.tp_size > 1)):
         raise ConfigError("--compile-scope model (one graph cut at DDP buckets) is for single/baseline without TP; "

@@ -25,12 +25,12 @@ def ds_config_file(p: ParallelConfig) -> Path:
 
 
 def persistence_threshold_default(zero3_fetch: str) -> int:
-    """ZeRO-3's `stage3_param_persistence_threshold` where the DeepSpeed JSON leaves it out. Per-block gathers: 0,
-    so a block's LayerNorms and biases travel in its one coalesced all-gather; persistent (unpartitioned) ones
+    """ZeRO-3's `stage3_param_persistence_threshold` where the DeepSpeed JSON leaves it out. Per-block gathers (block,
+    flat): 0, so a block's LayerNorms and biases travel in its one coalesced all-gather; persistent (unpartitioned) ones
     would instead be re-gathered after every optimizer step with one blocking all-gather each (DeepSpeed's
     `_post_step`: ~290 for GPT-2 Large; 1.8x steps/s on a 2-rank CPU proxy without them). Per-module hooks:
     DeepSpeed's own 1e5, which spares those hooks a gather per small module."""
-    return 0 if zero3_fetch == "block" else 100_000
+    return 100_000 if zero3_fetch == "module" else 0
 
 
 def zero3_defaults(zero3_fetch: str) -> dict[str, Any]:

@@ -286,11 +286,17 @@ class RunLayout:
 
     @property
     def zero3_blocks(self) -> bool:
-        """ZeRO-3 gathering each transformer block as one DeepSpeed leaf module (--zero3-fetch block). Not under
+        """ZeRO-3 gathering each transformer block as one DeepSpeed leaf module (--zero3-fetch block or flat). Not under
         DeepCompile, which removes ZeRO-3's module hooks and gathers every parameter inside its graph, nor under
         FSDP2, which groups blocks into units itself (--fsdp2-unit-blocks)."""
-        return (self.zero_stage == 3 and self.cfg.parallel.zero3_fetch == "block" and not self.deepcompile
+        return (self.zero_stage == 3 and self.cfg.parallel.zero3_fetch in ("block", "flat") and not self.deepcompile
                 and not self.fsdp2)
+
+    @property
+    def zero3_flat(self) -> bool:
+        """ZeRO-3 leaf blocks whose parameters are a few flat tensors (--zero3-fetch flat, gpt2.runtime.flat_blocks);
+        the model is then built whole, not under zero.Init."""
+        return self.zero3_blocks and self.cfg.parallel.zero3_fetch == "flat"
 
     @property
     def ds_config_path(self) -> Path:

@@ -183,10 +183,12 @@ class ParallelConfig:
            "each unit's all-gather issued by its own pre-forward hook; N: the next N units' issued when a unit's "
            "forward starts; 1 measured no gain at batch 8 on 4 GPUs; backward always prefetches one unit)", PARALLEL,
         parse=non_negative_int, given_only=True)
-    zero3_fetch: Literal["block", "module"] = option(
+    zero3_fetch: Literal["block", "flat", "module"] = option(
         "block", "hybrid mode, ZeRO-3: the parameter gather unit: block = each transformer block is a DeepSpeed leaf "
-                 "module (one all-gather and one hook per block and pass; allows --compile), module = DeepSpeed's "
-                 "default hooks on every module", PARALLEL, given_only=True)
+                 "module (one all-gather and one hook per block and pass; allows --compile); flat = the same, with "
+                 "each block's 12 parameters in 3-4 flat tensors (less per-tensor host work for DeepSpeed; the model "
+                 "is built whole before DeepSpeed partitions it; checkpoints hold the flat tensors, export restores "
+                 "the names); module = DeepSpeed's default hooks on every module", PARALLEL, given_only=True)
     # bf16/fp16 under DeepSpeed: torch.autocast over fp32 weights (the function every other mode trains), or
     # DeepSpeed's own 16-bit model with fp32 master weights (less memory and traffic, another rounding)
     zero_precision: Literal["autocast", "deepspeed"] = option(

@@ -85,6 +85,7 @@ from gpt2.model.gpt import GPT
 from gpt2.observe.run_logging import log
 from gpt2.runtime.compiling import apply_inductor_settings, deepcompile_eval_settings
 from gpt2.runtime.distributed import DistContext
+from gpt2.runtime.flat_blocks import FLAT_LAYOUT_FILE
 from gpt2.runtime.parallelize import build_model, parallelize, param_groups, tp_comm_stats
 from parallel.grads import register_sequence_parallel_grad_hooks
 from parallel.mpu import ModelParallelUnit
@@ -228,7 +229,8 @@ class DeepSpeedEngine:
         if stage == 3 and layout.tp_size > 1:
             log.info("ZeRO-3 with --tp-size %d: building the full model on every device (not under zero.Init), "
                      "cutting it into TP shards, then partitioning each shard over the DP group", layout.tp_size)
-        zero3 = (deepspeed, self.ds_config) if stage == 3 and layout.tp_size == 1 else None
+        # whole models: the TP plan and --zero3-fetch flat cut or concatenate existing full weights
+        zero3 = (deepspeed, self.ds_config) if stage == 3 and layout.tp_size == 1 and not layout.zero3_flat else None
         model = parallelize(build_model(layout, ctx.device, ctx.dims, zero3), layout, ctx.dims, self.comm_stats)
         if cfg.parallel.sequence_parallel:  # before initialize: ZeRO consumes gradients during backward
             register_sequence_parallel_grad_hooks(model, ctx.dims, self.comm_stats)
@@ -297,8 +299,11 @@ class DeepSpeedEngine:
 
     def save_state(self, folder: Path, step: int) -> None:
         """DeepSpeed's sharded checkpoint into folder/zero, the step in its client state (collective: every rank
-        writes its shards)."""
+        writes its shards); under --zero3-fetch flat, rank 0 also writes the flat tensors' layout (FLAT_LAYOUT_FILE)
+        for export."""
         self.engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG, client_state={"step": step}, save_latest=False)
+        if self.layout.zero3_flat and self.ctx.is_main:
+            (folder / FLAT_LAYOUT_FILE).write_text(json.dumps(self.module.blocks[0].layout(), indent=1))
 
     def load_state(self, folder: Path) -> int | None:
         """Load model, optimizer and scheduler shards; returns the step the client state records."""

@@ -93,12 +93,10 @@ from gpt2.model.gpt import GPT
 from gpt2.observe.run_logging import log
 from gpt2.runtime.distributed import DistContext
 from parallel.grads import clip_grad_norm_
+from parallel.tp_plan import PARAM_MARKS
 
 FSDP2_DIR = "fsdp2"  # the engine's sub-folder inside one of our step folders (gpt2.train.checkpoint)
 SCHEDULE_FILE = "schedule.pt"
-# attributes the TP plan sets on a Parameter (parallel.tp_plan); fully_shard replaces every Parameter by a DTensor
-# one, so they are carried over by name
-PARAM_MARKS = ("tensor_model_parallel", "sequence_parallel")
 MODEL_KEY, OPTIM_KEY = "model", "optimizer"
 
 
@@ -126,6 +124,7 @@ def shard_model(model: GPT, mesh: DeviceMesh, *, reshard_after_forward: bool, un
     resharded after forward), in place; the TP plan's marks move to the new DTensor parameters; each unit's forward
     prefetches the next `forward_prefetch` block units (set_forward_prefetch). Returns one module of each unit (a
     group's first block), root last."""
+    # fully_shard replaces every Parameter by a DTensor one, so the TP plan's marks are carried over by name
     marks = {name: {m: getattr(p, m) for m in PARAM_MARKS if hasattr(p, m)} for name, p in model.named_parameters()}
     groups = [list(model.blocks[i:i + unit_blocks]) for i in range(0, len(model.blocks), unit_blocks)]
     for group in groups:  # a one-module list is one module's unit

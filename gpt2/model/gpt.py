@@ -36,6 +36,12 @@ INIT_STD = 0.02
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
+def applies_weight_decay(shape: torch.Size | tuple[int, ...]) -> bool:
+    """GPT-2's AdamW recipe, by a parameter's full shape: decay on matrices and embeddings, none on biases and
+    LayerNorm gains."""
+    return len(shape) >= 2
+
+
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
     """Causal attention. q, k, v: [B, H, T, hd] -> [B, H, T, hd]."""
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)

@@ -23,9 +23,10 @@ from fused_kernels import KernelOps, get_ops
 from fused_kernels.attention import AttentionChoice, AttentionShape, resolve_attention
 from gpt2.config.layout import RunLayout, whole_mlp_allowed
 from gpt2.config.schema import RunConfig, compile_label
-from gpt2.model.gpt import GPT, Block
+from gpt2.model.gpt import GPT, Block, applies_weight_decay
 from gpt2.observe.run_logging import log
 from gpt2.runtime.compiling import compile_forwards, compile_model
+from gpt2.runtime.flat_blocks import DECAYS, FlatBlock, flatten_blocks
 from parallel.comm import CommStats
 from parallel.dims import ParallelDims
 from parallel.mpu import ModelParallelUnit
@@ -105,7 +106,8 @@ def choose_attention(layout: RunLayout, device: torch.device) -> AttentionChoice
 
 def parallelize(model: GPT, layout: RunLayout, dims: ParallelDims, stats: CommStats | None = None) -> GPT:
     """The build order up to the data-parallel wrapper, in place: the tensor-parallel plan (this rank keeps its
-    shards; nothing to cut for tp 1) -> activation checkpointing -> ZeRO-3 leaf modules (one coalesced gather per
+    shards; nothing to cut for tp 1) -> activation checkpointing -> --zero3-fetch flat's flat block tensors
+    (`gpt2.runtime.flat_blocks`) -> ZeRO-3 leaf modules (one coalesced gather per
     block, registered before DeepSpeed's hooks) -> torch.compile of each block and the head (`--compile-scope
     blocks`; forwards only, hooks left eager, under ZeRO-3 per-block gathers). The engine adds DDP (then a
     `--compile-scope model` compile of the wrapped model) or DeepSpeed. `stats` counts the TP collectives' bytes."""
@@ -113,10 +115,16 @@ def parallelize(model: GPT, layout: RunLayout, dims: ParallelDims, stats: CommSt
     apply_tensor_parallel(model, dims, sequence_parallel=layout.sequence_parallel,
                           overlap=cfg.parallel.tp_overlap, stats=stats)
     model.activation_checkpointing = cfg.train.activation_checkpointing
+    if layout.zero3_flat:  # after the TP plan (its marks and layer types decide the groups)
+        from gpt2.engines.ds_config import lower_precision_types
+
+        layout_of_block = flatten_blocks(model, lower_precision_types())
+        log.info("ZeRO-3 flat block parameters: %d tensors a block (%s)", len(layout_of_block),
+                 ", ".join(layout_of_block))
     if layout.zero3_blocks:  # before deepspeed.initialize, which registers the hooks: one per block instead of ~10
         from deepspeed.utils import set_z3_leaf_modules
 
-        leaves = set_z3_leaf_modules(model, [Block])
+        leaves = set_z3_leaf_modules(model, [FlatBlock if layout.zero3_flat else Block])
         log.info("ZeRO-3 gathers parameters per transformer block (%d DeepSpeed leaf modules)", len(leaves))
     if layout.compile_scope == "blocks":  # with ZeRO-3 only when blocks are leaves (config.validate)
         # forwards only where a ZeRO engine's gather hooks must stay eager (DeepSpeed leaf blocks, FSDP2 units)
@@ -125,10 +133,15 @@ def parallelize(model: GPT, layout: RunLayout, dims: ParallelDims, stats: CommSt
     return model
 
 
+def decays(p: nn.Parameter) -> bool:
+    """`applies_weight_decay` by the parameter's full shape (a ZeRO-3 partition is 1-D: its shape is `ds_shape`); a
+    flat tensor of --zero3-fetch flat carries its members' answer."""
+    return getattr(p, DECAYS) if hasattr(p, DECAYS) else applies_weight_decay(getattr(p, "ds_shape", p.shape))
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices and embeddings (dim >= 2), none on biases and LayerNorm gains; by the parameters'
-    full shapes (a ZeRO-3 partition is 1-D: its shape is `ds_shape`)."""
+    """AdamW's two groups: with weight decay (`decays`) and without."""
     params = {id(p): p for p in model.parameters() if p.requires_grad}.values()  # tied weights once
-    decay = [p for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2]
-    no_decay = [p for p in params if len(getattr(p, "ds_shape", p.shape)) < 2]
+    decay = [p for p in params if decays(p)]
+    no_decay = [p for p in params if not decays(p)]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

@@ -161,6 +161,7 @@ def build_meta(layout: RunLayout, step: int) -> dict[str, Any]:
         meta["zero_engine"] = layout.zero_engine
     elif layout.mode == "hybrid":
         meta["deepspeed_version"] = importlib.metadata.version("deepspeed")  # no import: it picks an accelerator
+        meta["zero3_flat"] = layout.zero3_flat  # another set of parameter tensors (absent: false)
     return meta
 
 
@@ -205,6 +206,9 @@ def check_compatible(meta: dict[str, Any], layout: RunLayout, where: Path) -> No
     if meta["mode"] == ours["mode"] == "hybrid" and meta.get("zero_engine", "deepspeed") != layout.zero_engine:
         diffs.append(f"zero_engine: checkpoint {meta.get('zero_engine', 'deepspeed')!r}, this run "
                      f"{layout.zero_engine!r} (--zero-engine)")
+    if meta["mode"] == ours["mode"] == "hybrid" and meta.get("zero3_flat", False) != layout.zero3_flat:
+        diffs.append(f"zero3_flat: checkpoint {meta.get('zero3_flat', False)!r}, this run {layout.zero3_flat!r} "
+                     "(--zero3-fetch flat keeps each block's parameters in flat tensors)")
     if diffs:
         raise CheckpointError(
             f"checkpoint {where} does not match this run: " + "; ".join(diffs)

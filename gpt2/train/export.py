@@ -7,7 +7,8 @@
 single/baseline checkpoints hold the full model (model.pt); hybrid ones are DeepSpeed ZeRO shards, gathered
 into one fp32 state dict by `deepspeed.utils.zero_to_fp32` (from the fp32 master weights, any stage), or, with
 --zero-engine fsdp2, torch.distributed.checkpoint shards read back whole on the CPU
-(`gpt2.engines.fsdp2_engine.read_model_state`).
+(`gpt2.engines.fsdp2_engine.read_model_state`). A --zero3-fetch flat checkpoint's flat block tensors are split
+back into our parameter names by the layout it holds (`gpt2.runtime.flat_blocks.unflatten_state_dict`).
 
 Tensor-parallel checkpoints are saved in the TP layout (no gather at save time, so saving costs no extra
 memory or communication) and consolidated here, on the CPU: first each TP rank's state dict (its
@@ -18,6 +19,7 @@ is reassembled from the TP ranks' shards by the TP plan (`parallel.tp_plan.unsha
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -30,6 +32,7 @@ from gpt2.config.cli import check_folder_creatable
 from gpt2.config.schema import ConfigError, ModelConfig
 from gpt2.engines.base import CHECKPOINT_TAG, state_file
 from gpt2.model.hf_weights import hf_config_for, ours_to_hf
+from gpt2.runtime.flat_blocks import FLAT_LAYOUT_FILE, unflatten_state_dict
 from gpt2.train.checkpoint import EXIT_SAVE_FAILED, LATEST, CheckpointError, read_meta, verify_checkpoint
 from gpt2.train.preemption import EXIT_INTERRUPTED
 from parallel.tp_plan import param_shard, unshard_tensor
@@ -80,9 +83,13 @@ def consolidated_state_dict(step_dir: Path) -> tuple[ModelConfig, dict[str, torc
         if tp == 1:
             return cfg, shards[0]
     elif meta["mode"] == "hybrid":
+        shards = [_zero_fp32_state_dict(step_dir)] if tp == 1 else [_zero_tp_rank_state_dict(step_dir, r)
+                                                                    for r in range(tp)]
+        if (step_dir / FLAT_LAYOUT_FILE).is_file():  # --zero3-fetch flat: each TP rank's flat tensors -> our names
+            layout = json.loads((step_dir / FLAT_LAYOUT_FILE).read_text())
+            shards = [unflatten_state_dict(sd, layout) for sd in shards]
         if tp == 1:
-            return cfg, _zero_fp32_state_dict(step_dir)
-        shards = [_zero_tp_rank_state_dict(step_dir, r) for r in range(tp)]
+            return cfg, shards[0]
     else:
         shards = [torch.load(state_file(step_dir, "model", r, tp), map_location="cpu", weights_only=True)
                   for r in range(tp)]

@@ -1,0 +1,139 @@
+"""`--zero3-fetch flat`: each transformer block's parameters in a few flat tensors, so that DeepSpeed ZeRO-3 handles
+3-4 tensors a block instead of 12.
+
+ZeRO-3's host work is per parameter tensor: fetch and release bookkeeping, a gradient hook, a reduce-scatter slot
+and a partition per tensor, each step (benchmarks/results/zero3/host_breakdown_cpu). GPT-2 Large has 436 tensors;
+flattened, 112 (tp 1) or 148 (TP). The CPU prototype (benchmarks/repro/deepspeed_flat_block_params.py) measured
+0.79-0.85x of the per-tensor step's host time at 24 blocks, the same losses to the bit.
+
+    FlatBlock(block)          # the block's 12 Parameters -> one flat Parameter per FlatGroup, views in forward
+      .matmul.<group>         # Linear weights / biases: a MatmulFlatParams, which DeepSpeed gathers and reduces in
+                              #   the autocast dtype (gpt2.engines.ds_config.lower_precision_modules), as it does a
+                              #   Linear's own parameters
+      .other.<group>          # LayerNorm gains and biases: fp32, as before
+      .block                  # the original Block, its Parameters removed; run through functional_call on views
+
+A group is the set of a block's parameters that ZeRO treats alike: whether a Linear owns them (communication dtype),
+whether AdamW decays them (`applies_weight_decay`), and the TP plan's marks (`tensor_model_parallel`: sharded over
+TP, so norms count it on every TP rank; `sequence_parallel`: its gradient is summed over TP). Each flat tensor
+carries its members' marks and `decays`, so the engine's parameter groups, DeepSpeed's norms and the SP gradient
+hooks see what they saw on the members.
+
+Same function: the flat tensors are the members' values, concatenated in `named_parameters` order, and the forward
+runs the same Block on views of them; autograd's view backward hands each member's gradient to its slice. The views
+that autograd saves for backward keep the block's gathered storage alive until its backward (a Parameter saved as
+itself does not: ZeRO-3 empties its `.data` after the forward); under bf16 autocast Linear saves its bf16 cast, so
+this holds LayerNorm parameters only.
+
+Built on whole tensors (after the TP plan, before `deepspeed.initialize`), so not under `deepspeed.zero.Init`: the
+model exists whole on every device until DeepSpeed partitions it, as it does under TP (GPT-2 XL: 6 GB of fp32).
+
+Checkpoints hold the flat names (`blocks.N.matmul.decay_tp`); `layout()` lists each flat tensor's members with their
+(TP-local) shapes, the engine writes it beside DeepSpeed's files, and `unflatten_state_dict` restores our names for
+export (`gpt2.train.export`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call
+
+from gpt2.model.gpt import Block, applies_weight_decay
+from parallel.tp_plan import PARAM_MARKS
+
+FLAT_LAYOUT_FILE = "flat_blocks.json"  # a checkpoint step folder's `layout()`, written by the DeepSpeed engine
+DECAYS = "decays"  # a flat tensor's weight-decay answer, read by gpt2.runtime.parallelize.param_groups
+Layout = dict[str, list[tuple[str, list[int]]]]  # flat tensor path in a block -> [(member name, member shape)]
+
+
+@dataclass(frozen=True)
+class FlatGroup:
+    """What ZeRO must treat alike in one flat tensor."""
+
+    matmul: bool  # owned by a Linear: gathered and reduced in the autocast dtype
+    decays: bool
+    marks: tuple[str, ...]  # the PARAM_MARKS set on every member
+
+    @property
+    def name(self) -> str:
+        """The flat tensor's attribute name: `decay`, `no_decay`, with `_tp` / `_sp` for the marks."""
+        suffix = "".join(f"_{'tp' if mark == 'tensor_model_parallel' else 'sp'}" for mark in self.marks)
+        return ("decay" if self.decays else "no_decay") + suffix
+
+
+def group_of(block: Block, name: str, param: nn.Parameter, matmul_types: tuple[type, ...]) -> FlatGroup:
+    owner = block.get_submodule(name.rpartition(".")[0])
+    return FlatGroup(matmul=isinstance(owner, matmul_types), decays=applies_weight_decay(param.shape),
+                     marks=tuple(m for m in PARAM_MARKS if getattr(param, m, False)))
+
+
+class FlatParams(nn.Module):
+    """Holds a block's fp32-gathered flat tensors (LayerNorm parameters)."""
+
+
+class MatmulFlatParams(FlatParams):
+    """Holds a block's flat Linear parameters; DeepSpeed's torch_autocast lists this class as lower-precision safe."""
+
+
+class FlatBlock(nn.Module):
+    """`block` with its Parameters moved into one flat Parameter per FlatGroup (see the module docstring)."""
+
+    def __init__(self, block: Block, matmul_types: tuple[type, ...]):
+        super().__init__()
+        members: dict[FlatGroup, list[tuple[str, nn.Parameter]]] = {}
+        for name, param in block.named_parameters():
+            members.setdefault(group_of(block, name, param, matmul_types), []).append((name, param))
+        self.matmul, self.other = MatmulFlatParams(), FlatParams()
+        self.members: dict[str, list[tuple[str, torch.Size]]] = {}  # flat path -> [(member, shape)], in cat order
+        for group, named in members.items():
+            with torch.no_grad():
+                flat = nn.Parameter(torch.cat([p.reshape(-1) for _, p in named]))  # [sum of the members' numel]
+            setattr(flat, DECAYS, group.decays)
+            for mark in group.marks:
+                setattr(flat, mark, True)
+            holder = self.matmul if group.matmul else self.other
+            holder.register_parameter(group.name, flat)
+            self.members[f"{'matmul' if group.matmul else 'other'}.{group.name}"] = [(n, p.shape) for n, p in named]
+        for name, _ in block.named_parameters():  # None, not kept: DeepSpeed would partition them too
+            owner, _, attr = name.rpartition(".")
+            block.get_submodule(owner).register_parameter(attr, None)
+        self.block = block
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """Each member's name -> a view of its slice of the (gathered) flat tensor, in its own shape."""
+        out: dict[str, torch.Tensor] = {}
+        for path, named in self.members.items():
+            pieces = self.get_parameter(path).split([shape.numel() for _, shape in named])  # 1-D views
+            out.update({name: piece.view(shape) for (name, shape), piece in zip(named, pieces)})
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.block, self.views(), (x,))  # [B, T, d] -> [B, T, d]
+
+    def layout(self) -> Layout:
+        return {path: [(name, list(shape)) for name, shape in named] for path, named in self.members.items()}
+
+
+def flatten_blocks(model: nn.Module, matmul_types: tuple[type, ...]) -> Layout:
+    """Replace each of `model.blocks` by a FlatBlock around it, in place (after the TP plan, which sets the marks and
+    the Linear types, `matmul_types`); returns the layout, the same for every block."""
+    model.blocks = nn.ModuleList(FlatBlock(block, matmul_types) for block in model.blocks)
+    return model.blocks[0].layout()
+
+
+def unflatten_state_dict(state: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
+    """A state dict with each block's flat tensors (`blocks.N.<path>`) split back into their members
+    (`blocks.N.<member>`); other keys as they are."""
+    out = {}
+    for key, value in state.items():
+        prefix, _, path = key.partition(".")[2].partition(".")  # "blocks.3.matmul.decay" -> "3", "matmul.decay"
+        if not key.startswith("blocks.") or path not in layout:
+            out[key] = value
+            continue
+        named = layout[path]
+        pieces = value.split([torch.Size(shape).numel() for _, shape in named])
+        out.update({f"blocks.{prefix}.{name}": piece.reshape(shape) for (name, shape), piece in zip(named, pieces)})
+    return out
