@@ -27,6 +27,10 @@ from parallel.comm import CommStats, Group
 from parallel.loss import vocab_parallel_cross_entropy
 
 
+def _shape(weight: torch.Tensor | None) -> tuple[int, ...] | None:
+    """A weight's shape for repr; None where --zero3-fetch flat moved it into its block's flat tensors."""
+    return None if weight is None else tuple(weight.shape)
+
 class _ColumnParallelMatmul(torch.autograd.Function):
     """y = x_total W_r^T + b_r, with the input-gradient collective overlapped with the weight gradient.
 
@@ -99,8 +103,7 @@ class ColumnParallelLinear(nn.Module):
                                       stats=self.stats)
 
     def extra_repr(self) -> str:
-        return (f"local weight={tuple(self.weight.shape)}, sequence_parallel={self.sequence_parallel}, "
-                f"overlap={self.overlap}")
+        return f"local weight={_shape(self.weight)}, sequence_parallel={self.sequence_parallel}, overlap={self.overlap}"
 
 
 def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
@@ -156,7 +159,7 @@ class RowParallelLinear(nn.Module):
         return y + self.bias
 
     def extra_repr(self) -> str:
-        return f"local weight={tuple(self.weight.shape)}, sequence_parallel={self.sequence_parallel}"
+        return f"local weight={_shape(self.weight)}, sequence_parallel={self.sequence_parallel}"
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -16,7 +16,10 @@ are gathered by one coalesced all-gather in one pre-forward hook (and again befo
 by hooks on each of its ~10 submodules (fewer hooks and collectives: 1.3x steps/s on a 2-rank CPU run, no change
 on 4xH200 at batch 8), and lets `--compile` compile each block's forward with the hooks outside the graph.
 A gathered block is 12d^2 parameters (GPT-2 Large: 19.7M, 39 MB in bf16). `--zero3-fetch module` keeps
-DeepSpeed's default per-module hooks.
+DeepSpeed's default per-module hooks. `--zero3-fetch flat` gathers per block too, with each block's 12 parameters in
+3-4 flat tensors (`gpt2.runtime.flat_blocks`): less of DeepSpeed's per-tensor host work (one H200, compiled, batch 8:
+1.05-1.56x the per-block step; benchmarks/results/zero3/flat_params_h200); the model is then built whole, as under TP,
+and `save_state` writes the flat layout beside DeepSpeed's files for export.
 
 Under ZeRO-3 the model is built inside `deepspeed.zero.Init`: each module's parameters are partitioned
 over the data-parallel group as soon as its constructor returns, so GPT-2 Large/XL never exist whole on

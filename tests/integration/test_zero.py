@@ -153,6 +153,31 @@ def test_zero3_checkpoint_exports_and_inits(single_reference: ReferenceRun, runs
     assert abs(a - b) <= 1e-5 and abs(a - step_losses(single_reference.run_dir)[0]) > 1e-3  # trained weights
 
 
+@pytest.mark.parametrize(("name", "flags", "tensors"), [
+    ("zero3-flat", ["--batch-size", "1", "--grad-accum", "2"], "3 tensors a block (other.no_decay, matmul.decay, "
+                                                                "matmul.no_decay)"),
+    ("zero3-flat-tp2", ["--batch-size", "4", "--tp-size", "2"], "4 tensors a block (other.no_decay, matmul.decay_tp, "
+                                                                "matmul.no_decay_tp, matmul.no_decay)")])
+def test_zero3_flat_block_params_match_single_and_export(single_reference: ReferenceRun, tmp_path: Path, name: str,
+                                                          flags: list[str], tensors: str) -> None:
+    """--zero3-fetch flat (each block's parameters in a few flat tensors, gpt2.runtime.flat_blocks) on 2 ranks, over
+    DP 2 with accumulation and over TP 2 (the plan's marks split the groups): single's function, and the checkpoint
+    exports single's weights under our names (the flat layout beside DeepSpeed's files, each TP rank's flat tensors
+    split back, then the TP shards joined)."""
+    from gpt2.train.export import consolidated_state_dict
+
+    ck = tmp_path / "ck"
+    run_train(ARGS + ["--mode", "hybrid", "--zero3-fetch", "flat", "--run-name", name, "--save-dir", str(ck),
+                      "--save-interval", "10", *flags], tmp_path, nproc=2)
+    assert_matches_reference(single_reference, tmp_path / name, GRAD_NORM_REL_TOL)
+    assert f"ZeRO-3 flat block parameters: {tensors}" in (tmp_path / name / "console.log").read_text()
+    _, flat_sd = consolidated_state_dict(ck / "step-000010")
+    _, single_sd = consolidated_state_dict(single_reference.checkpoint)
+    assert set(flat_sd) == set(single_sd)
+    for key, tensor in single_sd.items():
+        assert torch.allclose(flat_sd[key], tensor, atol=1e-4, rtol=0), key
+
+
 def build_ds_config(cfg: RunConfig, dp_size: int, device: torch.device) -> dict:
     """The DeepSpeed config of `cfg` on dp_size ranks (tp 1) of `device`."""
     return build_layout_ds_config(RunLayout.resolve(cfg, dp_size, device))
@@ -176,7 +201,7 @@ def test_ds_config_takes_cli_values_and_rejects_disagreement(tmp_path: Path) -> 
     assert not ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
     safe = ds["torch_autocast"]["lower_precision_safe_modules"]
     assert set(safe) == {"gpt2.model.gpt.Linear", "parallel.layers.ColumnParallelLinear",
-                         "parallel.layers.RowParallelLinear"}
+                         "parallel.layers.RowParallelLinear", "gpt2.runtime.flat_blocks.MatmulFlatParams"}
     for name in safe:  # DeepSpeed imports them by these names
         module, _, cls = name.rpartition(".")
         assert issubclass(getattr(importlib.import_module(module), cls), torch.nn.Module)

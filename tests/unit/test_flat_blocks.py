@@ -1,0 +1,114 @@
+"""`--zero3-fetch flat` (gpt2.runtime.flat_blocks), in one process without DeepSpeed: a FlatBlock computes its
+Block's function and hands each member its own gradient, its flat tensors are grouped as ZeRO must treat them (the
+Linear types, weight decay, the TP plan's marks), and the layout restores every parameter name for export.
+End to end under DeepSpeed ZeRO-3 (2 ranks, with and without TP): tests/integration/test_zero.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from gpt2.config.schema import ModelConfig
+from gpt2.engines.ds_config import lower_precision_modules, lower_precision_types
+from gpt2.model.gpt import GPT
+from gpt2.runtime.flat_blocks import MatmulFlatParams, flatten_blocks, unflatten_state_dict
+from gpt2.runtime.parallelize import param_groups
+
+CFG = ModelConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=64, n_positions=8)
+
+
+def models() -> tuple[GPT, GPT]:
+    """(per-tensor, flat): the same seed's weights."""
+    torch.manual_seed(0)
+    plain = GPT(CFG)
+    flat = copy.deepcopy(plain)
+    flatten_blocks(flat, lower_precision_types())
+    return plain, flat
+
+
+def test_flat_blocks_train_the_same_function() -> None:
+    plain, flat = models()
+    idx = torch.randint(0, CFG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))  # [B, T]
+    for model in (plain, flat):
+        loss, _ = model(idx, idx)
+        loss.backward()
+    assert torch.equal(plain(idx), flat(idx))
+    flat_grads = unflatten_state_dict({n: p.grad for n, p in flat.named_parameters()}, flat.blocks[0].layout())
+    plain_grads = {n: p.grad for n, p in plain.named_parameters()}
+    assert flat_grads.keys() == plain_grads.keys()
+    for name, grad in plain_grads.items():
+        assert torch.equal(flat_grads[name], grad), name
+
+
+def test_flat_groups_are_what_zero_treats_alike() -> None:
+    plain, flat = models()
+    block = flat.blocks[0]
+    assert dict(block.named_parameters()).keys() == {"matmul.decay", "matmul.no_decay", "other.no_decay"}
+    assert not list(block.block.parameters())  # the Block keeps none: DeepSpeed sees the flat tensors only
+    members = {path: [name for name, _ in named] for path, named in block.layout().items()}
+    assert members["matmul.decay"] == ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                                       "mlp.c_proj.weight"]
+    assert members["other.no_decay"] == ["ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias"]
+    # the Linear holder is in DeepSpeed's lower-precision list (gathered in bf16 under autocast), the other not
+    assert isinstance(block.matmul, MatmulFlatParams) and not isinstance(block.other, MatmulFlatParams)
+    holders = lower_precision_modules()
+    assert f"{MatmulFlatParams.__module__}.{MatmulFlatParams.__qualname__}" in holders
+    assert not any(name.endswith(".FlatParams") for name in holders)
+    # AdamW: the same numbers of decayed and undecayed values as the per-tensor model
+    for ours, theirs in zip(param_groups(flat, 0.1), param_groups(plain, 0.1)):
+        assert sum(p.numel() for p in ours["params"]) == sum(p.numel() for p in theirs["params"])
+        assert ours["weight_decay"] == theirs["weight_decay"]
+
+
+def test_the_tp_plans_marks_split_the_groups_and_travel() -> None:
+    """Under TP, column-parallel biases are sharded (tensor_model_parallel) and row-parallel ones replicated (and
+    sequence_parallel under SP): they must not share a flat tensor, and each flat tensor carries its members' marks."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    for block in model.blocks:  # the marks apply_tensor_parallel sets with --sequence-parallel
+        for linear in (block.attn.c_attn, block.mlp.c_fc):
+            linear.weight.tensor_model_parallel = linear.bias.tensor_model_parallel = True
+        for linear in (block.attn.c_proj, block.mlp.c_proj):
+            linear.weight.tensor_model_parallel = linear.bias.sequence_parallel = True
+        for ln in (block.ln_1, block.ln_2):
+            ln.weight.sequence_parallel = ln.bias.sequence_parallel = True
+    flatten_blocks(model, lower_precision_types())
+    block = model.blocks[0]
+    layout = block.layout()
+    assert [name for name, _ in layout["matmul.no_decay_tp"]] == ["attn.c_attn.bias", "mlp.c_fc.bias"]
+    assert [name for name, _ in layout["matmul.no_decay_sp"]] == ["attn.c_proj.bias", "mlp.c_proj.bias"]
+    assert set(layout) == {"matmul.decay_tp", "matmul.no_decay_tp", "matmul.no_decay_sp", "other.no_decay_sp"}
+    for path in layout:
+        p = block.get_parameter(path)
+        assert getattr(p, "tensor_model_parallel", False) == path.endswith("_tp"), path
+        assert getattr(p, "sequence_parallel", False) == path.endswith("_sp"), path
+
+
+def test_unflatten_restores_every_name_and_value() -> None:
+    plain, flat = models()
+    restored = unflatten_state_dict(flat.state_dict(), flat.blocks[0].layout())
+    expected = plain.state_dict()
+    assert restored.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(restored[name], value), name
+
+
+@pytest.mark.parametrize("flat_run", [True, False])
+def test_a_checkpoint_of_the_other_layout_is_refused(flat_run: bool) -> None:
+    from pathlib import Path
+
+    from gpt2.config.cli import parse_args
+    from gpt2.config.layout import RunLayout
+    from gpt2.train.checkpoint import CheckpointError, build_meta, check_compatible
+
+    def layout(fetch: str) -> RunLayout:
+        args = ["--mode", "hybrid", "--model", "gpt2-tiny", "--device", "cpu", "--zero3-fetch", fetch]
+        return RunLayout.resolve(parse_args(args), 2, "cpu")
+
+    run, saved = (layout("flat"), layout("block")) if flat_run else (layout("block"), layout("flat"))
+    meta = build_meta(saved, step=5)
+    check_compatible(meta, saved, Path("ck"))  # its own layout resumes
+    with pytest.raises(CheckpointError, match="zero3_flat: checkpoint .*--zero3-fetch flat"):
+        check_compatible(meta, run, Path("ck"))
