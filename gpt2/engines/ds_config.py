@@ -14,21 +14,12 @@ if TYPE_CHECKING:
     from gpt2.config.layout import RunLayout
 
 
-def lower_precision_types() -> tuple[type, ...]:
-    """The modules whose weights ZeRO gathers and reduces in the autocast dtype under torch_autocast: every matmul
-    (autocast would cast its weight to 16 bits anyway), not the embeddings or LayerNorms, which compute in fp32."""
-    from gpt2.model.gpt import Linear
-    from parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    return Linear, ColumnParallelLinear, RowParallelLinear
-
-
 def lower_precision_modules() -> list[str]:
-    """DeepSpeed's `lower_precision_safe_modules`: `lower_precision_types` and the holder of their flat tensors under
-    --zero3-fetch flat."""
-    from gpt2.runtime.flat_blocks import MatmulFlatParams
+    """DeepSpeed's `lower_precision_safe_modules` under torch_autocast: every matmul module, and the holder of their
+    flat tensors under --zero3-fetch flat (`gpt2.runtime.flat_blocks`)."""
+    from gpt2.runtime.flat_blocks import MATMUL_TYPES, MatmulFlatParams
 
-    return [f"{cls.__module__}.{cls.__qualname__}" for cls in (*lower_precision_types(), MatmulFlatParams)]
+    return [f"{cls.__module__}.{cls.__qualname__}" for cls in (*MATMUL_TYPES, MatmulFlatParams)]
 
 
 def build_ds_config(layout: RunLayout) -> dict[str, Any]:

@@ -7,9 +7,9 @@ flattened, 112 (tp 1) or 148 (TP). The CPU prototype (benchmarks/repro/deepspeed
 0.79-0.85x of the per-tensor step's host time at 24 blocks, the same losses to the bit.
 
     FlatBlock(block)          # the block's 12 Parameters -> one flat Parameter per FlatGroup, views in forward
-      .matmul.<group>         # Linear weights / biases: a MatmulFlatParams, which DeepSpeed gathers and reduces in
-                              #   the autocast dtype (gpt2.engines.ds_config.lower_precision_modules), as it does a
-                              #   Linear's own parameters
+      .matmul.<group>         # the MATMUL_TYPES' weights / biases: a MatmulFlatParams, which DeepSpeed gathers
+                              #   and reduces in the autocast dtype (gpt2.engines.ds_config.lower_precision_modules),
+                              #   as it does a Linear's own parameters
       .other.<group>          # LayerNorm gains and biases: fp32, as before
       .block                  # the original Block, its Parameters removed; run through functional_call on views
 
@@ -20,10 +20,10 @@ carries its members' marks and `decays`, so the engine's parameter groups, DeepS
 hooks see what they saw on the members.
 
 Same function: the flat tensors are the members' values, concatenated in `named_parameters` order, and the forward
-runs the same Block on views of them; autograd's view backward hands each member's gradient to its slice. The views
-that autograd saves for backward keep the block's gathered storage alive until its backward (a Parameter saved as
-itself does not: ZeRO-3 empties its `.data` after the forward); under bf16 autocast Linear saves its bf16 cast, so
-this holds LayerNorm parameters only.
+runs the same Block on views of them; autograd's view backward hands each member's gradient to its slice. A view that
+autograd saves for backward keeps its block's gathered storage alive until the block's backward (a Parameter saved as
+itself does not: ZeRO-3 empties its `.data` after the forward); on one H200 (GPT-2 Large, bf16 autocast, batch 8 and
+32) the peak memory was the same as per-block ZeRO-3's (benchmarks/results/zero3/flat_params_h200).
 
 Built on whole tensors (after the TP plan, before `deepspeed.initialize`), so not under `deepspeed.zero.Init`: the
 model exists whole on every device until DeepSpeed partitions it, as it does under TP (GPT-2 XL: 6 GB of fp32).
@@ -41,12 +41,16 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from gpt2.model.gpt import Block, applies_weight_decay
+from gpt2.model.gpt import Block, Linear, applies_weight_decay
+from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.tp_plan import PARAM_MARKS
 
 FLAT_LAYOUT_FILE = "flat_blocks.json"  # a checkpoint step folder's `layout()`, written by the DeepSpeed engine
 DECAYS = "decays"  # a flat tensor's weight-decay answer, read by gpt2.runtime.parallelize.param_groups
 Layout = dict[str, list[tuple[str, list[int]]]]  # flat tensor path in a block -> [(member name, member shape)]
+# every matmul module, before and after the TP plan: ZeRO gathers and reduces their weights in the autocast dtype
+# (autocast would cast them to 16 bits anyway), not the embeddings' or LayerNorms', which compute in fp32
+MATMUL_TYPES: tuple[type, ...] = (Linear, ColumnParallelLinear, RowParallelLinear)
 
 
 @dataclass(frozen=True)
@@ -64,9 +68,9 @@ class FlatGroup:
         return ("decay" if self.decays else "no_decay") + suffix
 
 
-def group_of(block: Block, name: str, param: nn.Parameter, matmul_types: tuple[type, ...]) -> FlatGroup:
+def group_of(block: Block, name: str, param: nn.Parameter) -> FlatGroup:
     owner = block.get_submodule(name.rpartition(".")[0])
-    return FlatGroup(matmul=isinstance(owner, matmul_types), decays=applies_weight_decay(param.shape),
+    return FlatGroup(matmul=isinstance(owner, MATMUL_TYPES), decays=applies_weight_decay(param.shape),
                      marks=tuple(m for m in PARAM_MARKS if getattr(param, m, False)))
 
 
@@ -81,11 +85,11 @@ class MatmulFlatParams(FlatParams):
 class FlatBlock(nn.Module):
     """`block` with its Parameters moved into one flat Parameter per FlatGroup (see the module docstring)."""
 
-    def __init__(self, block: Block, matmul_types: tuple[type, ...]):
+    def __init__(self, block: Block):
         super().__init__()
         members: dict[FlatGroup, list[tuple[str, nn.Parameter]]] = {}
         for name, param in block.named_parameters():
-            members.setdefault(group_of(block, name, param, matmul_types), []).append((name, param))
+            members.setdefault(group_of(block, name, param), []).append((name, param))
         self.matmul, self.other = MatmulFlatParams(), FlatParams()
         self.members: dict[str, list[tuple[str, torch.Size]]] = {}  # flat path -> [(member, shape)], in cat order
         for group, named in members.items():
@@ -117,10 +121,10 @@ class FlatBlock(nn.Module):
         return {path: [(name, list(shape)) for name, shape in named] for path, named in self.members.items()}
 
 
-def flatten_blocks(model: nn.Module, matmul_types: tuple[type, ...]) -> Layout:
+def flatten_blocks(model: nn.Module) -> Layout:
     """Replace each of `model.blocks` by a FlatBlock around it, in place (after the TP plan, which sets the marks and
-    the Linear types, `matmul_types`); returns the layout, the same for every block."""
-    model.blocks = nn.ModuleList(FlatBlock(block, matmul_types) for block in model.blocks)
+    the layer types); returns the layout, the same for every block."""
+    model.blocks = nn.ModuleList(FlatBlock(block) for block in model.blocks)
     return model.blocks[0].layout()
 
 

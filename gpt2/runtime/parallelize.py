@@ -116,9 +116,7 @@ def parallelize(model: GPT, layout: RunLayout, dims: ParallelDims, stats: CommSt
                           overlap=cfg.parallel.tp_overlap, stats=stats)
     model.activation_checkpointing = cfg.train.activation_checkpointing
     if layout.zero3_flat:  # after the TP plan (its marks and layer types decide the groups)
-        from gpt2.engines.ds_config import lower_precision_types
-
-        layout_of_block = flatten_blocks(model, lower_precision_types())
+        layout_of_block = flatten_blocks(model)
         log.info("ZeRO-3 flat block parameters: %d tensors a block (%s)", len(layout_of_block),
                  ", ".join(layout_of_block))
     if layout.zero3_blocks:  # before deepspeed.initialize, which registers the hooks: one per block instead of ~10

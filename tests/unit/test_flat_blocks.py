@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gpt2.config.schema import ModelConfig
-from gpt2.engines.ds_config import lower_precision_modules, lower_precision_types
+from gpt2.engines.ds_config import lower_precision_modules
 from gpt2.model.gpt import GPT
 from gpt2.runtime.flat_blocks import MatmulFlatParams, flatten_blocks, unflatten_state_dict
 from gpt2.runtime.parallelize import param_groups
@@ -24,7 +24,7 @@ def models() -> tuple[GPT, GPT]:
     torch.manual_seed(0)
     plain = GPT(CFG)
     flat = copy.deepcopy(plain)
-    flatten_blocks(flat, lower_precision_types())
+    flatten_blocks(flat)
     return plain, flat
 
 
@@ -74,7 +74,7 @@ def test_the_tp_plans_marks_split_the_groups_and_travel() -> None:
             linear.weight.tensor_model_parallel = linear.bias.sequence_parallel = True
         for ln in (block.ln_1, block.ln_2):
             ln.weight.sequence_parallel = ln.bias.sequence_parallel = True
-    flatten_blocks(model, lower_precision_types())
+    flatten_blocks(model)
     block = model.blocks[0]
     layout = block.layout()
     assert [name for name, _ in layout["matmul.no_decay_tp"]] == ["attn.c_attn.bias", "mlp.c_fc.bias"]
