@@ -163,13 +163,16 @@ def test_zero3_flat_block_params_match_single_and_export(single_reference: Refer
     """--zero3-fetch flat (each block's parameters in a few flat tensors, gpt2.runtime.flat_blocks) on 2 ranks, over
     DP 2 with accumulation and over TP 2 (the plan's marks split the groups): single's function, and the checkpoint
     exports single's weights under our names (the flat layout beside DeepSpeed's files, each TP rank's flat tensors
-    split back, then the TP shards joined)."""
+    split back, then the TP shards joined); over DP, a resume from step 5 continues it exactly."""
     from gpt2.train.export import consolidated_state_dict
 
     ck = tmp_path / "ck"
-    run_train(ARGS + ["--mode", "hybrid", "--zero3-fetch", "flat", "--run-name", name, "--save-dir", str(ck),
-                      "--save-interval", "10", *flags], tmp_path, nproc=2)
+    args = ARGS + ["--mode", "hybrid", "--zero3-fetch", "flat", *flags]
+    run_train(args + ["--run-name", name, "--save-dir", str(ck), "--save-interval", "5"], tmp_path, nproc=2)
     assert_matches_reference(single_reference, tmp_path / name, GRAD_NORM_REL_TOL)
+    if name == "zero3-flat":
+        run_train(args + ["--run-name", "resumed", "--resume", str(ck / "step-000005")], tmp_path, nproc=2)
+        assert_resume_exact(tmp_path / name, tmp_path / "resumed", at=5)
     assert f"ZeRO-3 flat block parameters: {tensors}" in (tmp_path / name / "console.log").read_text()
     _, flat_sd = consolidated_state_dict(ck / "step-000010")
     _, single_sd = consolidated_state_dict(single_reference.checkpoint)
