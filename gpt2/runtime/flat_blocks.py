@@ -35,6 +35,7 @@ export (`gpt2.train.export`).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -98,9 +99,9 @@ class FlatBlock(nn.Module):
             setattr(flat, DECAYS, group.decays)
             for mark in group.marks:
                 setattr(flat, mark, True)
-            holder = self.matmul if group.matmul else self.other
-            holder.register_parameter(group.name, flat)
-            self.members[f"{'matmul' if group.matmul else 'other'}.{group.name}"] = [(n, p.shape) for n, p in named]
+            holder = "matmul" if group.matmul else "other"
+            self.get_submodule(holder).register_parameter(group.name, flat)
+            self.members[f"{holder}.{group.name}"] = [(n, p.shape) for n, p in named]
         for name, _ in block.named_parameters():  # None, not kept: DeepSpeed would partition them too
             owner, _, attr = name.rpartition(".")
             block.get_submodule(owner).register_parameter(attr, None)
@@ -133,11 +134,11 @@ def unflatten_state_dict(state: dict[str, torch.Tensor], layout: Layout) -> dict
     (`blocks.N.<member>`); other keys as they are."""
     out = {}
     for key, value in state.items():
-        prefix, _, path = key.partition(".")[2].partition(".")  # "blocks.3.matmul.decay" -> "3", "matmul.decay"
-        if not key.startswith("blocks.") or path not in layout:
+        flat = re.fullmatch(r"(blocks\.\d+)\.(.+)", key)  # "blocks.3.matmul.decay" -> "blocks.3", "matmul.decay"
+        if flat is None or flat[2] not in layout:
             out[key] = value
             continue
-        named = layout[path]
+        named = layout[flat[2]]
         pieces = value.split([torch.Size(shape).numel() for _, shape in named])
-        out.update({f"blocks.{prefix}.{name}": piece.reshape(shape) for (name, shape), piece in zip(named, pieces)})
+        out.update({f"{flat[1]}.{name}": piece.reshape(shape) for (name, shape), piece in zip(named, pieces)})
     return out

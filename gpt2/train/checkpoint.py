@@ -203,12 +203,13 @@ def check_compatible(meta: dict[str, Any], layout: RunLayout, where: Path) -> No
     diffs = [f"model.{k}: checkpoint {v!r}, this run {ours['model'].get(k)!r}"
              for k, v in meta["model"].items() if ours["model"].get(k) != v]
     diffs += [f"{k}: checkpoint {meta.get(k)!r}, this run {ours[k]!r}" for k in _LAYOUT_KEYS if meta.get(k) != ours[k]]
-    if meta["mode"] == ours["mode"] == "hybrid" and meta.get("zero_engine", "deepspeed") != layout.zero_engine:
-        diffs.append(f"zero_engine: checkpoint {meta.get('zero_engine', 'deepspeed')!r}, this run "
-                     f"{layout.zero_engine!r} (--zero-engine)")
-    if meta["mode"] == ours["mode"] == "hybrid" and meta.get("zero3_flat", False) != layout.zero3_flat:
-        diffs.append(f"zero3_flat: checkpoint {meta.get('zero3_flat', False)!r}, this run {layout.zero3_flat!r} "
-                     "(--zero3-fetch flat keeps each block's parameters in flat tensors)")
+    if meta["mode"] == ours["mode"] == "hybrid":
+        if meta.get("zero_engine", "deepspeed") != layout.zero_engine:
+            diffs.append(f"zero_engine: checkpoint {meta.get('zero_engine', 'deepspeed')!r}, this run "
+                         f"{layout.zero_engine!r} (--zero-engine)")
+        if meta.get("zero3_flat", False) != layout.zero3_flat:
+            diffs.append(f"zero3_flat: checkpoint {meta.get('zero3_flat', False)!r}, this run {layout.zero3_flat!r} "
+                         "(--zero3-fetch flat keeps each block's parameters in flat tensors)")
     if diffs:
         raise CheckpointError(
             f"checkpoint {where} does not match this run: " + "; ".join(diffs)

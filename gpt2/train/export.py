@@ -85,7 +85,7 @@ def consolidated_state_dict(step_dir: Path) -> tuple[ModelConfig, dict[str, torc
     elif meta["mode"] == "hybrid":
         shards = [_zero_fp32_state_dict(step_dir)] if tp == 1 else [_zero_tp_rank_state_dict(step_dir, r)
                                                                     for r in range(tp)]
-        if (step_dir / FLAT_LAYOUT_FILE).is_file():  # --zero3-fetch flat: each TP rank's flat tensors -> our names
+        if meta.get("zero3_flat"):  # --zero3-fetch flat: each TP rank's flat tensors -> our names (by its layout)
             layout = json.loads((step_dir / FLAT_LAYOUT_FILE).read_text())
             shards = [unflatten_state_dict(sd, layout) for sd in shards]
         if tp == 1:
