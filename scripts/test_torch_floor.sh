@@ -5,7 +5,8 @@
 # PyPI serves 2.11 for Linux only as its CUDA build (2.6 GB of wheels, 4.6 GB installed; it runs on the CPU): its own
 # environment, .venv-torch2.11, made once and kept (setup.sh's stamp). Measured on a 2-core machine: 2 min 20 s in all,
 # 11 s of it the tests. tests/unit/test_tp_layers.py compiles every TP collective against eager (fails on 2.11
-# without parallel.comm's views) and checks every TP layer. `--setup-only`: make the environment and stop (.ci/run
+# without parallel.comm's views) and checks every TP layer; tests/unit/test_flat_blocks.py compiles a flat block's
+# views + functional_call (--zero3-fetch flat) against eager. `--setup-only`: make the environment and stop (.ci/run
 # makes it in the background while the other suites run: the install is mostly disk and network, not CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,4 +17,4 @@ PYTHON="$PWD/$VENV/bin/python" TORCH_SPEC=torch==2.11.0 bash scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} DS_ACCELERATOR=${DS_ACCELERATOR:-cpu} TOKENIZERS_PARALLELISM=false
 export WANDB_MODE=${WANDB_MODE:-disabled} WANDB_SILENT=true PATH="$PWD/$VENV/bin:$PATH"
 "$VENV/bin/python" -c "import torch; assert torch.__version__.startswith('2.11.'), torch.__version__"
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/unit/test_tp_layers.py "$@"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/unit/test_tp_layers.py tests/unit/test_flat_blocks.py "$@"

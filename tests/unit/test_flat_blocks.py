@@ -42,6 +42,25 @@ def test_flat_blocks_train_the_same_function() -> None:
         assert torch.equal(flat_grads[name], grad), name
 
 
+def test_compiled_flat_blocks_train_the_same_function() -> None:
+    """--compile compiles each FlatBlock's forward (views + functional_call) as ZeRO-3 does (compile_forwards):
+    the torch floor (scripts/test_torch_floor.sh, 2.11, the GPU machines' torch) runs this too."""
+    from gpt2.runtime.compiling import compile_forwards
+
+    plain, flat = models()
+    compile_forwards(flat)
+    idx = torch.randint(0, CFG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))  # [B, T]
+    losses = []
+    for model in (plain, flat):
+        loss, _ = model(idx, idx)
+        loss.backward()
+        losses.append(loss.item())
+    assert abs(losses[0] - losses[1]) <= 1e-5
+    flat_grads = unflatten_state_dict({n: p.grad for n, p in flat.named_parameters()}, flat.blocks[0].layout())
+    for name, param in plain.named_parameters():
+        assert torch.allclose(flat_grads[name], param.grad, atol=1e-5, rtol=1e-4), name
+
+
 def test_flat_groups_are_what_zero_treats_alike() -> None:
     plain, flat = models()
     block = flat.blocks[0]
