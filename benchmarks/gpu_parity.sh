@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The loss-parity matrix on every GPU of one machine, beside the multi-GPU tests, within one time limit.
 #   OUT=/tmp/out MODEL=gpt2 bash benchmarks/gpu_parity.sh [tools.parity flags...]
-#   OUT=/tmp/out MODEL=gpt2-large TESTS=0 bash benchmarks/gpu_parity.sh --batch-size 32 --micro-batch 8 --steps 20
+#   OUT=/tmp/out MODEL=gpt2-large TESTS=0 bash benchmarks/gpu_parity.sh   # at tools.parity's protocol for the model
 # - installs the wheels carried in .whl/ (DeepSpeed, pytest) where they are missing (a GPU machine with no index);
 # - data: .gpudata/ (wikitext-2, gpt2-tokenizer/tokenizer.json and a token cache built where `datasets` exists:
 #   python -m gpt2.data --data-path .gpudata/wikitext-2 --tokenizer .gpudata/gpt2-tokenizer/tokenizer.json

@@ -13,8 +13,8 @@
 #   OUT=/tmp/out2 HF_RUNS="" TP_SCALING=0 SWEEP_MODES="hybrid-tp2" INCLUDE="/tmp/out/sweep/runs/*" bash ...  # a 2nd call
 # No speed without parity: PARITY="a/parity.csv [b/parity.csv]" (python -m tools.parity) gives each sweep row the
 # loss-parity verdict of its configuration, and report.md keeps only the runs that pass; without it every row reads
-# "unchecked". PARITY_ROWS="ddp-compile-w4 zero3-compile-w4 ..." runs those rows first, in the same call (gpt2-large,
-# global batch 32, micro-batch 2, 10 steps, 3 rows per GPU, at most PARITY_S seconds, needs .gpudata/ as
+# "unchecked". PARITY_ROWS="ddp-compile-w4 zero3-compile-w4 ..." runs those rows first, in the same call (gpt2-large
+# at tools.parity's protocol for it, 3 rows per GPU, at most PARITY_S seconds, needs .gpudata/ as
 # benchmarks/gpu_parity.sh does), and adds its parity.csv to PARITY: a verdict from the same call as the speed.
 # Issue-author numbers (4x H200) to compare stage 1 with: HF DDP b8 139.7k tok/s, b16 152.1k; HF ZeRO-3 b8 38.9k,
 # b32 136.6k.
@@ -37,10 +37,9 @@ transformers.__version__, '| deepspeed', deepspeed.__version__)" | tee -a "$OUT/
 
 if [ -n "${PARITY_ROWS:-}" ]; then
   # shellcheck disable=SC2086
-  timeout "${PARITY_S:-220}" "$PYTHON" -m tools.parity --models gpt2-large --batch-size 32 --micro-batch 2 \
-    --steps 10 --warmup-steps 5 --lr 2.5e-4 --jobs 3 --run-timeout "${PARITY_S:-220}" --out "$OUT/parity" \
-    --data-path .gpudata/wikitext-2 --tokenizer .gpudata/gpt2-tokenizer/tokenizer.json --cache-dir .gpudata/cache \
-    --rows $PARITY_ROWS >"$OUT/parity.log" 2>&1
+  timeout "${PARITY_S:-220}" "$PYTHON" -m tools.parity --models gpt2-large --jobs 3 --run-timeout "${PARITY_S:-220}" \
+    --out "$OUT/parity" --data-path .gpudata/wikitext-2 --tokenizer .gpudata/gpt2-tokenizer/tokenizer.json \
+    --cache-dir .gpudata/cache --rows $PARITY_ROWS >"$OUT/parity.log" 2>&1
   echo "[${SECONDS}s] parity rc=$?"
   grep -E " (pass|fail|error|skipped|reference|noise) " "$OUT/parity.log"
   PARITY="${PARITY:-} $OUT/parity/parity.csv"  # train_sweep refuses it, naming it, if the parity run wrote none

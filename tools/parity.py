@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -60,6 +60,37 @@ DEFAULT_TOKENIZER = SHARED_DATA / "gpt2-tokenizer" / "tokenizer.json"
 LOG_TAIL_LINES = 20
 
 
+@dataclass(frozen=True)
+class Protocol:
+    """The training settings a model's parity is judged at; each flag of the same name overrides its field."""
+    batch_size: int  # global: sequences per optimizer step
+    micro_batch: int | None  # largest per-rank micro-batch (None: the reference takes the global batch at once)
+    steps: int
+    warmup_steps: int
+    lr: float
+
+    def __str__(self) -> str:
+        micro = f", micro-batch at most {self.micro_batch}" if self.micro_batch else ""
+        return (f"global batch {self.batch_size} (micro-batch x grad-accum x dp{micro}), {self.steps} steps, "
+                f"lr {self.lr:.1e} (warm-up {self.warmup_steps})")
+
+
+SMALL_PROTOCOL = Protocol(batch_size=8, micro_batch=None, steps=30, warmup_steps=10, lr=6e-4)
+# gpt2-large at lr 6e-4 spikes at step 4 in every row, and DeepSpeed ZeRO-3 rows then leave the band from step 8
+# (one H200, 2026-11-29): a false fail. At 2.5e-4 (GPT-3's lr for its 760M model) every row of the 4-GPU calls
+# passed; micro-batch 2 lets 4-6 rows share a GPU and leaves dp x accumulation to split 32 at TP 2 and 4 GPUs.
+# gpt2-medium and -xl take it too, unmeasured: the nearest measured model of their size class.
+LARGE_PROTOCOL = Protocol(batch_size=32, micro_batch=2, steps=10, warmup_steps=5, lr=2.5e-4)
+PROTOCOLS = {"gpt2-tiny": SMALL_PROTOCOL, "gpt2": SMALL_PROTOCOL, "gpt2-medium": LARGE_PROTOCOL,
+             "gpt2-large": LARGE_PROTOCOL, "gpt2-xl": LARGE_PROTOCOL}
+
+
+def protocol_of(model: str, args: argparse.Namespace) -> Protocol:
+    """The model's protocol with the flags given on the command line in place of its fields."""
+    given = {f.name: getattr(args, f.name) for f in fields(Protocol) if getattr(args, f.name) is not None}
+    return replace(PROTOCOLS[model], **given)
+
+
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="python -m tools.parity", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,12 +102,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
                    help="another row (repeatable; always run): train.py flags on top of the common ones, e.g. "
                         "lr-x2='--lr 1.2e-3'; a NAME ending in -wN runs N processes (else one per TP rank)")
     p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--batch-size", type=int, default=8, help="global batch: sequences per optimizer step")
+    p.add_argument("--batch-size", type=int, help="global batch: sequences per optimizer step. This and the next "
+                   f"four default by model: gpt2-tiny and gpt2 {SMALL_PROTOCOL}; gpt2-medium, -large and -xl "
+                   f"{LARGE_PROTOCOL}")
     p.add_argument("--micro-batch", type=int, help="largest per-rank micro-batch: every row accumulates gradients "
-                   "to reach --batch-size (default: none, the reference takes the global batch at once)")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup-steps", type=int, default=10, help="LR warm-up")
-    p.add_argument("--lr", type=float, default=6e-4)
+                   "to reach --batch-size (none: the reference takes the global batch at once)")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--warmup-steps", type=int, help="LR warm-up")
+    p.add_argument("--lr", type=float)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--eval-batches", type=int, default=8, help="validation batches of --batch-size sequences")
     p.add_argument("--data", choices=["wikitext", "synthetic"], default="wikitext",
@@ -299,22 +332,27 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--extra-row names must differ from each other and from the matrix rows")
     if args.jobs < 1:
         p.error("--jobs must be >= 1")
-    if args.micro_batch is not None and (args.micro_batch < 1 or args.batch_size % args.micro_batch):
-        p.error(f"--micro-batch must be >= 1 and divide --batch-size {args.batch_size}")
+    protocols = {model: protocol_of(model, args) for model in args.models}
+    for model, proto in protocols.items():
+        if proto.micro_batch is not None and (proto.micro_batch < 1 or proto.batch_size % proto.micro_batch):
+            p.error(f"--micro-batch {proto.micro_batch} must be >= 1 and divide {model}'s global batch "
+                    f"{proto.batch_size} (--batch-size)")
     out = args.out.resolve()
     data = data_flags(args, p)
 
     def common(model: str) -> list[str]:
-        return ["--model", model, "--seq-len", str(args.seq_len), "--max-steps", str(args.steps),
-                "--log-interval", "1", "--eval-interval", "0", "--warmup-steps", str(args.warmup_steps),
-                "--lr", str(args.lr), "--seed", str(args.seed), "--wandb", "disabled",
+        proto = protocols[model]
+        return ["--model", model, "--seq-len", str(args.seq_len), "--max-steps", str(proto.steps),
+                "--log-interval", "1", "--eval-interval", "0", "--warmup-steps", str(proto.warmup_steps),
+                "--lr", str(proto.lr), "--seed", str(args.seed), "--wandb", "disabled",
                 "--throughput-warmup-steps", "0",  # throughput is not what this measures
                 "--device", device, "--out-dir", str(out / "runs"), *data]
 
     try:
-        max_samples, eval_batches = prepare_data(common(args.models[0]), args.batch_size, args.eval_batches)
-        jobs = [plan(row, model, [*common(model), "--max-samples", str(max_samples)], args.batch_size, eval_batches,
-                     device, args.micro_batch) for model in args.models for row in rows]
+        cuts = {model: prepare_data(common(model), protocols[model].batch_size, args.eval_batches)
+                for model in args.models}  # (max samples, eval batches): whole global batches of each model's
+        jobs = [plan(row, model, [*common(model), "--max-samples", str(cuts[model][0])], protocols[model].batch_size,
+                     cuts[model][1], device, protocols[model].micro_batch) for model in args.models for row in rows]
     except ConfigError as err:
         p.error(str(err))
     except ModuleNotFoundError as err:  # tokenising needs `datasets`, which a GPU machine may lack
@@ -337,11 +375,10 @@ def main(argv: list[str] | None = None) -> int:
         "host": tag["host_cpu"],
         "versions": f"torch {tag['torch']}, CUDA {tag['cuda']}, triton {tag['triton']}, deepspeed {tag['deepspeed']}",
         "date": tag["date"],
-        "settings": f"seq {args.seq_len}, global batch {args.batch_size} sequences per step (micro-batch x "
-                    f"grad-accum x dp{f', micro-batch at most {args.micro_batch}' if args.micro_batch else ''}), "
-                    f"{args.steps} steps, lr {args.lr:g} (warm-up {args.warmup_steps}), seed "
-                    f"{args.seed}, validation loss over {eval_batches} x {args.batch_size} sequences",
-        "data": f"`{shlex.join(data)}`, the first {max_samples} training sequences",
+        "settings": "; ".join(f"{model}: seq {args.seq_len}, {proto}, seed {args.seed}, validation loss over "
+                              f"{cuts[model][1]} x {proto.batch_size} sequences" for model, proto in protocols.items()),
+        "data": f"`{shlex.join(data)}`, the first "
+                + ", ".join(f"{cuts[m][0]} training sequences ({m})" for m in args.models),
     }
     out.mkdir(parents=True, exist_ok=True)
 

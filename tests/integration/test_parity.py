@@ -290,6 +290,29 @@ def test_an_extra_row_runs_the_world_its_name_ends_in():
         extra_row("single-w4=--lr 1e-3")
 
 
+def test_each_model_is_judged_at_its_own_protocol(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """gpt2-large at gpt2's lr 6e-4 spikes and fails rows that train the right function: without flags each model
+    gets its own protocol (gpt2-large: global 32 at micro-batch 2, 10 steps, lr 2.5e-4, warm-up 5), and a flag
+    replaces only its own field."""
+    def commands(*flags: str) -> dict[str, list[str]]:
+        assert parity.main(["--out", str(tmp_path), "--models", "gpt2", "gpt2-large", "--rows", "single",
+                            "--data", "synthetic", "--device", "cpu", "--dry-run", *flags]) == 0
+        lines = [line.split() for line in capsys.readouterr().out.splitlines() if "--run-name single-" in line]
+        return {argv[argv.index("--model") + 1]: argv for argv in lines}
+
+    def flag(argv: list[str], name: str) -> str:
+        return argv[argv.index(name) + 1]
+
+    default = commands()
+    small, large = default["gpt2"], default["gpt2-large"]
+    assert [flag(small, f) for f in ("--lr", "--warmup-steps", "--max-steps", "--batch-size")] == ["0.0006", "10",
+                                                                                                  "30", "8"]
+    assert [flag(large, f) for f in ("--lr", "--warmup-steps", "--max-steps", "--batch-size", "--grad-accum")] == [
+        "0.00025", "5", "10", "2", "16"]  # 32 sequences = micro-batch 2 x 16
+    large = commands("--lr", "1e-4")["gpt2-large"]
+    assert [flag(large, f) for f in ("--lr", "--warmup-steps", "--batch-size")] == ["0.0001", "5", "2"]
+
+
 def test_micro_batch_accumulates_to_the_global_batch():
     """--micro-batch 8 at a global batch of 32: every row accumulates 32 / (dp x 8) micro-steps times its own
     --grad-accum, so the noise row still halves the reference's micro-batch."""
