@@ -202,19 +202,24 @@ class RunLayout:
         ZeRO-1/2), host-bound at batch 8 (2xH200, GPT-2 Large: FSDP2 with 4 blocks a unit 158.9 -> 115.4 ms a step,
         DeepSpeed ZeRO-3 437 -> 310 ms), and with TP in them (its all-reduces in the graphs; TP 2 on 2xH200,
         batch 8, alternating runs: DeepSpeed ZeRO-3 + TP2 1.29x the tokens/s, FSDP2 + TP2 1.29x); every one passed
-        parity with it (benchmarks/results/multi_gpu). Not yet with sequence parallelism (other collectives in the
-        graphs) or fused kernels (custom ops in the graphs), which have not run with it on a GPU, nor for
-        single/DDP's whole-model graph (DDP ran with it in two calls and passed parity, but was not timed like for
-        like). CPU runs keep Python: their kernels, not their launches, take the time, and the C++ build would
-        lengthen every compiled CPU test."""
+        parity with it (benchmarks/results/multi_gpu). With `--fused-kernels cuda` (its bias+GELU custom op in the
+        graphs) for DeepSpeed ZeRO-3 without TP: with Python launch code for the kernels and C++ without, the
+        kernels read 0.84x (1xH200, flat blocks, batch 8), the wrappers' gap, not the kernels'; with C++ on both
+        sides 0.995x, parity passing (benchmarks/results/zero3/flat_params_h200). Not yet with sequence
+        parallelism (other collectives in the graphs), with the cuda kernels under TP or FSDP2, or with the Triton
+        kernels, none of which has run with it on a GPU, nor for single/DDP's whole-model graph (DDP ran with it in
+        two calls and passed parity, but was not timed like for like). CPU runs keep Python: their kernels, not
+        their launches, take the time, and the C++ build would lengthen every compiled CPU test."""
         t = self.cfg.train
         if self.compile_scope not in ("blocks", "model"):
             return None
         if t.compile_wrapper != "auto":
             return t.compile_wrapper
         zero3_graphs = self.zero3_blocks or (self.fsdp2 and self.zero_stage == 3)  # what ran with it on GPUs
+        kernels_ran_with_it = t.fused_kernels == "none" or (
+            t.fused_kernels == "cuda" and self.zero3_blocks and self.tp_size == 1)
         measured = (self.device_type == "cuda" and zero3_graphs and self.compile_scope == "blocks"
-                    and not self.sequence_parallel and t.fused_kernels == "none")
+                    and not self.sequence_parallel and kernels_ran_with_it)
         return "cpp" if measured else "python"
 
     @property

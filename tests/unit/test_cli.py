@@ -226,7 +226,11 @@ def test_settings_that_run_but_surprise_are_warned_about_once_in_the_layout() ->
     (["--mode", "hybrid", "--zero-engine", "fsdp2", "--compile", "--tp-size", "2"], "cuda", True),
     (["--mode", "hybrid", "--compile", "--tp-size", "2", "--sequence-parallel"], "cuda", False),  # not run with SP
     (["--mode", "baseline", "--compile", "--tp-size", "2"], "cuda", False),  # DDP + TP: not run with it
-    (["--mode", "hybrid", "--compile", "--fused-kernels", "triton"], "cuda", False),  # nor with fused kernels
+    (["--mode", "hybrid", "--compile", "--fused-kernels", "triton"], "cuda", False),  # nor with Triton kernels
+    (["--mode", "hybrid", "--compile", "--fused-kernels", "cuda"], "cuda", True),  # cuda's custom op: measured
+    (["--mode", "hybrid", "--compile", "--fused-kernels", "cuda", "--zero3-fetch", "flat"], "cuda", True),
+    (["--mode", "hybrid", "--compile", "--fused-kernels", "cuda", "--tp-size", "2"], "cuda", False),  # not with TP
+    (["--mode", "hybrid", "--zero-engine", "fsdp2", "--compile", "--fused-kernels", "cuda"], "cuda", False),
     (["--compile", "--compile-wrapper", "cpp"], "cpu", True),
     (["--mode", "hybrid", "--zero-stage", "2", "--compile"], "cuda", False),  # ZeRO-2's graphs: not run with it
     (["--mode", "hybrid", "--zero-engine", "fsdp2", "--zero-stage", "2", "--compile"], "cuda", False),
