@@ -6,7 +6,8 @@
 #       loss parity (python -m tools.parity) of the rows fsdp2-w4, fsdp2-compile-w4, fsdp2-tp2-w4,
 #       fsdp2-tp2-compile-w4, and PARITY_EXTRA (default ddp-compile-w4 zero3-compile-w4: the verdicts of the speed
 #       steps' DDP and ZeRO-3 rows), against single and its noise row at tools.parity's protocol for the model
-#       (gpt2-large: global batch 32, micro-batch 2, 10 steps, lr 2.5e-4), 3 rows per GPU at once (the settings of gpu_sweep.sh's PARITY_ROWS), WikiText-2 from .gpudata/
+#       (gpt2-large: global batch 32, micro-batch 2, 10 steps, lr 2.5e-4), 3 rows per GPU at once (the settings of
+#       gpu_sweep.sh's PARITY_ROWS), WikiText-2 from .gpudata/
 #       as benchmarks/gpu_parity.sh -> $OUT/parity/{parity.csv,parity.md,...}, $OUT/parity.log
 #   OUT=/tmp/fsdp2-b8 STEP=b8 PARITY=/tmp/fsdp2-parity-large/parity/parity.csv bash benchmarks/gpu_fsdp2.sh
 #       speed at batch 8 per GPU, in one call: SWEEP_MODES (default baseline hybrid fsdp2 fsdp2-tp2: DDP, ZeRO-3,
@@ -57,8 +58,9 @@ case "$STEP" in
   parity)
     # shellcheck disable=SC2086
     timeout --kill-after=15 "$((TOTAL_S - 20))" "$PYTHON" -m tools.parity --models "$MODEL" --jobs 3 \
-      --run-timeout "$((TOTAL_S - 40))" --out "$OUT/parity" --data-path .gpudata/wikitext-2 --tokenizer .gpudata/gpt2-tokenizer/tokenizer.json \
-      --cache-dir .gpudata/cache --rows "fsdp2-w$NGPU" "fsdp2-compile-w$NGPU" "fsdp2-tp2-w$NGPU" \
+      --run-timeout "$((TOTAL_S - 40))" --out "$OUT/parity" --data-path .gpudata/wikitext-2 \
+      --tokenizer .gpudata/gpt2-tokenizer/tokenizer.json --cache-dir .gpudata/cache \
+      --rows "fsdp2-w$NGPU" "fsdp2-compile-w$NGPU" "fsdp2-tp2-w$NGPU" \
       "fsdp2-tp2-compile-w$NGPU" ${PARITY_EXTRA-ddp-compile-w$NGPU zero3-compile-w$NGPU} >"$OUT/parity.log" 2>&1
     echo "[${SECONDS}s] parity rc=$?"
     grep -E " (pass|fail|error|skipped|reference|noise) " "$OUT/parity.log"

@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -143,8 +144,13 @@ def data_flags(args: argparse.Namespace, p: argparse.ArgumentParser) -> list[str
     return ["--data-path", str(path.resolve()), "--tokenizer", str(tokenizer), "--cache-dir", str(cache)]
 
 
-def prepare_data(common: list[str], batch: int, eval_batches: int) -> tuple[int, int]:
-    """Build the token cache once, here (the runs then hit it), and return (--max-samples, --eval-batches).
+class DataCut(NamedTuple):
+    max_samples: int  # train.py's --max-samples: the training blocks of whole global batches
+    eval_batches: int  # train.py's --eval-batches: at most the validation batches there are
+
+
+def prepare_data(common: list[str], batch: int, eval_batches: int) -> DataCut:
+    """Build the token cache once, here (the runs then hit it), and return the cut of the data for `batch`.
 
     --max-samples: the training blocks of whole global batches. The loader's epoch is floor(blocks / its batch)
     micro-batches, so with a remainder a run with micro-batch B/4 and 4 accumulation steps would roll over at a
@@ -154,7 +160,7 @@ def prepare_data(common: list[str], batch: int, eval_batches: int) -> tuple[int,
     cfg = parse_train_args([*common, "--batch-size", str(batch)])
     bundle = build_data(cfg.data, seq_len=cfg.train.seq_len, batch_size=batch, model_vocab_size=cfg.model.vocab_size,
                         dp_rank=0, dp_size=1, seed=cfg.train.seed, is_main=True, barrier=lambda: None)
-    return len(bundle.train) * batch, min(eval_batches, len(bundle.val))
+    return DataCut(len(bundle.train) * batch, min(eval_batches, len(bundle.val)))
 
 
 @dataclass(frozen=True)
@@ -349,10 +355,11 @@ def main(argv: list[str] | None = None) -> int:
                 "--device", device, "--out-dir", str(out / "runs"), *data]
 
     try:
-        cuts = {model: prepare_data(common(model), protocols[model].batch_size, args.eval_batches)
-                for model in args.models}  # (max samples, eval batches): whole global batches of each model's
-        jobs = [plan(row, model, [*common(model), "--max-samples", str(cuts[model][0])], protocols[model].batch_size,
-                     cuts[model][1], device, protocols[model].micro_batch) for model in args.models for row in rows]
+        cuts = {model: prepare_data(common(model), proto.batch_size, args.eval_batches)
+                for model, proto in protocols.items()}  # each model's global batch cuts its own data
+        jobs = [plan(row, model, [*common(model), "--max-samples", str(cuts[model].max_samples)], proto.batch_size,
+                     cuts[model].eval_batches, device, proto.micro_batch)
+                for model, proto in protocols.items() for row in rows]
     except ConfigError as err:
         p.error(str(err))
     except ModuleNotFoundError as err:  # tokenising needs `datasets`, which a GPU machine may lack
@@ -376,9 +383,10 @@ def main(argv: list[str] | None = None) -> int:
         "versions": f"torch {tag['torch']}, CUDA {tag['cuda']}, triton {tag['triton']}, deepspeed {tag['deepspeed']}",
         "date": tag["date"],
         "settings": "; ".join(f"{model}: seq {args.seq_len}, {proto}, seed {args.seed}, validation loss over "
-                              f"{cuts[model][1]} x {proto.batch_size} sequences" for model, proto in protocols.items()),
+                              f"{cuts[model].eval_batches} x {proto.batch_size} sequences"
+                              for model, proto in protocols.items()),
         "data": f"`{shlex.join(data)}`, the first "
-                + ", ".join(f"{cuts[m][0]} training sequences ({m})" for m in args.models),
+                + ", ".join(f"{cut.max_samples} training sequences ({model})" for model, cut in cuts.items()),
     }
     out.mkdir(parents=True, exist_ok=True)
 
