@@ -139,6 +139,8 @@ def config_key(config: dict[str, Any], world_size: int, fsdp2_gather: str | None
     fsdp2 = p.get("zero_engine") == "fsdp2"  # FSDP2 reads neither setting: its label says the engine
     if t["mode"] == "hybrid" and p["zero_stage"] == 3 and not fsdp2:
         key += f" fetch={p['zero3_fetch']}"
+        if p.get("zero3_unit_blocks", 1) > 1:  # configs from before --zero3-unit-blocks: one block a leaf
+            key += f" unit={p['zero3_unit_blocks']}"
     if t["mode"] == "hybrid" and not fsdp2:  # configs from before --zero-precision ran DeepSpeed's 16-bit model
         key += f" zprec={p.get('zero_precision', 'deepspeed')}"
     if fsdp2:

@@ -152,9 +152,10 @@ def check_deepcompile(args: argparse.Namespace) -> None:
         raise ConfigError("--compiler deepcompile is not wired with our tensor parallelism (a TP model is not built "
                           "under zero.Init, and Dynamo cannot capture the vocab-parallel head, "
                           "gpt2.runtime.compiling); use --tp-size 1, or --compiler torch")
-    if args.zero3_fetch is not None:
+    if args.zero3_fetch is not None or args.zero3_unit_blocks is not None:
         raise ConfigError("--compiler deepcompile removes ZeRO-3's gather hooks and gathers each parameter inside "
-                          "the compiled graph, so there is no fetch unit to choose; drop --zero3-fetch")
+                          "the compiled graph, so there is no fetch unit to choose; drop --zero3-fetch and "
+                          "--zero3-unit-blocks")
     if args.comm_log:
         raise ConfigError("--comm-log reads DeepSpeed's comms logger, which DeepCompile's collectives (issued by its "
                           "C++ op on the process group) bypass; drop --comm-log or use --compiler torch")
@@ -187,7 +188,8 @@ def check_zero_engine(args: argparse.Namespace) -> None:
                           "deepspeed")
     deepspeed_only = [flag for flag, value in (
         ("--ds-config", args.ds_config), ("--zero3-fetch", args.zero3_fetch),
-        ("--zero-precision", args.zero_precision), ("--deepspeed-nvtx", args.deepspeed_nvtx or None),
+        ("--zero3-unit-blocks", args.zero3_unit_blocks), ("--zero-precision", args.zero_precision),
+        ("--deepspeed-nvtx", args.deepspeed_nvtx or None),
         ("--compiler deepcompile", "deepcompile" if args.compiler == "deepcompile" else None)) if value is not None]
     if deepspeed_only:
         raise ConfigError(f"{' / '.join(deepspeed_only)}: DeepSpeed settings, which --zero-engine fsdp2 does not "
@@ -222,6 +224,11 @@ def check_flags_act(args: argparse.Namespace) -> None:
     if args.mode == "hybrid" and args.zero3_fetch is not None and (args.zero_stage or ParallelConfig.zero_stage) != 3:
         raise ConfigError(f"--zero3-fetch chooses what ZeRO-3 gathers at once; --zero-stage {args.zero_stage} keeps "
                           "whole parameters on every rank and gathers nothing: drop it or use --zero-stage 3")
+    if args.mode == "hybrid" and args.zero3_unit_blocks is not None and (
+            (args.zero_stage or ParallelConfig.zero_stage) != 3 or args.zero3_fetch == "module"):
+        raise ConfigError("--zero3-unit-blocks groups transformer blocks into ZeRO-3 leaf modules, which needs "
+                          "--zero-stage 3 with --zero3-fetch block or flat (module: DeepSpeed's hooks on every "
+                          "module); drop it or change those")
     if not args.tp_overlap and args.tp_size == 1:
         raise ConfigError("--no-tp-overlap turns off the overlap of tensor-parallel collectives, and --tp-size 1 has "
                           "none; drop it or pass --tp-size > 1")
@@ -246,6 +253,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         raise ConfigError("--global-batch-size sets the accumulation steps itself; drop --grad-accum "
                           f"{args.grad_accum} or --global-batch-size {args.global_batch_size}")
     zero_flags = [flag for flag, value in (("--zero-stage", args.zero_stage), ("--zero3-fetch", args.zero3_fetch),
+                                           ("--zero3-unit-blocks", args.zero3_unit_blocks),
                                            ("--zero-precision", args.zero_precision),
                                            ("--deepspeed-nvtx", args.deepspeed_nvtx or None),
                                            ("--zero-engine", args.zero_engine)) if value is not None]
@@ -270,6 +278,10 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if args.fsdp2_unit_blocks is not None and args.fsdp2_unit_blocks > model.n_layer:
         raise ConfigError(f"--fsdp2-unit-blocks {args.fsdp2_unit_blocks} is more blocks than the model's "
                           f"{model.n_layer}; use 1 to {model.n_layer} ({model.n_layer}: all blocks one unit)")
+    if args.zero3_unit_blocks is not None and model.n_layer % args.zero3_unit_blocks:
+        divisors = [n for n in range(1, model.n_layer + 1) if model.n_layer % n == 0]
+        raise ConfigError(f"--zero3-unit-blocks {args.zero3_unit_blocks} does not divide the model's {model.n_layer} "
+                          f"blocks; use one of {divisors}")
     return RunConfig(train=train, model=model, data=_section(DataConfig, args),
                      parallel=_section(ParallelConfig, args), log=_section(LogConfig, args),
                      checkpoint=_section(CheckpointConfig, args), plan=_section(PlanConfig, args))

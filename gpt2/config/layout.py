@@ -298,6 +298,11 @@ class RunLayout:
                 and not self.fsdp2)
 
     @property
+    def zero3_unit_blocks(self) -> int:
+        """Transformer blocks per DeepSpeed leaf module (--zero3-unit-blocks); 1 unless zero3_blocks."""
+        return self.cfg.parallel.zero3_unit_blocks if self.zero3_blocks else 1
+
+    @property
     def zero3_flat(self) -> bool:
         """ZeRO-3 leaf blocks whose parameters are a few flat tensors (--zero3-fetch flat, gpt2.runtime.flat_blocks);
         the model is then built whole, not under zero.Init."""

@@ -183,6 +183,10 @@ class ParallelConfig:
            "each unit's all-gather issued by its own pre-forward hook; N: the next N units' issued when a unit's "
            "forward starts; 1 measured no gain at batch 8 on 4 GPUs; backward always prefetches one unit)", PARALLEL,
         parse=non_negative_int, given_only=True)
+    zero3_unit_blocks: int = option(
+        1, "hybrid mode, ZeRO-3 with --zero3-fetch block or flat: transformer blocks per DeepSpeed leaf module (one "
+           "hook set and one gather per unit and pass; must divide the model's blocks)", PARALLEL,
+        parse=positive_int, given_only=True)
     zero3_fetch: Literal["block", "flat", "module"] = option(
         "block", "hybrid mode, ZeRO-3: the parameter gather unit: block = each transformer block is a DeepSpeed leaf "
                  "module (one all-gather and one hook per block and pass; allows --compile); flat = the same, with "

@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from gpt2.model.gpt import Block, Linear, applies_weight_decay
+from gpt2.model.gpt import Linear, applies_weight_decay
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.tp_plan import PARAM_MARKS
 
@@ -69,7 +69,7 @@ class FlatGroup:
         return ("decay" if self.decays else "no_decay") + suffix
 
 
-def group_of(block: Block, name: str, param: nn.Parameter) -> FlatGroup:
+def group_of(block: nn.Module, name: str, param: nn.Parameter) -> FlatGroup:
     owner = block.get_submodule(name.rpartition(".")[0])
     return FlatGroup(matmul=isinstance(owner, MATMUL_TYPES), decays=applies_weight_decay(param.shape),
                      marks=tuple(m for m in PARAM_MARKS if getattr(param, m, False)))
@@ -84,9 +84,10 @@ class MatmulFlatParams(FlatParams):
 
 
 class FlatBlock(nn.Module):
-    """`block` with its Parameters moved into one flat Parameter per FlatGroup (see the module docstring)."""
+    """`block` (a Block, or a BlockUnit of several: --zero3-unit-blocks) with its Parameters moved into one flat
+    Parameter per FlatGroup (see the module docstring)."""
 
-    def __init__(self, block: Block):
+    def __init__(self, block: nn.Module):
         super().__init__()
         members: dict[FlatGroup, list[tuple[str, nn.Parameter]]] = {}
         for name, param in block.named_parameters():

@@ -25,6 +25,7 @@ from gpt2.config.layout import RunLayout, whole_mlp_allowed
 from gpt2.config.schema import RunConfig, compile_label
 from gpt2.model.gpt import GPT, Block, applies_weight_decay
 from gpt2.observe.run_logging import log
+from gpt2.runtime.block_units import BlockUnit, group_blocks
 from gpt2.runtime.compiling import compile_forwards, compile_model
 from gpt2.runtime.flat_blocks import DECAYS, FlatBlock, flatten_blocks
 from parallel.comm import CommStats
@@ -106,8 +107,9 @@ def choose_attention(layout: RunLayout, device: torch.device) -> AttentionChoice
 
 def parallelize(model: GPT, layout: RunLayout, dims: ParallelDims, stats: CommStats | None = None) -> GPT:
     """The build order up to the data-parallel wrapper, in place: the tensor-parallel plan (this rank keeps its
-    shards; nothing to cut for tp 1) -> activation checkpointing -> --zero3-fetch flat's flat block tensors
-    (`gpt2.runtime.flat_blocks`) -> ZeRO-3 leaf modules (one coalesced gather per block, registered before
+    shards; nothing to cut for tp 1) -> activation checkpointing -> --zero3-unit-blocks' block units
+    (`gpt2.runtime.block_units`) -> --zero3-fetch flat's flat block (or unit) tensors (`gpt2.runtime.flat_blocks`)
+    -> ZeRO-3 leaf modules (one coalesced gather per block, registered before
     DeepSpeed's hooks) -> torch.compile of each block and the head (`--compile-scope
     blocks`; forwards only, hooks left eager, under ZeRO-3 per-block gathers). The engine adds DDP (then a
     `--compile-scope model` compile of the wrapped model) or DeepSpeed. `stats` counts the TP collectives' bytes."""
@@ -115,15 +117,21 @@ def parallelize(model: GPT, layout: RunLayout, dims: ParallelDims, stats: CommSt
     apply_tensor_parallel(model, dims, sequence_parallel=layout.sequence_parallel,
                           overlap=cfg.parallel.tp_overlap, stats=stats)
     model.activation_checkpointing = cfg.train.activation_checkpointing
+    if layout.zero3_unit_blocks > 1:
+        group_blocks(model, layout.zero3_unit_blocks)
     if layout.zero3_flat:  # after the TP plan (its marks and layer types decide the groups)
         layout_of_block = flatten_blocks(model)
-        log.info("ZeRO-3 flat block parameters: %d tensors a block (%s)", len(layout_of_block),
+        unit = "block" if layout.zero3_unit_blocks == 1 else f"unit of {layout.zero3_unit_blocks} blocks"
+        log.info("ZeRO-3 flat parameters: %d tensors a %s (%s)", len(layout_of_block), unit,
                  ", ".join(layout_of_block))
     if layout.zero3_blocks:  # before deepspeed.initialize, which registers the hooks: one per block instead of ~10
         from deepspeed.utils import set_z3_leaf_modules
 
-        leaves = set_z3_leaf_modules(model, [FlatBlock if layout.zero3_flat else Block])
-        log.info("ZeRO-3 gathers parameters per transformer block (%d DeepSpeed leaf modules)", len(leaves))
+        leaf = FlatBlock if layout.zero3_flat else BlockUnit if layout.zero3_unit_blocks > 1 else Block
+        leaves = set_z3_leaf_modules(model, [leaf])
+        log.info("ZeRO-3 gathers parameters per %s (%d DeepSpeed leaf modules)",
+                 f"unit of {layout.zero3_unit_blocks} transformer blocks" if layout.zero3_unit_blocks > 1
+                 else "transformer block", len(leaves))
     if layout.compile_scope == "blocks":  # with ZeRO-3 only when blocks are leaves (config.validate)
         # forwards only where a ZeRO engine's gather hooks must stay eager (DeepSpeed leaf blocks, FSDP2 units)
         compile_parts = compile_forwards if layout.zero3_blocks or layout.fsdp2 else compile_model

@@ -162,6 +162,7 @@ def build_meta(layout: RunLayout, step: int) -> dict[str, Any]:
     elif layout.mode == "hybrid":
         meta["deepspeed_version"] = importlib.metadata.version("deepspeed")  # no import: it picks an accelerator
         meta["zero3_flat"] = layout.zero3_flat  # another set of parameter tensors (absent: false)
+        meta["zero3_unit_blocks"] = layout.zero3_unit_blocks  # another set of parameter names (absent: 1)
     return meta
 
 
@@ -210,6 +211,9 @@ def check_compatible(meta: dict[str, Any], layout: RunLayout, where: Path) -> No
         if meta.get("zero3_flat", False) != layout.zero3_flat:
             diffs.append(f"zero3_flat: checkpoint {meta.get('zero3_flat', False)!r}, this run {layout.zero3_flat!r} "
                          "(--zero3-fetch flat keeps each block's parameters in flat tensors)")
+        if meta.get("zero3_unit_blocks", 1) != layout.zero3_unit_blocks:
+            diffs.append(f"zero3_unit_blocks: checkpoint {meta.get('zero3_unit_blocks', 1)}, this run "
+                         f"{layout.zero3_unit_blocks} (--zero3-unit-blocks names the parameters by unit)")
     if diffs:
         raise CheckpointError(
             f"checkpoint {where} does not match this run: " + "; ".join(diffs)

@@ -8,7 +8,8 @@ single/baseline checkpoints hold the full model (model.pt); hybrid ones are Deep
 into one fp32 state dict by `deepspeed.utils.zero_to_fp32` (from the fp32 master weights, any stage), or, with
 --zero-engine fsdp2, torch.distributed.checkpoint shards read back whole on the CPU
 (`gpt2.engines.fsdp2_engine.read_model_state`). A --zero3-fetch flat checkpoint's flat block tensors are split
-back into our parameter names by the layout it holds (`gpt2.runtime.flat_blocks.unflatten_state_dict`).
+back into our parameter names by the layout it holds (`gpt2.runtime.flat_blocks.unflatten_state_dict`), and a
+--zero3-unit-blocks checkpoint's unit names into block names (`gpt2.runtime.block_units.ungroup_state_dict`).
 
 Tensor-parallel checkpoints are saved in the TP layout (no gather at save time, so saving costs no extra
 memory or communication) and consolidated here, on the CPU: first each TP rank's state dict (its
@@ -32,6 +33,7 @@ from gpt2.config.cli import check_folder_creatable
 from gpt2.config.schema import ConfigError, ModelConfig
 from gpt2.engines.base import CHECKPOINT_TAG, state_file
 from gpt2.model.hf_weights import hf_config_for, ours_to_hf
+from gpt2.runtime.block_units import ungroup_state_dict
 from gpt2.runtime.flat_blocks import FLAT_LAYOUT_FILE, unflatten_state_dict
 from gpt2.train.checkpoint import EXIT_SAVE_FAILED, LATEST, CheckpointError, read_meta, verify_checkpoint
 from gpt2.train.preemption import EXIT_INTERRUPTED
@@ -88,6 +90,8 @@ def consolidated_state_dict(step_dir: Path) -> tuple[ModelConfig, dict[str, torc
         if meta.get("zero3_flat"):  # --zero3-fetch flat: each TP rank's flat tensors -> our names (by its layout)
             layout = json.loads((step_dir / FLAT_LAYOUT_FILE).read_text())
             shards = [unflatten_state_dict(sd, layout) for sd in shards]
+        if meta.get("zero3_unit_blocks", 1) > 1:  # --zero3-unit-blocks: blocks.U.layers.J -> blocks.N
+            shards = [ungroup_state_dict(sd, meta["zero3_unit_blocks"]) for sd in shards]
         if tp == 1:
             return cfg, shards[0]
     else:

@@ -394,6 +394,9 @@ def _config(flags: list[str]) -> dict:
 def test_config_key_names_the_code_path():
     assert config_key(_config(["--mode", "hybrid", "--compile"]), 4) == (
         "gpt2-large zero3 w4 kernels=none attn=sdpa compile=blocks ckpt=off bf16 fetch=block zprec=autocast")
+    # a unit of blocks is another code path (hooks, graphs, flat tensors per unit); one block a unit names none
+    assert config_key(_config(["--mode", "hybrid", "--compile", "--zero3-fetch", "flat", "--zero3-unit-blocks", "4"]),
+                      4).endswith(" fetch=flat unit=4 zprec=autocast")
     # DeepSpeed's 16-bit model is another function: its own key; a config from before the flag ran that recipe
     deepspeed16 = _config(["--mode", "hybrid", "--zero-stage", "2", "--zero-precision", "deepspeed"])
     assert config_key(deepspeed16, 4).endswith("zero2 w4 kernels=none attn=sdpa compile=off ckpt=off bf16 "

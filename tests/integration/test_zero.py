@@ -173,12 +173,48 @@ def test_zero3_flat_block_params_match_single_and_export(single_reference: Refer
     if name == "zero3-flat":
         run_train(args + ["--run-name", "resumed", "--resume", str(ck / "step-000005")], tmp_path, nproc=2)
         assert_resume_exact(tmp_path / name, tmp_path / "resumed", at=5)
-    assert f"ZeRO-3 flat block parameters: {tensors}" in (tmp_path / name / "console.log").read_text()
+    assert f"ZeRO-3 flat parameters: {tensors}" in (tmp_path / name / "console.log").read_text()
     _, flat_sd = consolidated_state_dict(ck / "step-000010")
     _, single_sd = consolidated_state_dict(single_reference.checkpoint)
     assert set(flat_sd) == set(single_sd)
     for key, tensor in single_sd.items():
         assert torch.allclose(flat_sd[key], tensor, atol=1e-4, rtol=0), key
+
+
+@pytest.mark.parametrize(("fetch", "flags"), [("block", ["--batch-size", "1", "--grad-accum", "2"]),
+                                              ("flat", ["--batch-size", "2", "--compile"])])
+def test_zero3_unit_blocks_match_single_resume_and_export(single_reference: ReferenceRun, tmp_path: Path, fetch: str,
+                                                          flags: list[str]) -> None:
+    """--zero3-unit-blocks 2 (gpt2-tiny's 2 blocks as one DeepSpeed leaf module, gpt2.runtime.block_units) on 2
+    ranks: single's function, per-block (with accumulation: a resume from step 5 continues it exactly, and a resume
+    at another unit size is refused naming both) and flat under --compile (one graph and one flat tensor set a unit);
+    the checkpoint exports single's weights under the blocks' own names."""
+    from gpt2.train.checkpoint import CheckpointError, check_compatible, read_meta
+    from gpt2.train.export import consolidated_state_dict
+
+    ck, name = tmp_path / "ck", f"zero3-{fetch}-unit2"
+    args = ARGS + ["--mode", "hybrid", "--zero3-fetch", fetch, "--zero3-unit-blocks", "2", *flags]
+    run_train(args + ["--run-name", name, "--save-dir", str(ck), "--save-interval", "5"], tmp_path, nproc=2)
+    assert_matches_reference(single_reference, tmp_path / name, GRAD_NORM_REL_TOL)
+    console = (tmp_path / name / "console.log").read_text()
+    assert "ZeRO-3 gathers parameters per unit of 2 transformer blocks (1 DeepSpeed leaf modules)" in console
+    assert summary(tmp_path / name)["zero3_unit_blocks"] == 2
+    if fetch == "block":
+        run_train(args + ["--run-name", "resumed", "--resume", str(ck / "step-000005")], tmp_path, nproc=2)
+        assert_resume_exact(tmp_path / name, tmp_path / "resumed", at=5)
+        step5 = ck / "step-000005"
+        other = RunLayout.resolve(parse_args(ARGS + ["--mode", "hybrid", "--batch-size", "1", "--grad-accum", "2"]),
+                                  2, torch.device("cpu"))  # the same run but for the unit size
+        with pytest.raises(CheckpointError, match=r"does not match this run: zero3_unit_blocks: checkpoint 2, this "
+                                                  r"run 1 \(--zero3-unit-blocks"):
+            check_compatible(read_meta(step5), other, step5)
+    else:
+        assert "ZeRO-3 flat parameters: 3 tensors a unit of 2 blocks" in console
+    _, unit_sd = consolidated_state_dict(ck / "step-000010")
+    _, single_sd = consolidated_state_dict(single_reference.checkpoint)
+    assert set(unit_sd) == set(single_sd)
+    for key, tensor in single_sd.items():
+        assert torch.allclose(unit_sd[key], tensor, atol=1e-4, rtol=0), key
 
 
 def build_ds_config(cfg: RunConfig, dp_size: int, device: torch.device) -> dict:

@@ -13,41 +13,54 @@ import torch
 from gpt2.config.schema import ModelConfig
 from gpt2.engines.ds_config import lower_precision_modules
 from gpt2.model.gpt import GPT
+from gpt2.runtime.block_units import group_blocks, ungroup_state_dict
 from gpt2.runtime.flat_blocks import MatmulFlatParams, flatten_blocks, unflatten_state_dict
 from gpt2.runtime.parallelize import param_groups
 
 CFG = ModelConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=64, n_positions=8)
 
 
-def models() -> tuple[GPT, GPT]:
-    """(per-tensor, flat): the same seed's weights."""
+def models(unit_blocks: int = 1) -> tuple[GPT, GPT]:
+    """(per-tensor, flat): the same seed's weights; the flat one's blocks in units of `unit_blocks`
+    (--zero3-unit-blocks, gpt2.runtime.block_units), each unit flattened as one."""
     torch.manual_seed(0)
     plain = GPT(CFG)
     flat = copy.deepcopy(plain)
+    if unit_blocks > 1:
+        group_blocks(flat, unit_blocks)
     flatten_blocks(flat)
     return plain, flat
 
 
-def test_flat_blocks_train_the_same_function() -> None:
-    plain, flat = models()
+def member_grads(flat: GPT, unit_blocks: int) -> dict[str, torch.Tensor]:
+    """The flat model's gradients under the per-tensor model's names."""
+    grads = unflatten_state_dict({n: p.grad for n, p in flat.named_parameters()}, flat.blocks[0].layout())
+    return ungroup_state_dict(grads, unit_blocks)
+
+
+@pytest.mark.parametrize("unit_blocks", [1, 2])
+def test_flat_blocks_train_the_same_function(unit_blocks: int) -> None:
+    plain, flat = models(unit_blocks)
     idx = torch.randint(0, CFG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))  # [B, T]
     for model in (plain, flat):
         loss, _ = model(idx, idx)
         loss.backward()
     assert torch.equal(plain(idx), flat(idx))
-    flat_grads = unflatten_state_dict({n: p.grad for n, p in flat.named_parameters()}, flat.blocks[0].layout())
+    flat_grads = member_grads(flat, unit_blocks)
     plain_grads = {n: p.grad for n, p in plain.named_parameters()}
     assert flat_grads.keys() == plain_grads.keys()
     for name, grad in plain_grads.items():
         assert torch.equal(flat_grads[name], grad), name
 
 
-def test_compiled_flat_blocks_train_the_same_function() -> None:
-    """--compile compiles each FlatBlock's forward (views + functional_call) as ZeRO-3 does (compile_forwards):
-    the torch floor (scripts/test_torch_floor.sh, 2.11, the GPU machines' torch) runs this too."""
+@pytest.mark.parametrize("unit_blocks", [1, 2])
+def test_compiled_flat_blocks_train_the_same_function(unit_blocks: int) -> None:
+    """--compile compiles each FlatBlock's forward (views + functional_call; with units, of 2 blocks in one graph)
+    as ZeRO-3 does (compile_forwards): the torch floor (scripts/test_torch_floor.sh, 2.11, the GPU machines' torch)
+    runs this too."""
     from gpt2.runtime.compiling import compile_forwards
 
-    plain, flat = models()
+    plain, flat = models(unit_blocks)
     compile_forwards(flat)
     idx = torch.randint(0, CFG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))  # [B, T]
     losses = []
@@ -56,7 +69,7 @@ def test_compiled_flat_blocks_train_the_same_function() -> None:
         loss.backward()
         losses.append(loss.item())
     assert abs(losses[0] - losses[1]) <= 1e-5
-    flat_grads = unflatten_state_dict({n: p.grad for n, p in flat.named_parameters()}, flat.blocks[0].layout())
+    flat_grads = member_grads(flat, unit_blocks)
     for name, param in plain.named_parameters():
         assert torch.allclose(flat_grads[name], param.grad, atol=1e-5, rtol=1e-4), name
 
