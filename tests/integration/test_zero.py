@@ -182,13 +182,15 @@ def test_zero3_flat_block_params_match_single_and_export(single_reference: Refer
 
 
 @pytest.mark.parametrize(("fetch", "flags"), [("block", ["--batch-size", "1", "--grad-accum", "2"]),
-                                              ("flat", ["--batch-size", "2", "--compile"])])
+                                              ("flat", ["--batch-size", "4", "--tp-size", "2", "--sequence-parallel",
+                                                        "--compile"])])
 def test_zero3_unit_blocks_match_single_resume_and_export(single_reference: ReferenceRun, tmp_path: Path, fetch: str,
                                                           flags: list[str]) -> None:
     """--zero3-unit-blocks 2 (gpt2-tiny's 2 blocks as one DeepSpeed leaf module, gpt2.runtime.block_units) on 2
-    ranks: single's function, per-block (with accumulation: a resume from step 5 continues it exactly, and a resume
-    at another unit size is refused naming both) and flat under --compile (one graph and one flat tensor set a unit);
-    the checkpoint exports single's weights under the blocks' own names."""
+    ranks: single's function, per-block over DP 2 with accumulation (a resume from step 5 continues it exactly, and a
+    resume at another unit size is refused naming both) and flat over TP 2 with sequence parallelism under --compile
+    (one graph and one flat tensor set a unit, the groups split by the TP plan's marks); the checkpoint exports
+    single's weights under the blocks' own names (the TP shards joined after the units are ungrouped)."""
     from gpt2.train.checkpoint import CheckpointError, check_compatible, read_meta
     from gpt2.train.export import consolidated_state_dict
 
@@ -209,7 +211,7 @@ def test_zero3_unit_blocks_match_single_resume_and_export(single_reference: Refe
                                                   r"run 1 \(--zero3-unit-blocks"):
             check_compatible(read_meta(step5), other, step5)
     else:
-        assert "ZeRO-3 flat parameters: 3 tensors a unit of 2 blocks" in console
+        assert "ZeRO-3 flat parameters: 4 tensors a unit of 2 blocks (other.no_decay_sp, matmul.decay_tp" in console
     _, unit_sd = consolidated_state_dict(ck / "step-000010")
     _, single_sd = consolidated_state_dict(single_reference.checkpoint)
     assert set(unit_sd) == set(single_sd)
