@@ -38,6 +38,7 @@ TP2 = ("--tp-size", "2")
 SP, COMPILE = "--sequence-parallel", "--compile"
 DEEPCOMPILE = ("--compile", "--compiler", "deepcompile")  # ZeRO-3 under DeepSpeed's DeepCompile (CUDA only)
 FLAT = ("--zero3-fetch", "flat")  # DeepSpeed ZeRO-3 over flat block tensors (gpt2.runtime.flat_blocks)
+UNIT4 = ("--zero3-unit-blocks", "4")  # 4 blocks a DeepSpeed leaf module (gpt2.runtime.block_units)
 FSDP2 = ("--mode", "hybrid", "--zero-engine", "fsdp2")  # ZeRO-3 by PyTorch FSDP2 (gpt2.engines.fsdp2_engine)
 
 
@@ -60,7 +61,8 @@ def one_device_rows() -> list[Row]:
              Row("grad-accum", ("--grad-accum", "4"))]
     for name, flags in [("ddp", DDP)] + [(f"zero{s}", _zero(s)) for s in (1, 2, 3)] + [("fsdp2", FSDP2)]:
         rows += [Row(name, flags, nproc=1), Row(f"{name}-compile", (*flags, "--compile"), nproc=1)]
-    rows.append(Row("zero3-flat-compile", (*_zero(3), *FLAT, COMPILE), nproc=1))
+    rows += [Row("zero3-flat-compile", (*_zero(3), *FLAT, COMPILE), nproc=1),
+             Row("zero3-flat-u4-compile", (*_zero(3), *FLAT, *UNIT4, COMPILE), nproc=1)]
     return rows + [Row("zero3-deepcompile", (*_zero(3), *DEEPCOMPILE), nproc=1)]
 
 
@@ -82,9 +84,11 @@ def multi_device_rows(world: int) -> list[Row]:
     for name, flags in (("ddp", DDP), ("zero3", _zero(3)), ("zero3-tp2", (*_zero(3), *TP2)), ("fsdp2", FSDP2),
                         ("fsdp2-tp2", (*FSDP2, *TP2))):
         rows.append(Row(f"{name}-cuda-compile{w}", (*flags, "--fused-kernels", "cuda", COMPILE), world))
-    # --zero3-fetch flat (each block's parameters in a few flat tensors), without and with TP 2
-    rows += [Row(f"zero3-flat-compile{w}", (*_zero(3), *FLAT, COMPILE), world),
-             Row(f"zero3-tp2-flat-compile{w}", (*_zero(3), *TP2, *FLAT, COMPILE), world)]
+    # --zero3-fetch flat (each block's parameters in a few flat tensors), without and with TP 2, each also in units of
+    # 4 blocks (skipped, naming why, for a model whose blocks 4 does not divide)
+    for name, flags in (("zero3", _zero(3)), ("zero3-tp2", (*_zero(3), *TP2))):
+        rows += [Row(f"{name}-flat-compile{w}", (*flags, *FLAT, COMPILE), world),
+                 Row(f"{name}-flat-u4-compile{w}", (*flags, *FLAT, *UNIT4, COMPILE), world)]
     if world % 4 == 0:
         rows += [Row(f"ddp-tp4{w}", (*DDP, "--tp-size", "4"), world),
                  Row(f"zero3-tp4{w}", (*_zero(3), "--tp-size", "4"), world)]

@@ -259,6 +259,10 @@ def test_matrix_keeps_the_global_batch_in_every_layout():
             "zero3-compile-w4", "ddp-cuda-compile-w4", "zero3-tp2-cuda-compile-w4",
             "fsdp2-tp2-cuda-compile-w4"} <= set(jobs)
     assert " kernels=cuda " in jobs["zero3-tp2-cuda-compile-w4"].key  # the sweep's --fused cuda rows find it
+    assert "does not divide the model's 2 blocks" in jobs["zero3-tp2-flat-u4-compile-w4"].skip  # gpt2-tiny
+    large = plan({r.name: r for r in matrix(4)}["zero3-tp2-flat-u4-compile-w4"], "gpt2-large",
+                 ["--model", "gpt2-large"], 32, 2, "cuda")  # 36 blocks: 9 units
+    assert not large.skip and large.key.endswith(" fetch=flat unit=4 zprec=autocast wrapper=cpp")
     assert not any("tp4" in row.name for row in matrix(2))  # TP 4 only where 4 divides the world
 
     def flag(job, name: str) -> int:
