@@ -117,21 +117,19 @@ def parallelize(model: GPT, layout: RunLayout, dims: ParallelDims, stats: CommSt
     apply_tensor_parallel(model, dims, sequence_parallel=layout.sequence_parallel,
                           overlap=cfg.parallel.tp_overlap, stats=stats)
     model.activation_checkpointing = cfg.train.activation_checkpointing
-    if layout.zero3_unit_blocks > 1:
-        group_blocks(model, layout.zero3_unit_blocks)
+    unit_blocks = layout.zero3_unit_blocks
+    unit = "transformer block" if unit_blocks == 1 else f"unit of {unit_blocks} transformer blocks"  # for the logs
+    if unit_blocks > 1:
+        group_blocks(model, unit_blocks)
     if layout.zero3_flat:  # after the TP plan (its marks and layer types decide the groups)
         layout_of_block = flatten_blocks(model)
-        unit = "block" if layout.zero3_unit_blocks == 1 else f"unit of {layout.zero3_unit_blocks} blocks"
-        log.info("ZeRO-3 flat parameters: %d tensors a %s (%s)", len(layout_of_block), unit,
-                 ", ".join(layout_of_block))
+        log.info("ZeRO-3 flat parameters: %d tensors a %s (%s)", len(layout_of_block), unit, ", ".join(layout_of_block))
     if layout.zero3_blocks:  # before deepspeed.initialize, which registers the hooks: one per block instead of ~10
         from deepspeed.utils import set_z3_leaf_modules
 
-        leaf = FlatBlock if layout.zero3_flat else BlockUnit if layout.zero3_unit_blocks > 1 else Block
+        leaf = FlatBlock if layout.zero3_flat else BlockUnit if unit_blocks > 1 else Block
         leaves = set_z3_leaf_modules(model, [leaf])
-        log.info("ZeRO-3 gathers parameters per %s (%d DeepSpeed leaf modules)",
-                 f"unit of {layout.zero3_unit_blocks} transformer blocks" if layout.zero3_unit_blocks > 1
-                 else "transformer block", len(leaves))
+        log.info("ZeRO-3 gathers parameters per %s (%d DeepSpeed leaf modules)", unit, len(leaves))
     if layout.compile_scope == "blocks":  # with ZeRO-3 only when blocks are leaves (config.validate)
         # forwards only where a ZeRO engine's gather hooks must stay eager (DeepSpeed leaf blocks, FSDP2 units)
         compile_parts = compile_forwards if layout.zero3_blocks or layout.fsdp2 else compile_model

@@ -154,10 +154,10 @@ def test_zero3_checkpoint_exports_and_inits(single_reference: ReferenceRun, runs
 
 
 @pytest.mark.parametrize(("name", "flags", "tensors"), [
-    ("zero3-flat", ["--batch-size", "1", "--grad-accum", "2"], "3 tensors a block (other.no_decay, matmul.decay, "
-                                                                "matmul.no_decay)"),
-    ("zero3-flat-tp2", ["--batch-size", "4", "--tp-size", "2"], "4 tensors a block (other.no_decay, matmul.decay_tp, "
-                                                                "matmul.no_decay_tp, matmul.no_decay)")])
+    ("zero3-flat", ["--batch-size", "1", "--grad-accum", "2"],
+     "3 tensors a transformer block (other.no_decay, matmul.decay, matmul.no_decay)"),
+    ("zero3-flat-tp2", ["--batch-size", "4", "--tp-size", "2"],
+     "4 tensors a transformer block (other.no_decay, matmul.decay_tp, matmul.no_decay_tp, matmul.no_decay)")])
 def test_zero3_flat_block_params_match_single_and_export(single_reference: ReferenceRun, tmp_path: Path, name: str,
                                                           flags: list[str], tensors: str) -> None:
     """--zero3-fetch flat (each block's parameters in a few flat tensors, gpt2.runtime.flat_blocks) on 2 ranks, over
@@ -211,7 +211,8 @@ def test_zero3_unit_blocks_match_single_resume_and_export(single_reference: Refe
                                                   r"run 1 \(--zero3-unit-blocks"):
             check_compatible(read_meta(step5), other, step5)
     else:
-        assert "ZeRO-3 flat parameters: 4 tensors a unit of 2 blocks (other.no_decay_sp, matmul.decay_tp" in console
+        assert ("ZeRO-3 flat parameters: 4 tensors a unit of 2 transformer blocks (other.no_decay_sp, matmul.decay_tp"
+                in console)
     _, unit_sd = consolidated_state_dict(ck / "step-000010")
     _, single_sd = consolidated_state_dict(single_reference.checkpoint)
     assert set(unit_sd) == set(single_sd)
