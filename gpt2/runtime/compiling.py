@@ -22,18 +22,20 @@ import contextlib
 from typing import Any
 
 import torch
-import torch._dynamo
-import torch._inductor.config
 import torch.nn as nn
 
 from gpt2.model.gpt import GPT, LMHead
 
 INDUCTOR_SETTINGS: dict[str, Any] = {"loop_ordering_after_fusion": False}
+# torch._dynamo and Inductor's config are imported where a compile is set up, not with this module: importing them
+# takes ~1.5 s of CPU a process, which every eager run (most of the CPU suite's launches) would pay for nothing
 
 
 def apply_inductor_settings(cpp_wrapper: bool = False) -> None:
     """Set `INDUCTOR_SETTINGS` (process-wide Inductor config, read when a graph is compiled), and the kind of host
     code that launches each graph's kernels (`RunLayout.inductor_cpp_wrapper`: C++ or Python; the same kernels)."""
+    import torch._inductor.config
+
     for name, value in {**INDUCTOR_SETTINGS, "cpp_wrapper": cpp_wrapper}.items():
         setattr(torch._inductor.config, name, value)
 
@@ -68,6 +70,8 @@ def compile_forwards(model: GPT, cpp_wrapper: bool = False) -> None:
     # On CUDA, ZeRO-3's gathered block parameters fail a guard of the previous block's graph, so Dynamo compiles
     # the shared Block.forward once per block (reused every step after that); at its default limit of 8 the
     # other blocks of GPT-2 Large ran eagerly (4xH200 logs: "hit config.recompile_limit (8)").
+    import torch._dynamo
+
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(model.blocks) + 8)
     apply_inductor_settings(cpp_wrapper)
     for module in compiled_parts(model):
@@ -80,4 +84,8 @@ def deepcompile_eval_settings(deepcompile: bool) -> contextlib.AbstractContextMa
     `_scaled_dot_product_cudnn_attention`, whose logsumexp is undefined without gradients, and the assert raises
     `TypeError: expected Tensor()` (pytorch/pytorch#196226; seen on an H100, torch 2.11). The assert is a check
     only: without it the eval graph is the same. Training graphs compile outside this and keep the assert."""
-    return torch._inductor.config.patch(alignment_asserts=False) if deepcompile else contextlib.nullcontext()
+    if not deepcompile:
+        return contextlib.nullcontext()
+    import torch._inductor.config
+
+    return torch._inductor.config.patch(alignment_asserts=False)
