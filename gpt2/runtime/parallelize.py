@@ -109,9 +109,9 @@ def parallelize(model: GPT, layout: RunLayout, dims: ParallelDims, stats: CommSt
     """The build order up to the data-parallel wrapper, in place: the tensor-parallel plan (this rank keeps its
     shards; nothing to cut for tp 1) -> activation checkpointing -> --zero3-unit-blocks' block units
     (`gpt2.runtime.block_units`) -> --zero3-fetch flat's flat block (or unit) tensors (`gpt2.runtime.flat_blocks`)
-    -> ZeRO-3 leaf modules (one coalesced gather per block, registered before
-    DeepSpeed's hooks) -> torch.compile of each block and the head (`--compile-scope
-    blocks`; forwards only, hooks left eager, under ZeRO-3 per-block gathers). The engine adds DDP (then a
+    -> ZeRO-3 leaf modules (one coalesced gather per block or unit, registered before
+    DeepSpeed's hooks) -> torch.compile of each block (or unit) and the head (`--compile-scope
+    blocks`; forwards only, hooks left eager, under ZeRO-3's leaf gathers). The engine adds DDP (then a
     `--compile-scope model` compile of the wrapped model) or DeepSpeed. `stats` counts the TP collectives' bytes."""
     cfg = layout.cfg
     apply_tensor_parallel(model, dims, sequence_parallel=layout.sequence_parallel,
