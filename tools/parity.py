@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 
 from gpt2.config.cli import parse_args as parse_train_args
-from gpt2.config.schema import MODEL_PRESETS, ConfigError, DataConfig
+from gpt2.config.schema import MODEL_PRESETS, ConfigError, DataConfig, positive_int
 from gpt2.runtime.distributed import LAUNCHER_VARS
 from tools import parity_report
 from tools.common import ROOT, device_tag, error_excerpt, free_run_name, last_error, launch, stop_launches_on_signal
@@ -112,7 +112,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument("--warmup-steps", type=int, help="LR warm-up")
     p.add_argument("--lr", type=float)
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--eval-batches", type=int, default=8, help="validation batches of --batch-size sequences")
+    p.add_argument("--eval-batches", type=positive_int, default=8, help="validation batches of --batch-size sequences")
     p.add_argument("--data", choices=["wikitext", "synthetic"], default="wikitext",
                    help="synthetic: random tokens (smoke tests; no text)")
     p.add_argument("--data-path", help=f"text file or folder (default {DEFAULT_DATA}, where it exists)")

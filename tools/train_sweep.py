@@ -170,8 +170,8 @@ def run_args(args: argparse.Namespace, mode: str, fused: str, batch: int, name: 
         cmd += ["--device", args.device]
     if args.peak_tflops:
         cmd += ["--peak-tflops", str(args.peak_tflops)]
-    if not m.module:
-        cmd += ["--fused-kernels", fused, "--data", args.data, "--eval-batches", "2", *shlex.split(args.extra_args)]
+    if not m.module:  # no evaluation: a speed row needs none, and its compile could outlast --run-timeout
+        cmd += ["--fused-kernels", fused, "--data", args.data, "--eval-batches", "0", *shlex.split(args.extra_args)]
     return cmd
 
 

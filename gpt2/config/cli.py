@@ -229,6 +229,9 @@ def check_flags_act(args: argparse.Namespace) -> None:
         raise ConfigError("--zero3-unit-blocks groups transformer blocks into ZeRO-3 leaf modules, which needs "
                           "--zero-stage 3 with --zero3-fetch block or flat (module: DeepSpeed's hooks on every "
                           "module); drop it or change those")
+    if args.eval_interval and not args.eval_batches:
+        raise ConfigError(f"--eval-interval {args.eval_interval} evaluates every {args.eval_interval} steps, and "
+                          "--eval-batches 0 turns evaluation off; drop one of the two")
     if not args.tp_overlap and args.tp_size == 1:
         raise ConfigError("--no-tp-overlap turns off the overlap of tensor-parallel collectives, and --tp-size 1 has "
                           "none; drop it or pass --tp-size > 1")

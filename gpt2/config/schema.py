@@ -144,7 +144,8 @@ class DataConfig:
     max_samples: int | None = option(None, "cap on training sequences", DATA, parse=positive_int)
     cache_dir: str = option(".cache/tokens", "tokenised-stream cache", DATA, given_only=True)
     num_proc: int = option(4, "tokenisation processes", DATA, parse=positive_int, given_only=True)
-    eval_batches: int = option(20, "validation batches per evaluation", DATA, parse=positive_int)
+    eval_batches: int = option(20, "validation batches per evaluation; 0: no evaluation (throughput runs)", DATA,
+                               parse=non_negative_int)
 
 
 @dataclass

@@ -6,7 +6,7 @@ Interface (what the engine calls)::
                         dp_rank=dims.dp_rank, dp_size=dims.dp_size, seed=cfg.train.seed,
                         is_main=<one process per cache filesystem>, barrier=<all ranks>)
     x, y = bundle.train.next_batch()          # int64 [B, T] each, CPU; rolls over epochs
-    for x, y in bundle.val.iter_epoch(cfg.data.eval_batches): ...   # fixed order, sharded
+    for x, y in bundle.val.iter_epoch(cfg.data.eval_batches): ...   # fixed order, sharded (None: --eval-batches 0)
     ckpt["data"] = bundle.train.state_dict(); bundle.train.load_state_dict(ckpt["data"])
 
 `build_data` calls `barrier()` exactly once on every rank, after the main process has written any
@@ -422,7 +422,7 @@ class BatchLoader:
 @dataclass
 class DataBundle:
     train: BatchLoader
-    val: BatchLoader
+    val: BatchLoader | None  # None with --eval-batches 0 (no evaluation; the training split is the same)
     vocab_size: int  # tokenizer vocab (synthetic: the model's)
     description: str  # one line for logs
     cache_hit: bool  # True when no tokenisation ran in this process (always True for synthetic)
@@ -506,12 +506,15 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, model_vocab_si
         source = f"train: {train_split.label} | val: {val_label} | tokenizer {cfg.tokenizer} ({vocab} tokens)"
     train = BatchLoader(train_tokens, seq_len=seq_len, batch_size=batch_size, dp_rank=dp_rank, dp_size=dp_size,
                         seed=seed, shuffle=True, max_blocks=cfg.max_samples, name="train")
-    val = BatchLoader(val_tokens, seq_len=seq_len, batch_size=batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                      seed=seed, shuffle=False, name="validation")
     _check_batches(train, len(train_tokens), "training", cfg.max_samples)
-    _check_batches(val, len(val_tokens), "validation")
+    val = None
+    val_text = "no evaluation (--eval-batches 0)"
+    if cfg.eval_batches:
+        val = BatchLoader(val_tokens, seq_len=seq_len, batch_size=batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                          seed=seed, shuffle=False, name="validation")
+        _check_batches(val, len(val_tokens), "validation")
+        val_text = f"val {len(val_tokens):,} tokens, {val.num_blocks:,} blocks, {len(val)} batches"
     description = (f"{source} | train {len(train_tokens):,} tokens, {train.num_blocks:,} blocks, {len(train)} "
-                   f"batches/epoch/rank | val {len(val_tokens):,} tokens, {val.num_blocks:,} blocks, {len(val)} "
-                   f"batches | cache {'hit' if cache_hit else 'built'}")
+                   f"batches/epoch/rank | {val_text} | cache {'hit' if cache_hit else 'built'}")
     return DataBundle(train=train, val=val, vocab_size=vocab, description=description, cache_hit=cache_hit)
 

@@ -283,7 +283,7 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
     tok_s = summary["tokens_per_s"]
     log.info("summary: %s %s | %s tok/s | MFU %s | peak mem %.2f GiB | final loss %.4f | val loss %s",
              t.mode, t.model, f"{tok_s:,.0f}" if tok_s else "n/a", f"{100 * mfu:.1f}%" if mfu else "n/a",
-             summary["mem/peak_allocated_gib"], summary["final_loss"], summary.get("val_loss"))
+             summary["mem/peak_allocated_gib"], summary["final_loss"], summary.get("val_loss", "n/a"))
     return summary
 
 

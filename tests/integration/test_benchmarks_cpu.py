@@ -68,6 +68,7 @@ def test_sweep_cpu_runs_modes_and_hf_reference(tmp_path, cpu_env):
               "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_time_s", "mem/peak_allocated_gib",
               "mem/peak_reserved_gib", "final_loss", "torch_version", "host_cpu"}
     assert shared <= set(ours) and shared <= set(theirs)
+    assert "val_loss" not in ours  # a speed row evaluates nothing (--eval-batches 0): no final evaluation to wait for
     # host-bound rows run at the host's speed: the CPU is in every summary, every row and the table's header
     assert ours["host_cpu"] == theirs["host_cpu"] == host_cpu() and all(r["host_cpu"] == host_cpu() for r in rows)
     assert f"host: {host_cpu()};" in table

@@ -150,6 +150,7 @@ def test_validate_rejects(argv: list[str], needle: str) -> None:
         (["--mode", "hybrid", "--zero-stage", "2", "--zero3-fetch", "module"], "--zero-stage 2 keeps whole parameters"),
         (["--mode", "hybrid", "--zero-stage", "1", "--zero3-fetch", "block"], "drop it or use --zero-stage 3"),
         (["--no-tp-overlap"], "--tp-size 1 has none"),
+        (["--eval-interval", "5", "--eval-batches", "0"], "--eval-batches 0 turns evaluation off; drop one"),
         (["--data", "synthetic", "--tokenizer", "gpt2"], "--tokenizer: --data synthetic draws random token ids"),
         (["--data", "synthetic", "--cache-dir", "c", "--num-proc", "2"], "--cache-dir, --num-proc: --data synthetic"),
         (["--init-from", "gpt2", "--resume", "ck/step-000010"], "loads the checkpoint's over them; drop one"),

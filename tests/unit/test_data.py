@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -231,6 +232,9 @@ def test_local_folder_stream_matches_reference_and_tail_split(tmp_path, tiny_tok
     assert len(bundle.val.tokens) == int(len(ref) * 0.05)  # the tail split
     assert bundle.vocab_size == len(load_tokenizer(str(tiny_tokenizer)))
     assert int((full == 0).sum()) == 30  # one EOT per article
+    no_eval = build(replace(cfg, eval_batches=0))  # no evaluation: the validation tail stays out of training
+    assert no_eval.val is None and "no evaluation (--eval-batches 0)" in no_eval.description
+    assert np.array_equal(no_eval.train.tokens, bundle.train.tokens)
 
 
 def test_multiprocess_tokenisation_and_cache_reuse(tmp_path, tiny_tokenizer, monkeypatch):
