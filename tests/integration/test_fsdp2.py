@@ -4,8 +4,10 @@ most steps, so a wrong gradient norm changes the updates).
 
 Runs (10 steps each; the same global batch of 4 sequences):
     fsdp2            2 ranks, batch 1 x accum 2 (set_requires_gradient_sync off on the first micro-step),
-                     --activation-checkpointing (each block recomputed in backward, its FSDP2 gather inside the
-                     recomputed call), checkpoints at steps 5 and 10, --comm-log; fsdp2-resumed from step 5
+                     --fsdp2-unit-blocks 1, --activation-checkpointing (each block recomputed in backward, its FSDP2
+                     gather inside the recomputed call), checkpoints at steps 5 and 10, --comm-log; fsdp2-resumed
+                     from step 5 at --fsdp2-unit-blocks 2 (one launch checks both that the resume is exact and that a
+                     checkpoint resumes at another unit size: the DCP load has no per-unit-size path)
     ds-launcher      --zero-stage 2 (reshard_after_forward=False) under the deepspeed launcher, 2 ranks, batch 2,
                      --comm-log, an evaluation mid-run
     fsdp2-tp2dp2-sp  --tp-size 2 --sequence-parallel on 4 ranks (DP groups [0, 2] and [1, 3]), batch 2, checkpoint
@@ -55,13 +57,15 @@ TP_GRAD_NORM_REL_TOL = 1e-3  # with TP, as tests/integration/test_tp_modes.py
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """FSDP2 with accumulation, activation checkpointing and checkpoints, and its resume from step 5; one block a
-    unit (the other tests run the default unit, both blocks of the reference model)."""
+    """FSDP2 with accumulation, activation checkpointing and checkpoints, one block a unit (the other tests run the
+    default unit, both blocks of the reference model), and its resume from step 5 at two blocks a unit (the
+    regrouped resume: test_fsdp2_checkpoint_resumes_at_another_unit_size)."""
     root = tmp_path_factory.mktemp("fsdp2")
-    args = FSDP2 + ["--batch-size", "1", "--grad-accum", "2", "--fsdp2-unit-blocks", "1", "--activation-checkpointing"]
-    run_train(args + ["--run-name", "fsdp2", "--save-dir", str(root / "ck"), "--save-interval", "5", "--comm-log"],
-              root, nproc=2)
-    run_train(args + ["--run-name", "fsdp2-resumed", "--resume", str(root / "ck" / "step-000005")], root, nproc=2)
+    args = FSDP2 + ["--batch-size", "1", "--grad-accum", "2", "--activation-checkpointing"]
+    run_train(args + ["--fsdp2-unit-blocks", "1", "--run-name", "fsdp2", "--save-dir", str(root / "ck"),
+                      "--save-interval", "5", "--comm-log"], root, nproc=2)
+    run_train(args + ["--fsdp2-unit-blocks", "2", "--run-name", "fsdp2-resumed", "--resume",
+                      str(root / "ck" / "step-000005")], root, nproc=2)
     return root
 
 
@@ -94,12 +98,14 @@ def test_fsdp2_resume_is_exact(runs: Path) -> None:
     assert_resume_exact(runs / "fsdp2", runs / "fsdp2-resumed", at=5)
 
 
-def test_fsdp2_checkpoint_resumes_at_another_unit_size(runs: Path, tmp_path: Path) -> None:
+def test_fsdp2_checkpoint_resumes_at_another_unit_size(runs: Path) -> None:
     """--fsdp2-unit-blocks changes how blocks are grouped, not the parameters' names or shards: a checkpoint saved at
-    one block a unit resumes exactly at two."""
-    args = FSDP2 + ["--batch-size", "1", "--grad-accum", "2", "--fsdp2-unit-blocks", "2", "--activation-checkpointing"]
-    run_train(args + ["--run-name", "regrouped", "--resume", str(runs / "ck" / "step-000005")], tmp_path, nproc=2)
-    assert_resume_exact(runs / "fsdp2", tmp_path / "regrouped", at=5)
+    one block a unit resumes exactly at two (the fixture's fsdp2-resumed)."""
+    s = summary(runs / "fsdp2-resumed")
+    assert (s["fsdp2_unit_blocks"], summary(runs / "fsdp2")["fsdp2_unit_blocks"]) == (2, 1)
+    assert "FSDP2: 2 units (transformer blocks in units of at most 2, + embeddings/head)" in (
+        runs / "fsdp2-resumed" / "console.log").read_text()
+    assert_resume_exact(runs / "fsdp2", runs / "fsdp2-resumed", at=5)
 
 
 def test_fsdp2_checkpoint_exports_and_inits(single_reference: ReferenceRun, runs: Path, tmp_path: Path) -> None:
