@@ -217,10 +217,8 @@ def test_checkpoint_files_are_verified_before_any_load(single: Path, tmp_path: P
         with pytest.raises(CheckpointError, match=message):
             consolidated_state_dict(folder)
 
-    # from before manifests: our weights_only files load with a warning
-    legacy = broken("legacy", lambda f: (f / "manifest.json").unlink())
-    proc = run_train(args + ["--run-name", "legacy", "--resume", str(legacy)], tmp_path)
-    assert "has no manifest.json" in proc.stderr and "weights_only=True" in proc.stderr
+    # a checkpoint from before manifests (our weights_only files) resumes with a warning: a launch of
+    # test_resume_follows_the_new_schedule_when_max_steps_grows
 
 
 def test_zero_stage_mismatch_is_named(single: Path) -> None:
@@ -265,12 +263,18 @@ def test_resume_with_other_grad_accum_is_refused(tmp_path: Path) -> None:
 
 def test_resume_follows_the_new_schedule_when_max_steps_grows(single: Path, tmp_path: Path) -> None:
     """Resuming the 8-step run's step-4 checkpoint with --max-steps 16: every step's LR, the first resumed one
-    included, is the 16-step schedule's (gpt2.engines.base.lr_at), not the checkpoint's stale 8-step value."""
+    included, is the 16-step schedule's (gpt2.engines.base.lr_at), not the checkpoint's stale 8-step value. The copy
+    resumed has no manifest.json (a checkpoint from before manifests, for test_checkpoint_files_are_verified_before_
+    any_load): our weights_only files load with a warning."""
     from gpt2.config.cli import parse_args
     from gpt2.engines.base import lr_at
 
+    legacy = tmp_path / "legacy" / "step-000004"
+    shutil.copytree(single / "ck" / "step-000004", legacy)
+    (legacy / "manifest.json").unlink()
     args = [a if a != "8" else "16" for a in COMMON] + ["--batch-size", "4"]
-    run_train(args + ["--run-name", "longer", "--resume", str(single / "ck" / "step-000004")], tmp_path)
+    proc = run_train(args + ["--run-name", "longer", "--resume", str(legacy)], tmp_path)
+    assert "has no manifest.json" in proc.stderr and "weights_only=True" in proc.stderr
     t = parse_args(args).train
     logged = {r["step"]: r["lr"] for r in read_records(tmp_path / "longer") if r["type"] == "step" and "lr" in r}
     assert sorted(logged) == list(range(5, 17))
