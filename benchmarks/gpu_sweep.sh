@@ -4,7 +4,8 @@
 #      batch 8; "" skips), 25 steps each (5 warm-up) -> $OUT/hf/runs/*
 #   2. TP scaling of our column/row-parallel layers at 1, 2 and 4 GPUs (benchmarks.tp_scaling; TP_SCALING=0 skips)
 #      -> $OUT/tp_scaling
-#   3. with the time left: our modes (SWEEP_MODES, default DDP, ZeRO-3, ZeRO-3 + TP2), all with --compile (+ EXTRA),
+#   3. with the time left: our modes (SWEEP_MODES, default DDP, ZeRO-3, ZeRO-3 + TP2; hybrid-flat-u4 and
+#      hybrid-tp2-flat-u4 add ZeRO-3 over flat tensors in 4-block units beside them), all with --compile (+ EXTRA),
 #      at BATCHES (default "8 max"; max: the largest of MAX_BATCHES that fits), fused kernels FUSED (default "none
 #      triton"), STEPS (25) of which WARMUP (10) untimed, each run at most RUN_TIMEOUT s (150), in the time left
 #      (tools.train_sweep --budget-s; NUMA=node: torchrun --numa-binding node for these runs),
@@ -14,7 +15,9 @@
 # No speed without parity: PARITY="a/parity.csv [b/parity.csv]" (python -m tools.parity) gives each sweep row the
 # loss-parity verdict of its configuration, and report.md keeps only the runs that pass; without it every row reads
 # "unchecked". PARITY_ROWS="ddp-compile-w4 zero3-compile-w4 ..." runs those rows first, in the same call (gpt2-large
-# at tools.parity's protocol for it, 3 rows per GPU, at most PARITY_S seconds, needs .gpudata/ as
+# at tools.parity's protocol for it, 3 rows per GPU, at most PARITY_S seconds (default 300: on a fresh 2-GPU machine
+# compiled ZeRO-3 rows trained their 10 steps in ~105 s and were still compiling their final evaluation at 170 s,
+# benchmarks/results/parity/h200x2-2026-11-29/w2), needs .gpudata/ as
 # benchmarks/gpu_parity.sh does), and adds its parity.csv to PARITY: a verdict from the same call as the speed.
 # Issue-author numbers (4x H200) to compare stage 1 with: HF DDP b8 139.7k tok/s, b16 152.1k; HF ZeRO-3 b8 38.9k,
 # b32 136.6k.
@@ -37,7 +40,7 @@ transformers.__version__, '| deepspeed', deepspeed.__version__)" | tee -a "$OUT/
 
 if [ -n "${PARITY_ROWS:-}" ]; then
   # shellcheck disable=SC2086
-  timeout "${PARITY_S:-220}" "$PYTHON" -m tools.parity --models gpt2-large --jobs 3 --run-timeout "${PARITY_S:-220}" \
+  timeout "${PARITY_S:-300}" "$PYTHON" -m tools.parity --models gpt2-large --jobs 3 --run-timeout "${PARITY_S:-300}" \
     --out "$OUT/parity" --data-path .gpudata/wikitext-2 --tokenizer .gpudata/gpt2-tokenizer/tokenizer.json \
     --cache-dir .gpudata/cache --rows $PARITY_ROWS >"$OUT/parity.log" 2>&1
   echo "[${SECONDS}s] parity rc=$?"

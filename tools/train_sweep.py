@@ -5,16 +5,17 @@
     python -m tools.train_sweep --gpus 4 --modes hybrid-tp2 --batches 8 max --extra-args="--compile"
     python -m tools.train_sweep --gpus 4 --parity benchmarks/results/parity/4xh200/parity.csv   # gated tables
 
-Modes (train.py flags): single (--gpus 1 only), baseline (DDP), zero1 / zero2, hybrid (ZeRO-3),
-hybrid-deepcompile (ZeRO-3 under DeepSpeed's DeepCompile: --compile --compiler deepcompile), hybrid-tp2
-(ZeRO-3 + TP 2), hybrid-tp2-sp (+ sequence parallelism), fsdp2 / fsdp2-tp2 / fsdp2-tp2-sp (ZeRO-3 by PyTorch FSDP2,
-`--zero-engine fsdp2`, without and with TP 2, +- sequence parallelism), and the reference rows hf-ddp / hf-zero3
-(`tools.hf_reference`: Hugging Face GPT-2 as users run it). Each of our modes runs with every `--fused`
-backend; the HF rows have no fused kernels. `--batches` takes micro-batch sizes per GPU and `max`: the largest
-of `--max-batches` (tried in descending order) that completes without running out of CUDA memory; sizes at or
-above one that already ran out are not tried, nor, on a GPU host, train.py sizes whose planned peak (train.py's
-plan) does not fit in the GPU's memory (printed as skipped; an OOM under TP collectives can hang until the run's
-timeout instead of failing).
+Modes (train.py flags): single (--gpus 1 only), baseline (DDP), zero1 / zero2, hybrid (ZeRO-3), hybrid-deepcompile
+(ZeRO-3 under DeepSpeed's DeepCompile: --compile --compiler deepcompile), hybrid-tp2 (ZeRO-3 + TP 2), hybrid-tp2-sp (+
+sequence parallelism), hybrid-flat-u4 / hybrid-tp2-flat-u4 / hybrid-tp2-sp-flat-u4 (the same three with `--zero3-fetch
+flat --zero3-unit-blocks 4`; a row whose ZeRO-3 gather is not per block, by its mode or --extra-args, names it:
+"ZeRO-3 (flat, 4-block units)"), fsdp2 / fsdp2-tp2 / fsdp2-tp2-sp (ZeRO-3 by PyTorch FSDP2, `--zero-engine fsdp2`,
+without and with TP 2, +- sequence parallelism), and the reference rows hf-ddp / hf-zero3 (`tools.hf_reference`:
+Hugging Face GPT-2 as users run it). Each of our modes runs with every `--fused` backend; the HF rows have no fused
+kernels. `--batches` takes micro-batch sizes per GPU and `max`: the largest of `--max-batches` (tried in descending
+order) that completes without running out of CUDA memory; sizes at or above one that already ran out are not tried,
+nor, on a GPU host, train.py sizes whose planned peak (train.py's plan) does not fit in the GPU's memory (printed as
+skipped; an OOM under TP collectives can hang until the run's timeout instead of failing).
 
 Every run: `python -m torch.distributed.run --standalone --nproc_per_node=N train.py ...` (or `-m
 tools.hf_reference`), `--max-steps` steps of which the first `--warmup` are excluded from tokens/s and
@@ -76,6 +77,15 @@ class Mode:
     takes_fused: bool = True
 
 
+def zero3_layout(fetch: str | None, unit_blocks: int | None) -> str:
+    """How DeepSpeed ZeRO-3 gathers where not per block (its default), as a label's suffix: ' (flat, 4-block units)'."""
+    parts = [fetch] if fetch not in (None, "block") else []
+    if unit_blocks and unit_blocks > 1:
+        parts.append(f"{unit_blocks}-block units")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+FLAT_U4 = ("--zero3-fetch", "flat", "--zero3-unit-blocks", "4")  # DeepSpeed ZeRO-3's fastest gather on one H200
 MODES: dict[str, Mode] = {
     "single": Mode("single", ("--mode", "single")),  # under torchrun too: world size 1, the reference of --gpus 1
     "baseline": Mode("DDP", ("--mode", "baseline")),
@@ -85,6 +95,13 @@ MODES: dict[str, Mode] = {
     "hybrid-deepcompile": Mode("ZeRO-3 DeepCompile", ("--mode", "hybrid", "--compile", "--compiler", "deepcompile")),
     "hybrid-tp2": Mode("ZeRO-3 + TP2", ("--mode", "hybrid", "--tp-size", "2")),
     "hybrid-tp2-sp": Mode("ZeRO-3 + TP2 + SP", ("--mode", "hybrid", "--tp-size", "2", "--sequence-parallel")),
+    # the same three over flat tensors in units of 4 blocks (gpt2.runtime.flat_blocks, gpt2.runtime.block_units):
+    # their own modes, so one sweep times both gathers (--extra-args applies to every mode, DDP's included)
+    "hybrid-flat-u4": Mode("ZeRO-3" + zero3_layout("flat", 4), ("--mode", "hybrid", *FLAT_U4)),
+    "hybrid-tp2-flat-u4": Mode("ZeRO-3 + TP2" + zero3_layout("flat", 4), ("--mode", "hybrid", "--tp-size", "2",
+                                                                          *FLAT_U4)),
+    "hybrid-tp2-sp-flat-u4": Mode("ZeRO-3 + TP2 + SP" + zero3_layout("flat", 4),
+                                  ("--mode", "hybrid", "--tp-size", "2", "--sequence-parallel", *FLAT_U4)),
     "fsdp2": Mode("FSDP2", ("--mode", "hybrid", "--zero-engine", "fsdp2")),  # ZeRO-3 by PyTorch FSDP2
     "fsdp2-tp2": Mode("FSDP2 + TP2", ("--mode", "hybrid", "--zero-engine", "fsdp2", "--tp-size", "2")),
     "fsdp2-tp2-sp": Mode("FSDP2 + TP2 + SP", ("--mode", "hybrid", "--zero-engine", "fsdp2", "--tp-size", "2",
@@ -278,8 +295,11 @@ class Sweep:
 def table_row(r: RunResult) -> dict[str, Any]:
     s = r.summary
     mode = MODES.get(r.mode)
+    label = mode.label if mode else r.mode
+    if not (mode and any(flag.startswith("--zero3-") for flag in mode.flags)):  # set by --extra-args, or included
+        label += zero3_layout(s.get("zero3_fetch"), s.get("zero3_unit_blocks"))
     return {
-        "configuration": mode.label if mode else r.mode, "fused_kernels": r.fused if not mode or mode.takes_fused
+        "configuration": label, "fused_kernels": r.fused if not mode or mode.takes_fused
         else "-", "batch_per_gpu": r.batch, "batch_choice": r.batch_choice, "gpus": s.get("world_size"),
         "tokens_per_s": s.get("tokens_per_s"), "tokens_per_s_per_gpu": s.get("tokens_per_s_per_gpu"),
         "mfu": s.get("mfu"), "peak_allocated_gib": s.get("mem/peak_allocated_gib"),
@@ -293,7 +313,8 @@ def table_row(r: RunResult) -> dict[str, Any]:
         "collective_calls_per_step": s.get("profile/collective_calls_per_step"),
         "status": r.status, "error": r.error,
         "run": r.name, "mode": r.mode, "device": s.get("device"), "host_cpu": s.get("host_cpu"),
-        "compile_wrapper": s.get("compile_wrapper"), "fsdp2_unit_blocks": s.get("fsdp2_unit_blocks"),
+        "compile_wrapper": s.get("compile_wrapper"), "zero3_fetch": s.get("zero3_fetch"),
+        "zero3_unit_blocks": s.get("zero3_unit_blocks"), "fsdp2_unit_blocks": s.get("fsdp2_unit_blocks"),
         "fsdp2_gather": s.get("fsdp2_gather"), "fsdp2_forward_prefetch": s.get("fsdp2_forward_prefetch"),
     }
 

@@ -69,6 +69,8 @@ def test_sweep_cpu_runs_modes_and_hf_reference(tmp_path, cpu_env):
               "mem/peak_reserved_gib", "final_loss", "torch_version", "host_cpu"}
     assert shared <= set(ours) and shared <= set(theirs)
     assert "val_loss" not in ours  # a speed row evaluates nothing (--eval-batches 0): no final evaluation to wait for
+    zero3 = json.loads((tmp_path / "runs" / "hybrid-none-b2" / "summary.json").read_text())
+    assert (ours["zero3_fetch"], zero3["zero3_fetch"], zero3["zero3_unit_blocks"]) == (None, "block", 1)
     # host-bound rows run at the host's speed: the CPU is in every summary, every row and the table's header
     assert ours["host_cpu"] == theirs["host_cpu"] == host_cpu() and all(r["host_cpu"] == host_cpu() for r in rows)
     assert f"host: {host_cpu()};" in table
@@ -179,6 +181,36 @@ def test_nanogpt_reference_model_is_gpt2_with_our_parameter_count():
     x = torch.randint(0, cfg.vocab_size, (2, 17))
     loss = compact(x[:, :-1], x[:, 1:])
     assert abs(loss.item() - math.log(cfg.padded_vocab_size)) < 0.1
+
+
+def test_sweep_rows_name_how_zero3_gathers(tmp_path, monkeypatch):
+    """The flat-unit modes launch their flags, and a ZeRO-3 row that does not gather per block says how, whether its
+    mode or --extra-args chose it (two ZeRO-3 rows of one table must not read alike)."""
+    def fake_launch(cmd: list[str], log_path: Path, timeout: float) -> tuple[int, float]:
+        name = cmd[cmd.index("--run-name") + 1]
+        flat = "--zero3-fetch" in cmd
+        if name.startswith("hybrid-flat-u4"):
+            assert cmd[cmd.index("--zero3-fetch") + 1:cmd.index("--zero3-fetch") + 4] == ["flat", "--zero3-unit-blocks",
+                                                                                         "4"]
+        run_dir = Path(cmd[cmd.index("--out-dir") + 1]) / name
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text(json.dumps(
+            {"mode": "hybrid", "world_size": 1, "batch_size_per_gpu": 8, "tokens_per_s": 1.0, "device": "fake",
+             "zero3_fetch": "flat" if flat else "block", "zero3_unit_blocks": 4 if flat else 1}))
+        log_path.write_text("ok\n")
+        return 0, 2.0
+
+    monkeypatch.setattr(train_sweep, "launch", fake_launch)
+    assert train_sweep.main(["--gpus", "1", "--modes", "hybrid", "hybrid-flat-u4", "--fused", "none", "--batches",
+                             "8", "--out", str(tmp_path / "modes")]) == 0
+    assert train_sweep.main(["--gpus", "1", "--modes", "hybrid", "--fused", "none", "--batches", "8",
+                             "--extra-args=--zero3-fetch flat --zero3-unit-blocks 4",
+                             "--out", str(tmp_path / "extra")]) == 0
+    rows = read_csv(tmp_path / "modes" / "sweep.csv") + read_csv(tmp_path / "extra" / "sweep.csv")
+    assert [(r["configuration"], r["zero3_fetch"], r["zero3_unit_blocks"]) for r in rows] == [
+        ("ZeRO-3", "block", "1"), ("ZeRO-3 (flat, 4-block units)", "flat", "4"),
+        ("ZeRO-3 (flat, 4-block units)", "flat", "4")]
+    assert "| ZeRO-3 (flat, 4-block units) |" in (tmp_path / "extra" / "sweep.md").read_text()
 
 
 def test_sweep_rows_carry_the_profile(tmp_path, monkeypatch):
