@@ -77,12 +77,16 @@ class Mode:
     takes_fused: bool = True
 
 
-def zero3_layout(fetch: str | None, unit_blocks: int | None) -> str:
+def zero3_gather_suffix(fetch: str | None, unit_blocks: int | None) -> str:
     """How DeepSpeed ZeRO-3 gathers where not per block (its default), as a label's suffix: ' (flat, 4-block units)'."""
     parts = [fetch] if fetch not in (None, "block") else []
     if unit_blocks and unit_blocks > 1:
         parts.append(f"{unit_blocks}-block units")
     return f" ({', '.join(parts)})" if parts else ""
+
+
+def flag_value(flags: tuple[str, ...], flag: str) -> str | None:
+    return flags[flags.index(flag) + 1] if flag in flags else None
 
 
 FLAT_U4 = ("--zero3-fetch", "flat", "--zero3-unit-blocks", "4")  # DeepSpeed ZeRO-3's fastest gather on one H200
@@ -97,11 +101,10 @@ MODES: dict[str, Mode] = {
     "hybrid-tp2-sp": Mode("ZeRO-3 + TP2 + SP", ("--mode", "hybrid", "--tp-size", "2", "--sequence-parallel")),
     # the same three over flat tensors in units of 4 blocks (gpt2.runtime.flat_blocks, gpt2.runtime.block_units):
     # their own modes, so one sweep times both gathers (--extra-args applies to every mode, DDP's included)
-    "hybrid-flat-u4": Mode("ZeRO-3" + zero3_layout("flat", 4), ("--mode", "hybrid", *FLAT_U4)),
-    "hybrid-tp2-flat-u4": Mode("ZeRO-3 + TP2" + zero3_layout("flat", 4), ("--mode", "hybrid", "--tp-size", "2",
-                                                                          *FLAT_U4)),
-    "hybrid-tp2-sp-flat-u4": Mode("ZeRO-3 + TP2 + SP" + zero3_layout("flat", 4),
-                                  ("--mode", "hybrid", "--tp-size", "2", "--sequence-parallel", *FLAT_U4)),
+    "hybrid-flat-u4": Mode("ZeRO-3", ("--mode", "hybrid", *FLAT_U4)),
+    "hybrid-tp2-flat-u4": Mode("ZeRO-3 + TP2", ("--mode", "hybrid", "--tp-size", "2", *FLAT_U4)),
+    "hybrid-tp2-sp-flat-u4": Mode("ZeRO-3 + TP2 + SP", ("--mode", "hybrid", "--tp-size", "2", "--sequence-parallel",
+                                                        *FLAT_U4)),
     "fsdp2": Mode("FSDP2", ("--mode", "hybrid", "--zero-engine", "fsdp2")),  # ZeRO-3 by PyTorch FSDP2
     "fsdp2-tp2": Mode("FSDP2 + TP2", ("--mode", "hybrid", "--zero-engine", "fsdp2", "--tp-size", "2")),
     "fsdp2-tp2-sp": Mode("FSDP2 + TP2 + SP", ("--mode", "hybrid", "--zero-engine", "fsdp2", "--tp-size", "2",
@@ -295,9 +298,13 @@ class Sweep:
 def table_row(r: RunResult) -> dict[str, Any]:
     s = r.summary
     mode = MODES.get(r.mode)
-    label = mode.label if mode else r.mode
-    if not (mode and any(flag.startswith("--zero3-") for flag in mode.flags)):  # set by --extra-args, or included
-        label += zero3_layout(s.get("zero3_fetch"), s.get("zero3_unit_blocks"))
+    # how ZeRO-3 gathered: the run's own record, else (no summary: failed, killed) what its mode asks for
+    if "zero3_fetch" in s:
+        gather = s["zero3_fetch"], s.get("zero3_unit_blocks")
+    else:
+        flags = mode.flags if mode else ()
+        gather = flag_value(flags, "--zero3-fetch"), int(flag_value(flags, "--zero3-unit-blocks") or 1)
+    label = (mode.label if mode else r.mode) + zero3_gather_suffix(*gather)
     return {
         "configuration": label, "fused_kernels": r.fused if not mode or mode.takes_fused
         else "-", "batch_per_gpu": r.batch, "batch_choice": r.batch_choice, "gpus": s.get("world_size"),

@@ -290,12 +290,17 @@ class RunLayout:
         return torch.bfloat16 if self.fsdp2_gather == "bf16" else None
 
     @property
+    def zero3_fetch(self) -> str | None:
+        """What DeepSpeed ZeRO-3's module hooks gather at once (--zero3-fetch); None where no such hooks gather: other
+        stages, DeepCompile (which removes them and gathers every parameter inside its graph) and FSDP2 (which
+        groups blocks into units itself, --fsdp2-unit-blocks)."""
+        return (self.cfg.parallel.zero3_fetch if self.zero_stage == 3 and not self.deepcompile and not self.fsdp2
+                else None)
+
+    @property
     def zero3_blocks(self) -> bool:
-        """ZeRO-3 gathering each transformer block as one DeepSpeed leaf module (--zero3-fetch block or flat). Not under
-        DeepCompile, which removes ZeRO-3's module hooks and gathers every parameter inside its graph, nor under
-        FSDP2, which groups blocks into units itself (--fsdp2-unit-blocks)."""
-        return (self.zero_stage == 3 and self.cfg.parallel.zero3_fetch in ("block", "flat") and not self.deepcompile
-                and not self.fsdp2)
+        """ZeRO-3 gathering each transformer block as one DeepSpeed leaf module (--zero3-fetch block or flat)."""
+        return self.zero3_fetch in ("block", "flat")
 
     @property
     def zero3_unit_blocks(self) -> int:

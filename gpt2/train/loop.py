@@ -310,8 +310,7 @@ def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, m
         # blocks are gathered in (--fsdp2-gather as resolved)
         "compile_wrapper": layout.compile_wrapper,
         "fsdp2_unit_blocks": layout.fsdp2_unit_blocks if layout.fsdp2 else None,
-        "zero3_fetch": layout.cfg.parallel.zero3_fetch if layout.zero_stage == 3 and not layout.fsdp2
-        and not layout.deepcompile else None,  # DeepSpeed ZeRO-3's gather unit: module, block or flat
+        "zero3_fetch": layout.zero3_fetch,  # DeepSpeed ZeRO-3's gather: module, block or flat (None: no such hooks)
         "zero3_unit_blocks": layout.zero3_unit_blocks if layout.zero3_blocks else None,
         "fsdp2_gather": layout.fsdp2_gather,
         "fsdp2_forward_prefetch": layout.cfg.parallel.fsdp2_forward_prefetch if layout.fsdp2 else None,

@@ -212,6 +212,16 @@ def test_sweep_rows_name_how_zero3_gathers(tmp_path, monkeypatch):
         ("ZeRO-3 (flat, 4-block units)", "flat", "4")]
     assert "| ZeRO-3 (flat, 4-block units) |" in (tmp_path / "extra" / "sweep.md").read_text()
 
+    def failing_launch(cmd: list[str], log_path: Path, timeout: float) -> tuple[int, float]:
+        log_path.write_text("RuntimeError: boom\n")
+        return 1, 1.0
+
+    monkeypatch.setattr(train_sweep, "launch", failing_launch)  # no summary: the mode's flags name the gather
+    train_sweep.main(["--gpus", "1", "--modes", "hybrid-flat-u4", "--fused", "none", "--batches", "8", "--out",
+                      str(tmp_path / "failed")])
+    row, = read_csv(tmp_path / "failed" / "sweep.csv")
+    assert (row["configuration"], row["status"]) == ("ZeRO-3 (flat, 4-block units)", "failed")
+
 
 def test_sweep_rows_carry_the_profile(tmp_path, monkeypatch):
     """With --extra-args=--profile, each row gets the run's device busy share and launches per step."""
