@@ -305,7 +305,8 @@ class TrainConfig:
         OPTIM, given_only=True)
     ddp_bucket_mb: int = option(100, "DDP gradient bucket size (all-reduce granularity; --mode baseline)", OPTIM,
                                 parse=positive_int, given_only=True)
-    eval_interval: int = option(0, "evaluate every N steps; 0: at the end only", OPTIM, parse=non_negative_int)
+    eval_interval: int = option(0, "evaluate every N steps; 0: at the end only (--eval-batches 0: never)", OPTIM,
+                                parse=non_negative_int)
     fused_kernels: Literal["none", "triton", "cuda"] = option(
         "none", "fused-kernel backend (fused_kernels/); --use-fused-kernel is an alias of cuda", KERNELS)
     attn: AttnChoice = option(
