@@ -100,12 +100,11 @@ def test_fsdp2_resume_is_exact(runs: Path) -> None:
 
 def test_fsdp2_checkpoint_resumes_at_another_unit_size(runs: Path) -> None:
     """--fsdp2-unit-blocks changes how blocks are grouped, not the parameters' names or shards: a checkpoint saved at
-    one block a unit resumes exactly at two (the fixture's fsdp2-resumed)."""
+    one block a unit resumes at two (the fixture's fsdp2-resumed, whose exactness test_fsdp2_resume_is_exact checks)."""
     s = summary(runs / "fsdp2-resumed")
     assert (s["fsdp2_unit_blocks"], summary(runs / "fsdp2")["fsdp2_unit_blocks"]) == (2, 1)
     assert "FSDP2: 2 units (transformer blocks in units of at most 2, + embeddings/head)" in (
         runs / "fsdp2-resumed" / "console.log").read_text()
-    assert_resume_exact(runs / "fsdp2", runs / "fsdp2-resumed", at=5)
 
 
 def test_fsdp2_checkpoint_exports_and_inits(single_reference: ReferenceRun, runs: Path, tmp_path: Path) -> None:
