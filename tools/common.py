@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -220,14 +220,19 @@ def end_launches(leaders: list[int]) -> None:
             time.sleep(0.1)
 
 
-def stop_launches_on_signal() -> None:
+def stop_launches_on_signal(before_exit: Callable[[], None] = lambda: None) -> None:
     """From the tool's main thread: on SIGTERM or SIGINT (`timeout`, Slurm's time limit, Ctrl-C) start no more
     launches (a parity tool's queued rows), end every running launch's process group (SIGTERM, then SIGKILL after
-    STOP_GRACE_S), then exit 128 + the signal. Without it a launch outlives its tool and keeps the GPU: a DeepCompile
-    parity run, orphaned by `timeout`, trained on beside the next tool's timed runs."""
+    STOP_GRACE_S), call `before_exit` (a tool's last tables), then exit 128 + the signal. Without it a launch
+    outlives its tool and keeps the GPU: a DeepCompile parity run, orphaned by `timeout`, trained on beside the next
+    tool's timed runs."""
     def stop(signum: int, _frame: object) -> None:
         _STOPPING.set()
         end_launches(list(_RUNNING_GROUPS))
+        try:
+            before_exit()
+        except Exception as err:  # the tool still exits: a table it cannot write is reported, not raised
+            print(f"could not write the last tables: {err}", file=sys.stderr, flush=True)
         raise SystemExit(128 + signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):

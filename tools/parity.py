@@ -12,11 +12,12 @@ its loss logged every step, then its validation loss. Data: WikiText-2 from ../s
 --data-path any text (--cache-dir a pre-built token cache); the training set is cut to whole global batches so that
 every row's epochs line up. The reference (`single`) and the `noise` row run in the same call, up to --jobs rows at
 a time on each GPU (one-GPU rows spread over the visible GPUs, a row of N processes takes N of them, each run's
-CUDA_VISIBLE_DEVICES naming its GPUs); the verdicts are tools/parity_verdict.py's. Written to --out, and
-rewritten each time a run ends (rows still running read `pending`, the header says how many ended), so a call killed
-part-way keeps the finished rows' verdicts: parity.csv, parity.md (command, device, versions, the tolerance rule
-with the measured noise, one table per model) and parity_<model>.png; run folders in OUT/runs, each launch's output
-in OUT/logs.
+CUDA_VISIBLE_DEVICES naming its GPUs); the verdicts are tools/parity_verdict.py's. Written to --out, and rewritten
+each time a run ends (rows still running read `pending`, the header says how many ended), and once more when the
+tool is stopped (SIGTERM, SIGINT: then a run that wrote its summary but was still exiting is judged from it), so a
+call killed part-way keeps the finished rows' verdicts: parity.csv, parity.md (command, device, versions, the
+tolerance rule with the measured noise, one table per model) and parity_<model>.png; run folders in OUT/runs, each
+launch's output in OUT/logs.
 Exit status 1 if a row fails or errors, 2 on bad flags or data.
 """
 
@@ -170,6 +171,7 @@ class Outcome:
     wall_s: float
     run_dir: Path
     log: Path
+    exited: bool = True  # False: the tool was stopped after the run wrote its summary, while its processes exited
 
     def curve(self) -> Curve:
         if self.rc is None:
@@ -223,17 +225,35 @@ def visible_gpus() -> list[str]:
     return names[:torch.cuda.device_count()]
 
 
-def run_all(jobs: list[Job], out: Path, slots: DeviceSlots, timeout: float, gpus: bool,
-            on_done: Callable[[dict[Job, Outcome]], None] = lambda outcomes: None) -> dict[Job, Outcome]:
-    """Launch every runnable job as `slots` allow (with `gpus`, each on the GPUs it took; torchrun rows bind ports of
-    their own); `on_done(outcomes so far)` after each one ends."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    env["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on shared machines
+def name_runs(jobs: list[Job], out: Path) -> dict[Job, str]:
+    """Each job's run name: distinct within this call, and free of earlier calls' runs in the same --out."""
     (out / "logs").mkdir(parents=True, exist_ok=True)
     names = {}
-    for job in jobs:  # distinct names within this call; free of earlier calls' runs in the same --out
+    for job in jobs:
         names[job] = free_run_name(out, f"{job.row.name}-{job.model}")
-        (out / "logs" / f"{names[job]}.log").touch()
+        (out / "logs" / f"{names[job]}.log").touch()  # taken: the next job's free name is another
+    return names
+
+
+def finished(jobs: list[Job], names: dict[Job, str], out: Path, outcomes: dict[Job, Outcome]) -> dict[Job, Outcome]:
+    """The outcomes, and the runs not among them that wrote their summary (stopped while exiting: work done)."""
+    done = dict(outcomes)
+    for job in jobs:
+        run_dir = out / "runs" / names[job]
+        if job not in done and (run_dir / "summary.json").is_file():
+            done[job] = Outcome(shlex.join(job.command(names[job])), 0, 0.0, run_dir,
+                                out / "logs" / f"{names[job]}.log", exited=False)
+    return done
+
+
+def run_all(jobs: list[Job], names: dict[Job, str], out: Path, slots: DeviceSlots, timeout: float, gpus: bool,
+            outcomes: dict[Job, Outcome] | None = None,
+            on_done: Callable[[dict[Job, Outcome]], None] = lambda outcomes: None) -> dict[Job, Outcome]:
+    """Launch every runnable job as `slots` allow (with `gpus`, each on the GPUs it took; torchrun rows bind ports of
+    their own) under its name in `names`, filling `outcomes` (the caller's: read it if the call is stopped);
+    `on_done(outcomes so far)` after each one ends."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on shared machines
 
     def run(job: Job) -> Outcome:
         cmd = job.command(names[job])
@@ -242,7 +262,7 @@ def run_all(jobs: list[Job], out: Path, slots: DeviceSlots, timeout: float, gpus
             rc, wall = launch(cmd, log, timeout, {**env, "CUDA_VISIBLE_DEVICES": ",".join(devices)} if gpus else env)
         return Outcome(shlex.join(cmd), rc, wall, out / "runs" / names[job], log)
 
-    outcomes: dict[Job, Outcome] = {}
+    outcomes = {} if outcomes is None else outcomes
     with ThreadPoolExecutor(max_workers=sum(slots.free)) as pool:
         futures = {pool.submit(run, job): job for job in jobs}
         for future in as_completed(futures):
@@ -322,6 +342,8 @@ def judge(jobs: list[Job], outcomes: dict[Job, Outcome], args: argparse.Namespac
                       "measures precision, not the code path")
         else:
             r.verdict = "pass" if r.comparison.passed else "fail"
+        if not outcome.exited:
+            r.note = "judged from its summary: the call was stopped while the run exited"
     return results, tol
 
 
@@ -412,7 +434,12 @@ def main(argv: list[str] | None = None) -> int:
         if len(ended) < len(runnable):  # the complete tables are written once, below
             write_tables(ended)
 
-    results = write_tables(run_all(runnable, out, slots, args.run_timeout, bool(gpus), on_done=write_partial))
+    names = name_runs(runnable, out)
+    outcomes: dict[Job, Outcome] = {}
+    # stopped (the device call's limit, Ctrl-C): the last tables also judge the runs that wrote their summary
+    stop_launches_on_signal(before_exit=lambda: write_tables(finished(runnable, names, out, outcomes)))
+    results = write_tables(run_all(runnable, names, out, slots, args.run_timeout, bool(gpus), outcomes,
+                                   on_done=write_partial))
     for r in results:
         c = r.comparison
         delta = f"max |dloss| {c.max_abs_dloss:.2e}, dval {c.val_dloss:+.2e}, tol {c.tolerance:.2e}" if c else ""

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
+import signal
 import threading
 import time
 from pathlib import Path
@@ -19,7 +21,7 @@ from gpt2.observe.metrics import host_cpu
 from gpt2.runtime.distributed import LAUNCHER_VARS
 from tests.train_runs import ROOT, SHARED_DATA, train_env
 from tests.unit.test_data import tiny_tokenizer, wiki_lines, write  # noqa: F401 (tiny_tokenizer: a fixture)
-from tools import parity, parity_verdict, train_sweep
+from tools import common, parity, parity_verdict, train_sweep
 from tools.common import write_csv
 from tools.parity_matrix import Row, extra_row, matrix, plan
 from tools.parity_verdict import (
@@ -109,23 +111,36 @@ def test_another_function_fails_and_a_broken_run_errors(tmp_path, cpu_env, text_
     assert "### gpt2-tiny broken" in md and "checkpoint /nonexistent does not exist" in md  # its last output lines
 
 
-def test_a_killed_call_keeps_the_verdicts_of_the_rows_that_ended(tmp_path, cpu_env, text_data, monkeypatch):
-    """The tables are rewritten as each run ends: killed while a row still runs (here: its launch raises, as the
-    call's time limit would stop the tool), parity.csv already holds the finished rows' verdicts and `pending`."""
+def test_a_stopped_call_keeps_the_verdicts_of_the_rows_that_ended(tmp_path, cpu_env, text_data, monkeypatch):
+    """The tables are rewritten as each run ends, and once more when the tool is stopped (SIGTERM: `timeout`, the
+    device call's limit): a row that wrote its summary but was still exiting is judged from it (on two H200s a call's
+    tool was stopped while two finished rows exited, and wrote no verdict for them), a row never started is
+    `pending`, and the header says how many ended."""
     real_launch = parity.launch
+    monkeypatch.setattr(common, "_STOPPING", threading.Event())  # the handler sets it: this test's own
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
-    def launch_until_the_slow_row(cmd, log, timeout, env):
-        if "slow-gpt2-tiny" in cmd:
-            raise KeyboardInterrupt  # the device call's limit falls here
-        return real_launch(cmd, log, timeout, env)
+    def stop_while_again_exits(cmd, log, timeout, env):
+        rc, wall = real_launch(cmd, log, timeout, env)
+        if "again-gpt2-tiny" in cmd:  # its summary is written; the tool is stopped before its launch returns
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1.0)  # still "exiting" while the main thread handles the signal
+        return rc, wall
 
-    monkeypatch.setattr(parity, "launch", launch_until_the_slow_row)
-    with pytest.raises(KeyboardInterrupt):
-        parity.main([*TINY, *text_data, "--jobs", "1", "--rows", "single", "--extra-row", "slow=--lr 6e-4",
-                     "--out", str(tmp_path)])
-    rows = {r["config"]: r["verdict"] for r in read_csv(tmp_path / "parity.csv")}
-    assert rows == {"single": "reference", "noise": "noise", "slow": "pending"}
-    assert "partial: 2 of 3 runs ended" in (tmp_path / "parity.md").read_text()
+    monkeypatch.setattr(parity, "launch", stop_while_again_exits)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            parity.main([*TINY, *text_data, "--jobs", "1", "--rows", "single", "--extra-row",
+                         "again=--log-interval 1", "--extra-row", "slow=--lr 6e-4", "--out", str(tmp_path)])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert stopped.value.code == 128 + signal.SIGTERM
+    rows = {r["config"]: (r["verdict"], r["note"]) for r in read_csv(tmp_path / "parity.csv")}
+    assert rows == {"single": ("reference", ""), "noise": ("noise", "sets the tolerance"),
+                    "again": ("pass", "judged from its summary: the call was stopped while the run exited"),
+                    "slow": ("pending", "still running when this table was written")}
+    assert "partial: 3 of 4 runs ended" in (tmp_path / "parity.md").read_text()
     # `slow` shares single's configuration key (the lr is not part of it): a key with a row still running is not
     # passing, so a sweep reading this partial table publishes nothing on it
     key = config_key(parse_args(["--model", "gpt2-tiny"]).to_dict(), 1)
@@ -242,7 +257,8 @@ def test_run_all_gives_each_row_its_gpus_and_never_two_rows_one_gpu(tmp_path, mo
         return 0, 0.05
 
     monkeypatch.setattr(parity, "launch", fake_launch)
-    outcomes = parity.run_all(jobs, tmp_path, parity.DeviceSlots(["0", "1", "2", "3"], 1), 60.0, gpus=True)
+    outcomes = parity.run_all(jobs, parity.name_runs(jobs, tmp_path), tmp_path,
+                              parity.DeviceSlots(["0", "1", "2", "3"], 1), 60.0, gpus=True)
     assert len(outcomes) == 7 and all(o.rc == 0 for o in outcomes.values())
     assert all(len(seen[f"one-{i}-gpt2-tiny"].split(",")) == 1 for i in range(6))
     assert sorted(seen["ddp-w4-gpt2-tiny"].split(",")) == ["0", "1", "2", "3"]
