@@ -377,7 +377,7 @@ def test_a_row_in_another_precision_is_not_judged():
 
     class Ran:  # an Outcome whose run left this curve
         def __init__(self, c: Curve) -> None:
-            self.c, self.command, self.run_dir = c, "train.py", "runs/x"
+            self.c, self.command, self.run_dir, self.exited = c, "train.py", "runs/x", True
 
         def curve(self) -> Curve:
             return self.c
