@@ -12,6 +12,6 @@ gpt2_python_env
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} DS_ACCELERATOR=${DS_ACCELERATOR:-cpu} TOKENIZERS_PARALLELISM=false
 export WANDB_MODE=${WANDB_MODE:-disabled} WANDB_SILENT=true
 "$PYTHON" -m ruff check .
-# the soak tier (tests marked `soak`, minutes each) is left out here; .ci/run adds it with `-m "soak or not soak"` (a
-# later -m given in "$@" replaces this one)
+# the soak tier (tests marked `soak`, minutes each) is left out here; .ci/run runs it next with `-m soak` (a later
+# -m given in "$@" replaces this one)
 "$PYTHON" -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile -m "not soak" "$@"
