@@ -225,13 +225,18 @@ def visible_gpus() -> list[str]:
     return names[:torch.cuda.device_count()]
 
 
+def run_paths(out: Path, name: str) -> tuple[Path, Path]:
+    """A run's folder and its launch's output file under --out."""
+    return out / "runs" / name, out / "logs" / f"{name}.log"
+
+
 def name_runs(jobs: list[Job], out: Path) -> dict[Job, str]:
     """Each job's run name: distinct within this call, and free of earlier calls' runs in the same --out."""
     (out / "logs").mkdir(parents=True, exist_ok=True)
     names = {}
     for job in jobs:
         names[job] = free_run_name(out, f"{job.row.name}-{job.model}")
-        (out / "logs" / f"{names[job]}.log").touch()  # taken: the next job's free name is another
+        run_paths(out, names[job])[1].touch()  # taken: the next job's free name is another
     return names
 
 
@@ -239,10 +244,9 @@ def finished(jobs: list[Job], names: dict[Job, str], out: Path, outcomes: dict[J
     """The outcomes, and the runs not among them that wrote their summary (stopped while exiting: work done)."""
     done = dict(outcomes)
     for job in jobs:
-        run_dir = out / "runs" / names[job]
+        run_dir, log = run_paths(out, names[job])
         if job not in done and (run_dir / "summary.json").is_file():
-            done[job] = Outcome(shlex.join(job.command(names[job])), 0, 0.0, run_dir,
-                                out / "logs" / f"{names[job]}.log", exited=False)
+            done[job] = Outcome(shlex.join(job.command(names[job])), 0, 0.0, run_dir, log, exited=False)
     return done
 
 
@@ -257,10 +261,10 @@ def run_all(jobs: list[Job], names: dict[Job, str], out: Path, slots: DeviceSlot
 
     def run(job: Job) -> Outcome:
         cmd = job.command(names[job])
-        log = out / "logs" / f"{names[job]}.log"
+        run_dir, log = run_paths(out, names[job])
         with slots.take((job.row.nproc or 1) if gpus else 1) as devices:  # CPU ranks share the one device
             rc, wall = launch(cmd, log, timeout, {**env, "CUDA_VISIBLE_DEVICES": ",".join(devices)} if gpus else env)
-        return Outcome(shlex.join(cmd), rc, wall, out / "runs" / names[job], log)
+        return Outcome(shlex.join(cmd), rc, wall, run_dir, log)
 
     outcomes = {} if outcomes is None else outcomes
     with ThreadPoolExecutor(max_workers=sum(slots.free)) as pool:
