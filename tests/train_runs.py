@@ -69,14 +69,86 @@ def train_command(nproc: int) -> list[str]:
 
 
 def run_train(args: list[str], out_dir: Path, nproc: int = 1, timeout: int = 300,
-              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+              env: dict[str, str] | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
     """Run train.py (under torchrun when nproc > 1) in `env` (default: train_env()); raises with the output if it
-    fails."""
-    proc = subprocess.run(train_command(nproc) + args + ["--out-dir", str(out_dir)], capture_output=True, text=True,
-                          env=train_env() if env is None else env, timeout=timeout, cwd=ROOT)
+    fails. In train_env(), unless `fresh` or GPT2_TEST_FORK=0, the ranks are forked from a server that has imported
+    torch (tests/_fork_launch.py: the variables torchrun sets, no torchrun process, no per-rank imports)."""
+    cmd = train_command(nproc) + args + ["--out-dir", str(out_dir)]
+    if env is None and not fresh and os.environ.get("GPT2_TEST_FORK", "1") != "0":
+        proc = _fork_server(_flavour(args)).run(cmd, args + ["--out-dir", str(out_dir)], nproc, timeout)
+    else:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=train_env() if env is None else env,
+                              timeout=timeout, cwd=ROOT)
     if proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)  # changes every test: not an import-time setting
+
+
+def _stable(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in VOLATILE_ENV}
+
+
+def _flavour(args: list[str]) -> str:
+    """'deepspeed' for a DeepSpeed ZeRO run (its server has imported deepspeed too), else 'base'."""
+    from gpt2.config.cli import parse_args
+
+    try:
+        cfg = parse_args(args)
+    except BaseException:  # a run meant to fail at its arguments fails the same way in either server
+        return "base"
+    return "deepspeed" if cfg.train.mode == "hybrid" and cfg.parallel.zero_engine == "deepspeed" else "base"
+
+
+class _ForkServer:
+    """tests/_fork_launch.py's server for this pytest process, started in train_env() (restarted if that changes)."""
+
+    def __init__(self, flavour: str):
+        self.flavour, self.env = flavour, _stable(train_env())
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (the server's life) its imports' warnings
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests._fork_launch", flavour], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, env=train_env(), cwd=ROOT, text=True)
+        ready = self.proc.stdout.readline()
+        if ready.strip() != json.dumps({"ready": flavour}):
+            self.log.seek(0)
+            raise AssertionError(f"fork server did not start: {ready!r}\n{self.log.read().decode()[-5000:]}")
+
+    def usable(self) -> bool:
+        return self.proc.poll() is None and _stable(train_env()) == self.env
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+    def run(self, cmd: list[str], args: list[str], nproc: int, timeout: int) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory(prefix="gpt2-launch-") as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            request = {"args": args, "nproc": nproc, "env": train_env(), "cwd": str(ROOT), "timeout": timeout,
+                       "script": str(ROOT / "train.py"), "stdout": str(out), "stderr": str(err)}
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            answer = self.proc.stdout.readline()
+            assert answer, f"fork server exited ({self.proc.poll()})"
+            result = json.loads(answer)
+            stdout, stderr = (p.read_text() if p.exists() else "" for p in (out, err))
+        if result["timed_out"]:
+            raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
+        return subprocess.CompletedProcess(cmd, result["rc"], stdout, stderr)
+
+
+_SERVERS: dict[str, _ForkServer] = {}
+
+
+def _fork_server(flavour: str) -> _ForkServer:
+    server = _SERVERS.get(flavour)
+    if server is None or not server.usable():
+        if server is not None:
+            server.close()
+        server = _SERVERS[flavour] = _ForkServer(flavour)
+    return server
 
 
 def train_error(argv: list[str], capsys, out_dir: Path = NEVER_CREATED) -> str:
