@@ -100,6 +100,10 @@ def launch(req: dict) -> dict:
     from torch.distributed import TCPStore
 
     nproc = req["nproc"]
+    deadline = time.monotonic() + 10
+    while len(os.listdir("/proc/self/task")) > 1:  # the last launch's store thread has ended: fork from one thread
+        assert time.monotonic() < deadline, "the fork server still runs a thread of its last launch"
+        time.sleep(0.01)
     pids, writers = [], []
     for rank in range(nproc):
         env = dict(req["env"])
