@@ -31,7 +31,17 @@ import psutil
 
 from gpt2.train import checkpoint
 from gpt2.train.checkpoint import FAULT_ENV, SAVE_STAGES
-from tests.train_runs import ROOT, TINY_ARGS, read_killed_records, run_train, step_values, train_command, train_env
+from tests.train_runs import (
+    ROOT,
+    TINY_ARGS,
+    forked_launch,
+    forking,
+    read_killed_records,
+    run_train,
+    step_values,
+    train_command,
+    train_env,
+)
 
 BEFORE_RENAME = SAVE_STAGES[:SAVE_STAGES.index("renamed")]
 PRUNE_STAGES = ("prune-renamed", "prune-partial")  # reached only when --keep-last deletes an older checkpoint
@@ -145,15 +155,21 @@ def run_chain(name: str, tmp: Path, n_random: int, seed: int, stages: tuple[str,
         launches.append(launch)
         had_latest = (ck / checkpoint.LATEST).is_file()
         t0 = time.monotonic()
-        with open(tmp / f"{run_dir.name}.log", "w") as log_file:
-            proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
-            try:
-                if fault in ("job", "rank"):
-                    launch.fault = _kill_at_random(proc, run_dir, fault, next(delays), rng)
-                launch.returncode = proc.wait(timeout=300)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
+        if nproc == 1 and fault not in ("job", "rank") and forking():  # the process kills itself (FAULT_ENV)
+            faulted = {FAULT_ENV: env[FAULT_ENV]} if FAULT_ENV in env else {}
+            launch.returncode = forked_launch(cmd[cmd.index(str(ROOT / "train.py")) + 1:], tmp / f"{run_dir.name}.log",
+                                              faulted)
+            assert launch.returncode is not None, f"{run_dir.name} timed out"
+        else:
+            with open(tmp / f"{run_dir.name}.log", "w") as log_file:
+                proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+                try:
+                    if fault in ("job", "rank"):
+                        launch.fault = _kill_at_random(proc, run_dir, fault, next(delays), rng)
+                    launch.returncode = proc.wait(timeout=300)
+                finally:
+                    if proc.poll() is None:
+                        proc.kill()
         launch.seconds = time.monotonic() - t0
         log_text = (tmp / f"{run_dir.name}.log").read_text()  # torchrun's and both ranks' output
         log_tail = log_text[-4000:]

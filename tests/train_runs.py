@@ -74,7 +74,7 @@ def run_train(args: list[str], out_dir: Path, nproc: int = 1, timeout: int = 300
     fails. In train_env(), unless `fresh` or GPT2_TEST_FORK=0, the ranks are forked from a server that has imported
     torch (tests/_fork_launch.py: the variables torchrun sets, no torchrun process, no per-rank imports)."""
     cmd = train_command(nproc) + args + ["--out-dir", str(out_dir)]
-    if env is None and not fresh and os.environ.get("GPT2_TEST_FORK", "1") != "0":
+    if env is None and not fresh and forking():
         proc = _fork_server(_flavour(args)).run(cmd, args + ["--out-dir", str(out_dir)], nproc, timeout)
     else:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=train_env() if env is None else env,
@@ -123,20 +123,40 @@ class _ForkServer:
         self.proc.wait(timeout=30)
         self.log.close()
 
+    def launch(self, args: list[str], nproc: int, timeout: int, stdout: Path, stderr: Path,
+               runtime_env: dict[str, str] | None = None) -> dict:
+        """Train with `args` on `nproc` forked ranks, their output appended to `stdout` / `stderr` (one path: both);
+        `runtime_env`: variables the run reads once it runs (not at import), set over train_env(). Returns the
+        server's answer: rc (torchrun's for nproc > 1; the process's status for one, negative: killed by that
+        signal), each rank's status, whether it timed out."""
+        request = {"args": args, "nproc": nproc, "env": train_env() | (runtime_env or {}), "cwd": str(ROOT),
+                   "timeout": timeout, "script": str(ROOT / "train.py"), "stdout": str(stdout), "stderr": str(stderr)}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        assert answer, f"fork server exited ({self.proc.poll()})"
+        return json.loads(answer)
+
     def run(self, cmd: list[str], args: list[str], nproc: int, timeout: int) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory(prefix="gpt2-launch-") as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            request = {"args": args, "nproc": nproc, "env": train_env(), "cwd": str(ROOT), "timeout": timeout,
-                       "script": str(ROOT / "train.py"), "stdout": str(out), "stderr": str(err)}
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-            answer = self.proc.stdout.readline()
-            assert answer, f"fork server exited ({self.proc.poll()})"
-            result = json.loads(answer)
+            result = self.launch(args, nproc, timeout, out, err)
             stdout, stderr = (p.read_text() if p.exists() else "" for p in (out, err))
         if result["timed_out"]:
             raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
         return subprocess.CompletedProcess(cmd, result["rc"], stdout, stderr)
+
+
+def forking() -> bool:
+    """Whether launches fork from tests/_fork_launch.py's server (GPT2_TEST_FORK=0: fresh interpreters)."""
+    return os.environ.get("GPT2_TEST_FORK", "1") != "0"
+
+
+def forked_launch(args: list[str], log: Path, runtime_env: dict[str, str], timeout: int = 300) -> int | None:
+    """One train.py process forked from the server (see _ForkServer.launch), stdout and stderr to `log`; its exit
+    status (negative: the signal that killed it), or None when it timed out (killed)."""
+    result = _fork_server(_flavour(args)).launch(args, 1, timeout, log, log, runtime_env)
+    return None if result["timed_out"] else result["rc"]
 
 
 _SERVERS: dict[str, _ForkServer] = {}
