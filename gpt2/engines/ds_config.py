@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any
 
-from gpt2.config.deepspeed_file import harness_values, precision_values, zero3_defaults
+from gpt2.config.deepspeed_file import harness_values, precision_values, throughput_timer_defaults, zero3_defaults
 
 if TYPE_CHECKING:
     from gpt2.config.layout import RunLayout
@@ -23,9 +23,9 @@ def lower_precision_modules() -> list[str]:
 
 
 def build_ds_config(layout: RunLayout) -> dict[str, Any]:
-    """The DeepSpeed config: the run's file + our CLI values (which the layout checked it agrees with), ZeRO-3's
-    defaults where the file leaves them out, and the precision that runs (CPU runs are fp32 whatever --precision
-    says)."""
+    """The DeepSpeed config: the run's file + our CLI values (which the layout checked it agrees with), ZeRO-3's and
+    the throughput timer's defaults where the file leaves them out, and the precision that runs (CPU runs are fp32
+    whatever --precision says)."""
     assert layout.ds_file is not None, "a hybrid run's layout carries its DeepSpeed file"
     cfg = layout.cfg
     ds = copy.deepcopy(dict(layout.ds_file))
@@ -36,6 +36,8 @@ def build_ds_config(layout: RunLayout) -> dict[str, Any]:
         node[keys[-1]] = ours
     if layout.zero_stage == 3:
         ds["zero_optimization"] = {**zero3_defaults(cfg.parallel.zero3_fetch), **ds["zero_optimization"]}
+    timers = ds.setdefault("timers", {})
+    timers["throughput"] = {**throughput_timer_defaults(), **timers.get("throughput", {})}
     # the precision that runs (the layout's: CPU runs are fp32 whatever --precision says)
     for (section, key), value in precision_values(layout.precision, cfg.parallel.zero_precision).items():
         ds.setdefault(section, {})[key] = value
