@@ -7,7 +7,9 @@
 #   3. with the time left: our modes (SWEEP_MODES, default DDP, ZeRO-3, ZeRO-3 + TP2; hybrid-flat-u4 and
 #      hybrid-tp2-flat-u4 add ZeRO-3 over flat tensors in 4-block units beside them), all with --compile (+ EXTRA),
 #      at BATCHES (default "8 max"; max: the largest of MAX_BATCHES that fits), fused kernels FUSED (default "none
-#      triton"), STEPS (25) of which WARMUP (10) untimed, each run at most RUN_TIMEOUT s (150), in the time left
+#      triton"), STEPS (25) of which WARMUP (10) untimed, each run at most RUN_TIMEOUT s (200: a cold compiled
+#      ZeRO-3 run over 4-block units took 121 s on one H200 and over 109 s at TP 2, and a run killed mid-compile
+#      leaves nothing cached for the next), in the time left
 #      (tools.train_sweep --budget-s; NUMA=node: torchrun --numa-binding node for these runs),
 #      with the HF runs and any run folders in INCLUDE added to its tables -> $OUT/sweep/{sweep.md,sweep.csv,...}
 #   OUT=/tmp/out bash benchmarks/gpu_sweep.sh
@@ -77,7 +79,7 @@ if [ "$left" -gt 60 ]; then
   "$PYTHON" -m tools.train_sweep --gpus "$NGPU" --model gpt2-large --seq-len 1024 --steps "${STEPS:-25}" \
     --warmup "${WARMUP:-10}" --modes ${SWEEP_MODES:-baseline hybrid hybrid-tp2} --fused ${FUSED:-none triton} \
     --batches ${BATCHES:-8 max} --max-batches ${MAX_BATCHES:-64 48 32 24 16} --extra-args="--compile ${EXTRA:-}" \
-    --run-timeout "${RUN_TIMEOUT:-150}" --budget-s "$left" --out "$OUT/sweep" \
+    --run-timeout "${RUN_TIMEOUT:-200}" --budget-s "$left" --out "$OUT/sweep" \
     --include "$OUT"/hf/runs/* ${INCLUDE:-} ${PARITY:+--parity $PARITY} ${NUMA:+--numa-binding $NUMA} 2>&1 | tail -40
 fi
 echo "[${SECONDS}s] done; results under $OUT"
