@@ -58,10 +58,15 @@ def preload(flavour: str) -> None:
         import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  (deepspeed.initialize imports it)
 
 
+PROTOCOL_FD: int | None = None  # the server's answers (its stdout, moved off fd 1, which is stderr's copy)
+
+
 def _rank(req: dict, env: dict[str, str], port_fd: int) -> None:
     """In the forked rank: wait for the store's port, become `python train.py ARGS`, never return."""
     status = 1
     try:
+        if PROTOCOL_FD is not None:
+            os.close(PROTOCOL_FD)
         ctypes.CDLL(None).prctl(PDEATHSIG, signal.SIGKILL)
         port = os.read(port_fd, 64).decode().strip()
         os.close(port_fd)
@@ -78,7 +83,7 @@ def _rank(req: dict, env: dict[str, str], port_fd: int) -> None:
         os.environ.clear()
         os.environ.update(env)
         os.chdir(req["cwd"])
-        random.seed()
+        _reseed()
         script = req["script"]
         sys.argv = [script, *req["args"]]
         sys.path[0] = os.path.dirname(script)
@@ -94,6 +99,17 @@ def _rank(req: dict, env: dict[str, str], port_fd: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
+
+
+def _reseed() -> None:
+    """The random states a fresh interpreter draws from the OS (Python's, numpy's global one, torch's default
+    generator's initial seed): forked ranks would otherwise share the server's."""
+    import numpy as np
+    import torch
+
+    random.seed()
+    np.random.seed()
+    torch.seed()
 
 
 def launch(req: dict) -> dict:
@@ -156,10 +172,13 @@ def _kill(pids: list[int]) -> None:
 
 
 def serve(flavour: str) -> None:
+    global PROTOCOL_FD
+    PROTOCOL_FD = os.dup(1)  # answers only: what the imports print goes to stderr
+    os.dup2(2, 1)
+    out = os.fdopen(PROTOCOL_FD, "w")
     preload(flavour)
     threads = len(os.listdir("/proc/self/task"))
     assert threads == 1 and threading.active_count() == 1, f"{threads} threads before forking"
-    out = sys.stdout
     out.write(json.dumps({"ready": flavour}) + "\n")
     out.flush()
     for line in sys.stdin:

@@ -75,7 +75,7 @@ def run_train(args: list[str], out_dir: Path, nproc: int = 1, timeout: int = 300
     torch (tests/_fork_launch.py: the variables torchrun sets, no torchrun process, no per-rank imports)."""
     cmd = train_command(nproc) + args + ["--out-dir", str(out_dir)]
     if env is None and not fresh and forking():
-        proc = _fork_server(_flavour(args)).run(cmd, args + ["--out-dir", str(out_dir)], nproc, timeout)
+        proc = fork_server(_flavour(args)).run(cmd, args + ["--out-dir", str(out_dir)], nproc, timeout)
     else:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=train_env() if env is None else env,
                               timeout=timeout, cwd=ROOT)
@@ -124,13 +124,14 @@ class _ForkServer:
         self.log.close()
 
     def launch(self, args: list[str], nproc: int, timeout: int, stdout: Path, stderr: Path,
-               runtime_env: dict[str, str] | None = None) -> dict:
+               runtime_env: dict[str, str] | None = None, script: Path = ROOT / "train.py") -> dict:
         """Train with `args` on `nproc` forked ranks, their output appended to `stdout` / `stderr` (one path: both);
-        `runtime_env`: variables the run reads once it runs (not at import), set over train_env(). Returns the
+        `runtime_env`: variables the run reads once it runs (not at import), set over train_env); `script`: another
+        entry point (the launcher's own test). Returns the
         server's answer: rc (torchrun's for nproc > 1; the process's status for one, negative: killed by that
         signal), each rank's status, whether it timed out."""
         request = {"args": args, "nproc": nproc, "env": train_env() | (runtime_env or {}), "cwd": str(ROOT),
-                   "timeout": timeout, "script": str(ROOT / "train.py"), "stdout": str(stdout), "stderr": str(stderr)}
+                   "timeout": timeout, "script": str(script), "stdout": str(stdout), "stderr": str(stderr)}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         answer = self.proc.stdout.readline()
@@ -155,14 +156,14 @@ def forking() -> bool:
 def forked_launch(args: list[str], log: Path, runtime_env: dict[str, str], timeout: int = 300) -> int | None:
     """One train.py process forked from the server (see _ForkServer.launch), stdout and stderr to `log`; its exit
     status (negative: the signal that killed it), or None when it timed out (killed)."""
-    result = _fork_server(_flavour(args)).launch(args, 1, timeout, log, log, runtime_env)
+    result = fork_server(_flavour(args)).launch(args, 1, timeout, log, log, runtime_env)
     return None if result["timed_out"] else result["rc"]
 
 
 _SERVERS: dict[str, _ForkServer] = {}
 
 
-def _fork_server(flavour: str) -> _ForkServer:
+def fork_server(flavour: str) -> _ForkServer:
     server = _SERVERS.get(flavour)
     if server is None or not server.usable():
         if server is not None:
