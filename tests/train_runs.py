@@ -125,11 +125,10 @@ class _ForkServer:
 
     def launch(self, args: list[str], nproc: int, timeout: int, stdout: Path, stderr: Path,
                runtime_env: dict[str, str] | None = None, script: Path = ROOT / "train.py") -> dict:
-        """Train with `args` on `nproc` forked ranks, their output appended to `stdout` / `stderr` (one path: both);
-        `runtime_env`: variables the run reads once it runs (not at import), set over train_env); `script`: another
-        entry point (the launcher's own test). Returns the
-        server's answer: rc (torchrun's for nproc > 1; the process's status for one, negative: killed by that
-        signal), each rank's status, whether it timed out."""
+        """Train with `args` on `nproc` forked ranks, their output appended to `stdout` / `stderr` (one path: both).
+        `runtime_env`: variables the run reads once it runs (not at import), set over train_env(); `script`: another
+        entry point (the launcher's own test). Returns the server's answer: rc (torchrun's for nproc > 1; for one,
+        the process's status, negative: killed by that signal), each rank's status, whether it timed out."""
         request = {"args": args, "nproc": nproc, "env": train_env() | (runtime_env or {}), "cwd": str(ROOT),
                    "timeout": timeout, "script": str(script), "stdout": str(stdout), "stderr": str(stderr)}
         self.proc.stdin.write(json.dumps(request) + "\n")
