@@ -12,8 +12,8 @@ through train.py's own os._exit), under the variables torchrun's agent sets, the
 Fork safety: the server runs no tensor op and starts no thread before forking (one thread, checked at start-up);
 each rank reseeds Python's `random` (a fresh interpreter seeds it from the OS). What a fork cannot give: every rank
 of a launch shares the server's str hash seed (fresh interpreters each draw their own). Launches that need a fresh
-interpreter (custom environments, the launcher and signal tests) do not come here: run_train(fresh=True), or set
-GPT2_TEST_FORK=0 to run every launch as before.
+interpreter (custom environments: run_train(env=...); the launcher, signal and soak tests, which start their own
+processes) do not come here; GPT2_TEST_FORK=0 runs every launch as before.
 
 Protocol: one JSON request a line on stdin, one JSON answer a line on stdout.
 """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -69,12 +70,12 @@ def train_command(nproc: int) -> list[str]:
 
 
 def run_train(args: list[str], out_dir: Path, nproc: int = 1, timeout: int = 300,
-              env: dict[str, str] | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run train.py (under torchrun when nproc > 1) in `env` (default: train_env()); raises with the output if it
-    fails. In train_env(), unless `fresh` or GPT2_TEST_FORK=0, the ranks are forked from a server that has imported
+    fails. In train_env(), unless GPT2_TEST_FORK=0, the ranks are forked from a server that has imported
     torch (tests/_fork_launch.py: the variables torchrun sets, no torchrun process, no per-rank imports)."""
     cmd = train_command(nproc) + args + ["--out-dir", str(out_dir)]
-    if env is None and not fresh and forking():
+    if env is None and forking():
         proc = fork_server(_flavour(args)).run(cmd, args + ["--out-dir", str(out_dir)], nproc, timeout)
     else:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=train_env() if env is None else env,
@@ -119,7 +120,8 @@ class _ForkServer:
         return self.proc.poll() is None and _stable(train_env()) == self.env
 
     def close(self) -> None:
-        self.proc.stdin.close()
+        with contextlib.suppress(BrokenPipeError):  # a server killed mid-launch (launch) has no reader
+            self.proc.stdin.close()
         self.proc.wait(timeout=30)
         self.log.close()
 
@@ -131,9 +133,13 @@ class _ForkServer:
         the process's status, negative: killed by that signal), each rank's status, whether it timed out."""
         request = {"args": args, "nproc": nproc, "env": train_env() | (runtime_env or {}), "cwd": str(ROOT),
                    "timeout": timeout, "script": str(script), "stdout": str(stdout), "stderr": str(stderr)}
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        answer = self.proc.stdout.readline()
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            answer = self.proc.stdout.readline()
+        except BaseException:  # e.g. pytest-timeout mid-launch: this launch's answer would reach the next one
+            self.proc.kill()  # its ranks die with it (PR_SET_PDEATHSIG); the next launch starts a new server
+            raise
         assert answer, f"fork server exited ({self.proc.poll()})"
         return json.loads(answer)
 

@@ -8,6 +8,8 @@ import json
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.train_runs import fork_server
 
 SCRIPT = """
@@ -62,3 +64,25 @@ def test_forked_ranks_are_launched_as_torchrun_launches_them(tmp_path: Path) -> 
     failed = server.launch([str(tmp_path), "fail"], 2, 60, out, err, script=script)
     assert (failed["rc"], failed["ranks"][1], failed["timed_out"]) == (1, 3, False)  # torchrun exits 1
     assert failed["ranks"][0] == -9 and time.monotonic() - t0 < 30  # the waiting rank was ended, not waited for
+
+
+def test_a_launch_interrupted_mid_way_cannot_answer_the_next(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pytest-timeout (or Ctrl-C) can interrupt a test while it waits for a launch's answer: the server, which would
+    still send that answer to whoever asks next, is killed, and the next launch gets a new server and its own answer."""
+    script = tmp_path / "rank.py"
+    script.write_text(SCRIPT)
+    server = fork_server("base")
+    out, err = tmp_path / "out", tmp_path / "err"
+
+    def interrupted() -> str:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(server.proc.stdout, "readline", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        server.launch([str(tmp_path), "fail"], 2, 60, out, err, script=script)
+    monkeypatch.undo()
+    assert server.proc.wait(timeout=10) != 0  # killed: its answer to the interrupted launch goes nowhere
+    fresh = fork_server("base")
+    assert fresh is not server
+    assert fresh.launch([str(tmp_path)], 2, 60, out, err, script=script) == {"rc": 0, "ranks": [0, 0],
+                                                                               "timed_out": False}
