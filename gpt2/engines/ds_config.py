@@ -36,8 +36,7 @@ def build_ds_config(layout: RunLayout) -> dict[str, Any]:
         node[keys[-1]] = ours
     if layout.zero_stage == 3:
         ds["zero_optimization"] = {**zero3_defaults(cfg.parallel.zero3_fetch), **ds["zero_optimization"]}
-    timers = ds.setdefault("timers", {})
-    timers["throughput"] = {**throughput_timer_defaults(), **timers.get("throughput", {})}
+    ds.setdefault("timers", {}).setdefault("throughput", throughput_timer_defaults())
     # the precision that runs (the layout's: CPU runs are fp32 whatever --precision says)
     for (section, key), value in precision_values(layout.precision, cfg.parallel.zero_precision).items():
         ds.setdefault(section, {})[key] = value

@@ -36,7 +36,8 @@ def test_the_throughput_timer_never_synchronizes_unless_the_file_asks(stage: int
     cfg = parse_args(["--mode", "hybrid", "--zero-stage", str(stage), "--device", "cpu"])
     assert device_syncs(build_ds_config(RunLayout.resolve(cfg, 1, torch.device("cpu"))), monkeypatch) == 0
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"timers": {"throughput": {"enabled": True}}}))  # a value in the file wins
     cfg.parallel.ds_config = str(path)
-    ds = build_ds_config(RunLayout.resolve(cfg, 1, torch.device("cpu")))
-    assert device_syncs(ds, monkeypatch) == 2 * STEPS
+    for section in ({"enabled": True}, {"synchronized": True}):  # a section in the file is used as it is
+        path.write_text(json.dumps({"timers": {"throughput": section}}))
+        ds = build_ds_config(RunLayout.resolve(cfg, 1, torch.device("cpu")))
+        assert device_syncs(ds, monkeypatch) == 2 * STEPS, section
