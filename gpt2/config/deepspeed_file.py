@@ -38,7 +38,7 @@ def throughput_timer_defaults() -> dict[str, Any]:
     is): off. DeepSpeed's default timer (enabled, `synchronized`) synchronizes the device at every micro-batch's
     forward and every `engine.step()` call, once a micro-batch (deepspeed/utils/timer.py, ThroughputTimer, from the
     third step on), so the host cannot queue the next work while the device runs: in a profile of flat ZeRO-3 in
-    4-block units on an H200 the one at the end of the optimizer step held the host 7.2 ms of a 142-ms step. Our
+    4-block units on an H200 the one at the end of the optimizer step held the host about 7 ms of a 142-ms step. Our
     metrics time the steps themselves (`gpt2.observe.metrics`), so nothing reads it."""
     return {"enabled": False}
 
