@@ -149,20 +149,20 @@ def run_chain(name: str, tmp: Path, n_random: int, seed: int, stages: tuple[str,
         env = train_env()
         if fault in SAVE_STAGES:  # the first save this launch makes; a prune needs an older checkpoint
             env[FAULT_ENV] = f"{fault}@{start + 2 if fault in PRUNE_STAGES and start == 0 else start + 1}"
-        cmd = [*train_command(nproc), *args, "--save-dir", str(ck), "--resume", "auto",
-               "--out-dir", str(out), "--run-name", run_dir.name]
+        train_args = [*args, "--save-dir", str(ck), "--resume", "auto", "--out-dir", str(out), "--run-name",
+                      run_dir.name]
         launch = Launch(fault, run_dir)
         launches.append(launch)
         had_latest = (ck / checkpoint.LATEST).is_file()
         t0 = time.monotonic()
         if nproc == 1 and fault not in ("job", "rank") and forking():  # the process kills itself (FAULT_ENV)
             faulted = {FAULT_ENV: env[FAULT_ENV]} if FAULT_ENV in env else {}
-            launch.returncode = forked_launch(cmd[cmd.index(str(ROOT / "train.py")) + 1:], tmp / f"{run_dir.name}.log",
-                                              faulted)
+            launch.returncode = forked_launch(train_args, tmp / f"{run_dir.name}.log", faulted)
             assert launch.returncode is not None, f"{run_dir.name} timed out"
         else:
             with open(tmp / f"{run_dir.name}.log", "w") as log_file:
-                proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+                proc = subprocess.Popen([*train_command(nproc), *train_args], env=env, cwd=ROOT, stdout=log_file,
+                                        stderr=subprocess.STDOUT)
                 try:
                     if fault in ("job", "rank"):
                         launch.fault = _kill_at_random(proc, run_dir, fault, next(delays), rng)

@@ -74,12 +74,12 @@ def run_train(args: list[str], out_dir: Path, nproc: int = 1, timeout: int = 300
     """Run train.py (under torchrun when nproc > 1) in `env` (default: train_env()); raises with the output if it
     fails. In train_env(), unless GPT2_TEST_FORK=0, the ranks are forked from a server that has imported
     torch (tests/_fork_launch.py: the variables torchrun sets, no torchrun process, no per-rank imports)."""
-    cmd = train_command(nproc) + args + ["--out-dir", str(out_dir)]
+    train_args = args + ["--out-dir", str(out_dir)]
     if env is None and forking():
-        proc = fork_server(_flavour(args)).run(cmd, args + ["--out-dir", str(out_dir)], nproc, timeout)
+        proc = fork_server(_flavour(args)).run(train_args, nproc, timeout)
     else:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=train_env() if env is None else env,
-                              timeout=timeout, cwd=ROOT)
+        proc = subprocess.run(train_command(nproc) + train_args, capture_output=True, text=True,
+                              env=train_env() if env is None else env, timeout=timeout, cwd=ROOT)
     if proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
@@ -143,7 +143,9 @@ class _ForkServer:
         assert answer, f"fork server exited ({self.proc.poll()})"
         return json.loads(answer)
 
-    def run(self, cmd: list[str], args: list[str], nproc: int, timeout: int) -> subprocess.CompletedProcess:
+    def run(self, args: list[str], nproc: int, timeout: int) -> subprocess.CompletedProcess:
+        """`launch` as subprocess.run(train.py's command, capture_output=True) answers: output, status, timeout."""
+        cmd = train_command(nproc) + args
         with tempfile.TemporaryDirectory(prefix="gpt2-launch-") as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
             result = self.launch(args, nproc, timeout, out, err)
