@@ -4,8 +4,9 @@
 #      batch 8; "" skips), 25 steps each (5 warm-up) -> $OUT/hf/runs/*
 #   2. TP scaling of our column/row-parallel layers at 1, 2 and 4 GPUs (benchmarks.tp_scaling; TP_SCALING=0 skips)
 #      -> $OUT/tp_scaling
-#   3. with the time left: our modes (SWEEP_MODES, default DDP, ZeRO-3, ZeRO-3 + TP2; hybrid-flat-u4 and
-#      hybrid-tp2-flat-u4 add ZeRO-3 over flat tensors in 4-block units beside them), all with --compile (+ EXTRA),
+#   3. with the time left: our modes (SWEEP_MODES, default DDP, ZeRO-3, ZeRO-3 + TP2; hybrid-block and
+#      hybrid-tp2-block add ZeRO-3 per block, the layout before flat 4-block units, beside them), all with --compile
+#      (+ EXTRA),
 #      at BATCHES (default "8 max"; max: the largest of MAX_BATCHES that fits), fused kernels FUSED (default "none
 #      triton"), STEPS (25) of which WARMUP (10) untimed, each run at most RUN_TIMEOUT s (200: a cold compiled
 #      ZeRO-3 run over 4-block units took 121 s on one H200 and over 109 s at TP 2, and a run killed mid-compile

@@ -7,15 +7,16 @@
 
 Modes (train.py flags): single (--gpus 1 only), baseline (DDP), zero1 / zero2, hybrid (ZeRO-3), hybrid-deepcompile
 (ZeRO-3 under DeepSpeed's DeepCompile: --compile --compiler deepcompile), hybrid-tp2 (ZeRO-3 + TP 2), hybrid-tp2-sp (+
-sequence parallelism), hybrid-flat-u4 / hybrid-tp2-flat-u4 / hybrid-tp2-sp-flat-u4 (the same three with `--zero3-fetch
-flat --zero3-unit-blocks 4`; a row whose ZeRO-3 gather is not per block, by its mode or --extra-args, names it:
-"ZeRO-3 (flat, 4-block units)"), fsdp2 / fsdp2-tp2 / fsdp2-tp2-sp (ZeRO-3 by PyTorch FSDP2, `--zero-engine fsdp2`,
-without and with TP 2, +- sequence parallelism), and the reference rows hf-ddp / hf-zero3 (`tools.hf_reference`:
-Hugging Face GPT-2 as users run it). Each of our modes runs with every `--fused` backend; the HF rows have no fused
-kernels. `--batches` takes micro-batch sizes per GPU and `max`: the largest of `--max-batches` (tried in descending
-order) that completes without running out of CUDA memory; sizes at or above one that already ran out are not tried,
-nor, on a GPU host, train.py sizes whose planned peak (train.py's plan) does not fit in the GPU's memory (printed as
-skipped; an OOM under TP collectives can hang until the run's timeout instead of failing).
+sequence parallelism), hybrid-block / hybrid-tp2-block / hybrid-tp2-sp-block (the same three with `--zero3-fetch
+block --zero3-unit-blocks 1`, ZeRO-3's gather before flat 4-block units became the default; a row whose ZeRO-3 gather
+is not the default, by its mode or --extra-args, names it: "ZeRO-3 (block, 1-block units)"), fsdp2 / fsdp2-tp2 /
+fsdp2-tp2-sp (ZeRO-3 by PyTorch FSDP2, `--zero-engine fsdp2`, without and with TP 2, +- sequence parallelism), and
+the reference rows hf-ddp / hf-zero3 (`tools.hf_reference`: Hugging Face GPT-2 as users run it). Each of our modes
+runs with every `--fused` backend; the HF rows have no fused kernels. `--batches` takes micro-batch sizes per GPU
+and `max`: the largest of `--max-batches` (tried in descending order) that completes without running out of CUDA
+memory; sizes at or above one that already ran out are not tried, nor, on a GPU host, train.py sizes whose planned
+peak (train.py's plan) does not fit in the GPU's memory (printed as skipped; an OOM under TP collectives can hang
+until the run's timeout instead of failing).
 
 Every run: `python -m torch.distributed.run --standalone --nproc_per_node=N train.py ...` (or `-m
 tools.hf_reference`), `--max-steps` steps of which the first `--warmup` are excluded from tokens/s and
@@ -52,7 +53,7 @@ import torch
 from torch.numa.binding import AffinityMode
 
 from gpt2.config.cli import parse_args as parse_train_args
-from gpt2.config.layout import RunLayout
+from gpt2.config.layout import ZERO3_UNIT_BLOCKS, RunLayout
 from gpt2.config.schema import PROFILED_STEPS, ConfigError
 from gpt2.planning import planner
 from tools import report
@@ -78,9 +79,10 @@ class Mode:
 
 
 def zero3_gather_suffix(fetch: str | None, unit_blocks: int | None) -> str:
-    """How DeepSpeed ZeRO-3 gathers where not per block (its default), as a label's suffix: ' (flat, 4-block units)'."""
-    parts = [fetch] if fetch not in (None, "block") else []
-    if unit_blocks and unit_blocks > 1:
+    """How DeepSpeed ZeRO-3 gathers where not by its default (flat tensors in units of ZERO3_UNIT_BLOCKS), as a
+    label's suffix: ' (block, 1-block units)'; '' for the default, or where the run does not say (None)."""
+    parts = [fetch] if fetch not in (None, "flat") else []
+    if unit_blocks and unit_blocks != ZERO3_UNIT_BLOCKS:
         parts.append(f"{unit_blocks}-block units")
     return f" ({', '.join(parts)})" if parts else ""
 
@@ -89,7 +91,7 @@ def flag_value(flags: tuple[str, ...], flag: str) -> str | None:
     return flags[flags.index(flag) + 1] if flag in flags else None
 
 
-FLAT_U4 = ("--zero3-fetch", "flat", "--zero3-unit-blocks", "4")  # DeepSpeed ZeRO-3's fastest gather on one H200
+PER_BLOCK = ("--zero3-fetch", "block", "--zero3-unit-blocks", "1")  # ZeRO-3's default until 2026-11-29
 MODES: dict[str, Mode] = {
     "single": Mode("single", ("--mode", "single")),  # under torchrun too: world size 1, the reference of --gpus 1
     "baseline": Mode("DDP", ("--mode", "baseline")),
@@ -99,12 +101,12 @@ MODES: dict[str, Mode] = {
     "hybrid-deepcompile": Mode("ZeRO-3 DeepCompile", ("--mode", "hybrid", "--compile", "--compiler", "deepcompile")),
     "hybrid-tp2": Mode("ZeRO-3 + TP2", ("--mode", "hybrid", "--tp-size", "2")),
     "hybrid-tp2-sp": Mode("ZeRO-3 + TP2 + SP", ("--mode", "hybrid", "--tp-size", "2", "--sequence-parallel")),
-    # the same three over flat tensors in units of 4 blocks (gpt2.runtime.flat_blocks, gpt2.runtime.block_units):
-    # their own modes, so one sweep times both gathers (--extra-args applies to every mode, DDP's included)
-    "hybrid-flat-u4": Mode("ZeRO-3", ("--mode", "hybrid", *FLAT_U4)),
-    "hybrid-tp2-flat-u4": Mode("ZeRO-3 + TP2", ("--mode", "hybrid", "--tp-size", "2", *FLAT_U4)),
-    "hybrid-tp2-sp-flat-u4": Mode("ZeRO-3 + TP2 + SP", ("--mode", "hybrid", "--tp-size", "2", "--sequence-parallel",
-                                                        *FLAT_U4)),
+    # the same three gathering each block's own parameters, one block a leaf (gpt2.runtime.parallelize): their own
+    # modes, so one sweep times both gathers (--extra-args applies to every mode, DDP's included)
+    "hybrid-block": Mode("ZeRO-3", ("--mode", "hybrid", *PER_BLOCK)),
+    "hybrid-tp2-block": Mode("ZeRO-3 + TP2", ("--mode", "hybrid", "--tp-size", "2", *PER_BLOCK)),
+    "hybrid-tp2-sp-block": Mode("ZeRO-3 + TP2 + SP", ("--mode", "hybrid", "--tp-size", "2", "--sequence-parallel",
+                                                      *PER_BLOCK)),
     "fsdp2": Mode("FSDP2", ("--mode", "hybrid", "--zero-engine", "fsdp2")),  # ZeRO-3 by PyTorch FSDP2
     "fsdp2-tp2": Mode("FSDP2 + TP2", ("--mode", "hybrid", "--zero-engine", "fsdp2", "--tp-size", "2")),
     "fsdp2-tp2-sp": Mode("FSDP2 + TP2 + SP", ("--mode", "hybrid", "--zero-engine", "fsdp2", "--tp-size", "2",
@@ -303,7 +305,8 @@ def table_row(r: RunResult) -> dict[str, Any]:
         gather = s["zero3_fetch"], s.get("zero3_unit_blocks")
     else:
         flags = mode.flags if mode else ()
-        gather = flag_value(flags, "--zero3-fetch"), int(flag_value(flags, "--zero3-unit-blocks") or 1)
+        unit = flag_value(flags, "--zero3-unit-blocks")
+        gather = flag_value(flags, "--zero3-fetch"), int(unit) if unit else None
     label = (mode.label if mode else r.mode) + zero3_gather_suffix(*gather)
     return {
         "configuration": label, "fused_kernels": r.fused if not mode or mode.takes_fused

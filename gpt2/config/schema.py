@@ -184,16 +184,20 @@ class ParallelConfig:
            "each unit's all-gather issued by its own pre-forward hook; N: the next N units' issued when a unit's "
            "forward starts; 1 measured no gain at batch 8 on 4 GPUs; backward always prefetches one unit)", PARALLEL,
         parse=non_negative_int, given_only=True)
-    zero3_unit_blocks: int = option(
-        1, "hybrid mode, ZeRO-3 with --zero3-fetch block or flat: transformer blocks per DeepSpeed leaf module (one "
-           "hook set and one gather per unit and pass; must divide the model's blocks)", PARALLEL,
-        parse=positive_int, given_only=True)
+    # the unit --zero3-unit-blocks leaves to gpt2.config.layout.RunLayout.zero3_unit_blocks (4, where it divides)
+    zero3_unit_blocks: int | None = option(
+        None, "hybrid mode, ZeRO-3 with --zero3-fetch block or flat: transformer blocks per DeepSpeed leaf module (one "
+              "hook set and one gather per unit and pass; must divide the model's blocks)", PARALLEL,
+        parse=positive_int, given_only=True,
+        default_text="4, or the largest divisor of the model's blocks below 4")
     zero3_fetch: Literal["block", "flat", "module"] = option(
-        "block", "hybrid mode, ZeRO-3: the parameter gather unit: block = each transformer block is a DeepSpeed leaf "
-                 "module (one all-gather and one hook per block and pass; allows --compile); flat = the same, with "
-                 "each block's 12 parameters in 3-4 flat tensors (less per-tensor host work for DeepSpeed; the model "
-                 "is built whole before DeepSpeed partitions it; checkpoints hold the flat tensors, export restores "
-                 "the names); module = DeepSpeed's default hooks on every module", PARALLEL, given_only=True)
+        "flat", "hybrid mode, ZeRO-3: the parameter gather unit: flat = each unit of transformer blocks "
+                "(--zero3-unit-blocks) is a DeepSpeed leaf module whose blocks keep their 12 parameters in 3-4 flat "
+                "tensors (one all-gather and one hook set per unit and pass, the least per-tensor host work for "
+                "DeepSpeed; the model is built whole before DeepSpeed partitions it; checkpoints hold the flat "
+                "tensors, export restores the names); block = the same units over the blocks' own parameters "
+                "(built under zero.Init); module = DeepSpeed's default hooks on every module (no --compile)",
+        PARALLEL, given_only=True)
     # bf16/fp16 under DeepSpeed: torch.autocast over fp32 weights (the function every other mode trains), or
     # DeepSpeed's own 16-bit model with fp32 master weights (less memory and traffic, another rounding)
     zero_precision: Literal["autocast", "deepspeed"] = option(

@@ -317,8 +317,9 @@ def predict_memory(layout: RunLayout) -> MemoryPlan:
     gathered = sp_gathered_inputs(layout)
     gathered_beyond_shard = e * b * seq * d * (1 - 1 / t)  # one [b, s, d] input kept whole instead of its shard
     layer += gathered.per_block * gathered_beyond_shard
+    unit = layout.zero3_unit_blocks  # GPT.forward checkpoints each entry of model.blocks: a block or a ZeRO-3 unit
     if tc.activation_checkpointing:
-        activations = cfg.n_layer * r * sbh_shard + layer  # block inputs + one recomputed block
+        activations = cfg.n_layer // unit * r * sbh_shard + unit * layer  # unit inputs + one recomputed unit
     else:
         activations = cfg.n_layer * layer
     activations += (r + e) * sbh_shard  # ln_f input (residual stream) and output
@@ -330,8 +331,8 @@ def predict_memory(layout: RunLayout) -> MemoryPlan:
     if num.autocast_copies:
         if layout.fsdp2_gather_dtype:  # FSDP2 gathering the blocks in bf16: autocast copies only the root's weights
             n_copied = local_root_params(layout)
-        elif tc.activation_checkpointing:  # recomputation makes the copies again, one block at a time
-            n_copied = cfg.padded_vocab_size * d / t + (12 * d * d + 7 * d) / t
+        elif tc.activation_checkpointing:  # recomputation makes the copies again, one block (or unit) at a time
+            n_copied = cfg.padded_vocab_size * d / t + unit * (12 * d * d + 7 * d) / t
         else:
             n_copied = n_local
         copies = e * n_copied
@@ -421,10 +422,12 @@ def predict_communication(layout: RunLayout) -> list[CommOp]:
         t, m, tokens = layout.tp_size, layout.grad_accum, tc.batch_size * tc.seq_len
         if tc.activation_checkpointing and cfg.dropout == 0:
             # perf_model counts Megatron's full recomputed forward (2 more collectives per layer). torch's
-            # non-reentrant checkpoint stops recomputing at the block's last saved tensor (the MLP c_proj
-            # input), so the MLP output's all-reduce / reduce-scatter is not rerun (its dropout mask would be)
+            # non-reentrant checkpoint stops recomputing at the checkpointed block's (or ZeRO-3 unit's) last saved
+            # tensor (its last MLP c_proj input), so that MLP output's all-reduce / reduce-scatter is not rerun
+            # (its dropout mask would be); inside a unit the other blocks' are
             skip = "activation reduce-scatter (SP)" if layout.sequence_parallel else "activation all-reduce"
-            ops = [replace(op, calls=op.calls - m * cfg.n_layer) if op.name == skip else op for op in ops]
+            segments = cfg.n_layer // layout.zero3_unit_blocks
+            ops = [replace(op, calls=op.calls - m * segments) if op.name == skip else op for op in ops]
         act = tokens * cfg.n_embd * num.states.activation_bytes
         ops.append(CommOp("top-1 all-reduce (int64)", "tp", "all_reduce", t, tokens * 8, m))
         if layout.sequence_parallel:

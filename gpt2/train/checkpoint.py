@@ -208,12 +208,16 @@ def check_compatible(meta: dict[str, Any], layout: RunLayout, where: Path) -> No
         if meta.get("zero_engine", "deepspeed") != layout.zero_engine:
             diffs.append(f"zero_engine: checkpoint {meta.get('zero_engine', 'deepspeed')!r}, this run "
                          f"{layout.zero_engine!r} (--zero-engine)")
-        if meta.get("zero3_flat", False) != layout.zero3_flat:
-            diffs.append(f"zero3_flat: checkpoint {meta.get('zero3_flat', False)!r}, this run {layout.zero3_flat!r} "
-                         "(--zero3-fetch flat keeps each block's parameters in flat tensors)")
-        if meta.get("zero3_unit_blocks", 1) != layout.zero3_unit_blocks:
-            diffs.append(f"zero3_unit_blocks: checkpoint {meta.get('zero3_unit_blocks', 1)}, this run "
-                         f"{layout.zero3_unit_blocks} (--zero3-unit-blocks names the parameters by unit)")
+        # checkpoints from before these keys (and from before flat units became the default): block, 1 block a leaf
+        flat, unit = meta.get("zero3_flat", False), meta.get("zero3_unit_blocks", 1)
+        if flat != layout.zero3_flat:
+            diffs.append(f"zero3_flat: checkpoint {flat!r}, this run {layout.zero3_flat!r} (--zero3-fetch flat keeps "
+                         f"each block's parameters in flat tensors; resume it with --zero3-fetch "
+                         f"{'flat' if flat else 'block'})")
+        if unit != layout.zero3_unit_blocks:
+            diffs.append(f"zero3_unit_blocks: checkpoint {unit}, this run {layout.zero3_unit_blocks} "
+                         f"(--zero3-unit-blocks names the parameters by unit; resume it with "
+                         f"--zero3-unit-blocks {unit})")
     if diffs:
         raise CheckpointError(
             f"checkpoint {where} does not match this run: " + "; ".join(diffs)

@@ -48,7 +48,8 @@ def test_sweep_cpu_runs_modes_and_hf_reference(tmp_path, cpu_env):
                            "--out", str(tmp_path)])
     rows = read_csv(tmp_path / "sweep.csv")
     assert rc == 0, [(r["run"], r["status"], r["error"]) for r in rows]
-    assert [r["configuration"] for r in rows] == ["DDP", "ZeRO-3", "HF transformers ZeRO-3"]
+    # ZeRO-3's default unit for gpt2-tiny's 2 blocks is 2 (4 for every GPT-2 size): the row names it
+    assert [r["configuration"] for r in rows] == ["DDP", "ZeRO-3 (2-block units)", "HF transformers ZeRO-3"]
     assert all(r["status"] == "ok" and r["gpus"] == "2" and r["batch_per_gpu"] == "2" for r in rows)
     assert all(float(r["tokens_per_s"]) > 0 and float(r["mfu"]) > 0 and float(r["peak_allocated_gib"]) > 0
                for r in rows)
@@ -57,7 +58,7 @@ def test_sweep_cpu_runs_modes_and_hf_reference(tmp_path, cpu_env):
     # HF's init (std 0.02) reached the partitioned weights: loss ~ ln(vocab); torch's N(0, 1) embeddings give ~45
     assert hf == pytest.approx(math.log(50257), abs=0.3)
     table = (tmp_path / "sweep.md").read_text()
-    assert all(f"| {name} |" in table for name in ("DDP", "ZeRO-3", "HF transformers ZeRO-3"))
+    assert all(f"| {r['configuration']} |" in table for r in rows)
     assert all((tmp_path / name).stat().st_size > 0 for name in ("tokens_vs_memory.png", "mfu.png", "loss.png"))
     assert (tmp_path / "report.md").read_text().count("| 2 | 2 |") == 3  # tools.report: GPUs, batch/GPU
     # the reference run folder has train.py's schema for everything a comparison reads
@@ -70,7 +71,7 @@ def test_sweep_cpu_runs_modes_and_hf_reference(tmp_path, cpu_env):
     assert shared <= set(ours) and shared <= set(theirs)
     assert "val_loss" not in ours  # a speed row evaluates nothing (--eval-batches 0): no final evaluation to wait for
     zero3 = json.loads((tmp_path / "runs" / "hybrid-none-b2" / "summary.json").read_text())
-    assert (ours["zero3_fetch"], zero3["zero3_fetch"], zero3["zero3_unit_blocks"]) == (None, "block", 1)
+    assert (ours["zero3_fetch"], zero3["zero3_fetch"], zero3["zero3_unit_blocks"]) == (None, "flat", 2)
     # host-bound rows run at the host's speed: the CPU is in every summary, every row and the table's header
     assert ours["host_cpu"] == theirs["host_cpu"] == host_cpu() and all(r["host_cpu"] == host_cpu() for r in rows)
     assert f"host: {host_cpu()};" in table
@@ -184,43 +185,44 @@ def test_nanogpt_reference_model_is_gpt2_with_our_parameter_count():
 
 
 def test_sweep_rows_name_how_zero3_gathers(tmp_path, monkeypatch):
-    """The flat-unit modes launch their flags, and a ZeRO-3 row that does not gather per block says how, whether its
-    mode or --extra-args chose it (two ZeRO-3 rows of one table must not read alike)."""
+    """The per-block modes launch their flags, and a ZeRO-3 row that does not gather by the default (flat units of 4
+    blocks) says how, whether its mode or --extra-args chose it (two ZeRO-3 rows of one table must not read alike)."""
     def fake_launch(cmd: list[str], log_path: Path, timeout: float) -> tuple[int, float]:
         name = cmd[cmd.index("--run-name") + 1]
-        flat = "--zero3-fetch" in cmd
-        if name.startswith("hybrid-flat-u4"):
-            assert cmd[cmd.index("--zero3-fetch") + 1:cmd.index("--zero3-fetch") + 4] == ["flat", "--zero3-unit-blocks",
-                                                                                         "4"]
+        block = "--zero3-fetch" in cmd
+        if name.startswith("hybrid-block"):
+            assert cmd[cmd.index("--zero3-fetch") + 1:cmd.index("--zero3-fetch") + 4] == ["block",
+                                                                                         "--zero3-unit-blocks", "1"]
         run_dir = Path(cmd[cmd.index("--out-dir") + 1]) / name
         run_dir.mkdir(parents=True)
         (run_dir / "summary.json").write_text(json.dumps(
             {"mode": "hybrid", "world_size": 1, "batch_size_per_gpu": 8, "tokens_per_s": 1.0, "device": "fake",
-             "zero3_fetch": "flat" if flat else "block", "zero3_unit_blocks": 4 if flat else 1}))
+             "zero3_fetch": "block" if block else "flat", "zero3_unit_blocks": 1 if block else 4}))
         log_path.write_text("ok\n")
         return 0, 2.0
 
     monkeypatch.setattr(train_sweep, "launch", fake_launch)
-    assert train_sweep.main(["--gpus", "1", "--modes", "hybrid", "hybrid-flat-u4", "--fused", "none", "--batches",
+    assert train_sweep.main(["--gpus", "1", "--modes", "hybrid", "hybrid-block", "--fused", "none", "--batches",
                              "8", "--out", str(tmp_path / "modes")]) == 0
     assert train_sweep.main(["--gpus", "1", "--modes", "hybrid", "--fused", "none", "--batches", "8",
-                             "--extra-args=--zero3-fetch flat --zero3-unit-blocks 4",
+                             "--extra-args=--zero3-fetch block --zero3-unit-blocks 1",
                              "--out", str(tmp_path / "extra")]) == 0
     rows = read_csv(tmp_path / "modes" / "sweep.csv") + read_csv(tmp_path / "extra" / "sweep.csv")
     assert [(r["configuration"], r["zero3_fetch"], r["zero3_unit_blocks"]) for r in rows] == [
-        ("ZeRO-3", "block", "1"), ("ZeRO-3 (flat, 4-block units)", "flat", "4"),
-        ("ZeRO-3 (flat, 4-block units)", "flat", "4")]
-    assert "| ZeRO-3 (flat, 4-block units) |" in (tmp_path / "extra" / "sweep.md").read_text()
+        ("ZeRO-3", "flat", "4"), ("ZeRO-3 (block, 1-block units)", "block", "1"),
+        ("ZeRO-3 (block, 1-block units)", "block", "1")]
+    assert "| ZeRO-3 (block, 1-block units) |" in (tmp_path / "extra" / "sweep.md").read_text()
 
     def failing_launch(cmd: list[str], log_path: Path, timeout: float) -> tuple[int, float]:
         log_path.write_text("RuntimeError: boom\n")
         return 1, 1.0
 
     monkeypatch.setattr(train_sweep, "launch", failing_launch)  # no summary: the mode's flags name the gather
-    train_sweep.main(["--gpus", "1", "--modes", "hybrid-flat-u4", "--fused", "none", "--batches", "8", "--out",
-                      str(tmp_path / "failed")])
-    row, = read_csv(tmp_path / "failed" / "sweep.csv")
-    assert (row["configuration"], row["status"]) == ("ZeRO-3 (flat, 4-block units)", "failed")
+    train_sweep.main(["--gpus", "1", "--modes", "hybrid-block", "hybrid", "--fused", "none", "--batches", "8",
+                      "--out", str(tmp_path / "failed")])
+    rows = read_csv(tmp_path / "failed" / "sweep.csv")
+    assert [(r["configuration"], r["status"]) for r in rows] == [("ZeRO-3 (block, 1-block units)", "failed"),
+                                                                 ("ZeRO-3", "failed")]
 
 
 def test_sweep_rows_carry_the_profile(tmp_path, monkeypatch):

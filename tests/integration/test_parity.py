@@ -275,10 +275,14 @@ def test_matrix_keeps_the_global_batch_in_every_layout():
             "zero3-compile-w4", "ddp-cuda-compile-w4", "zero3-tp2-cuda-compile-w4",
             "fsdp2-tp2-cuda-compile-w4"} <= set(jobs)
     assert " kernels=cuda " in jobs["zero3-tp2-cuda-compile-w4"].key  # the sweep's --fused cuda rows find it
-    assert "does not divide the model's 2 blocks" in jobs["zero3-tp2-flat-u4-compile-w4"].skip  # gpt2-tiny
-    large = plan({r.name: r for r in matrix(4)}["zero3-tp2-flat-u4-compile-w4"], "gpt2-large",
+    # ZeRO-3's default gather: flat units of 4 blocks, or of the largest divisor of gpt2-tiny's 2; the per-block row
+    assert jobs["zero3-tp2-compile-w4"].key.endswith(" fetch=flat unit=2 zprec=autocast wrapper=cpp")
+    assert jobs["zero3-tp2-block-compile-w4"].key.endswith(" fetch=block zprec=autocast wrapper=cpp")
+    large = plan({r.name: r for r in matrix(4)}["zero3-tp2-compile-w4"], "gpt2-large",
                  ["--model", "gpt2-large"], 32, 2, "cuda")  # 36 blocks: 9 units
     assert not large.skip and large.key.endswith(" fetch=flat unit=4 zprec=autocast wrapper=cpp")
+    u4 = plan(extra_row("zero3-u4-w4=--mode hybrid --zero3-unit-blocks 4"), "gpt2-tiny", common, 8, 2, "cuda")
+    assert "does not divide the model's 2 blocks" in u4.skip
     assert not any("tp4" in row.name for row in matrix(2))  # TP 4 only where 4 divides the world
 
     def flag(job, name: str) -> int:
@@ -412,11 +416,18 @@ def _config(flags: list[str]) -> dict:
 
 
 def test_config_key_names_the_code_path():
+    # the default gather: flat tensors in units of 4 blocks (the unit resolved from the model where it was left out)
     assert config_key(_config(["--mode", "hybrid", "--compile"]), 4) == (
-        "gpt2-large zero3 w4 kernels=none attn=sdpa compile=blocks ckpt=off bf16 fetch=block zprec=autocast")
-    # a unit of blocks is another code path (hooks, graphs, flat tensors per unit); one block a unit names none
+        "gpt2-large zero3 w4 kernels=none attn=sdpa compile=blocks ckpt=off bf16 fetch=flat unit=4 zprec=autocast")
     assert config_key(_config(["--mode", "hybrid", "--compile", "--zero3-fetch", "flat", "--zero3-unit-blocks", "4"]),
                       4).endswith(" fetch=flat unit=4 zprec=autocast")
+    # a unit of blocks is another code path (hooks, graphs, flat tensors per unit); one block a unit names none, and
+    # a config from before --zero3-unit-blocks gathered one block a leaf
+    per_block = _config(["--mode", "hybrid", "--compile", "--zero3-fetch", "block", "--zero3-unit-blocks", "1"])
+    assert config_key(per_block, 4).endswith(" fetch=block zprec=autocast")
+    del per_block["parallel"]["zero3_unit_blocks"]
+    assert config_key(per_block, 4).endswith(" fetch=block zprec=autocast")
+    assert " unit=" not in config_key(_config(["--mode", "hybrid", "--zero3-fetch", "module"]), 4)
     # DeepSpeed's 16-bit model is another function: its own key; a config from before the flag ran that recipe
     deepspeed16 = _config(["--mode", "hybrid", "--zero-stage", "2", "--zero-precision", "deepspeed"])
     assert config_key(deepspeed16, 4).endswith("zero2 w4 kernels=none attn=sdpa compile=off ckpt=off bf16 "

@@ -55,11 +55,16 @@ def single_reference(tmp_path_factory) -> ReferenceRun:
     return train_reference(tmp_path_factory.mktemp("zero-reference"), ARGS)
 
 
+# ZeRO-3 gathering each block's own parameters, one block a leaf, under zero.Init: the path these runs check (the
+# default, flat units, builds the model whole: test_zero3_fetch_unit_and_compile_match_single and the flat tests)
+PER_BLOCK = ["--zero3-fetch", "block", "--zero3-unit-blocks", "1"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """ZeRO-3 with accumulation + checkpoints + --comm-log, ZeRO-3 resumed from step 5."""
+    """ZeRO-3 per block with accumulation + checkpoints + --comm-log, ZeRO-3 resumed from step 5."""
     root = tmp_path_factory.mktemp("zero")
-    zero3 = ARGS + ["--mode", "hybrid", "--batch-size", "1", "--grad-accum", "2"]
+    zero3 = ARGS + ["--mode", "hybrid", *PER_BLOCK, "--batch-size", "1", "--grad-accum", "2"]
     run_train(zero3 + ["--run-name", "zero3", "--save-dir", str(root / "ck-zero3"), "--save-interval", "5",
                        "--comm-log"], root, nproc=2)
     run_train(zero3 + ["--run-name", "zero3-resumed", "--resume", str(root / "ck-zero3" / "step-000005")], root,
@@ -116,13 +121,16 @@ def test_zero1_zero2_match_single_and_resume_exactly(single_reference: Reference
                                              ("zero3-compile", ["--compile"])])
 def test_zero3_fetch_unit_and_compile_match_single(single_reference: ReferenceRun, runs: Path, name: str,
                                                    flags: list[str]) -> None:
-    """The default gathers per block (DeepSpeed leaf modules); DeepSpeed's per-module hooks and compiled block
-    forwards (inside the per-block hooks) train the same function."""
-    leaf_line = "ZeRO-3 gathers parameters per transformer block (2 DeepSpeed leaf modules)"
-    assert leaf_line in (runs / "zero3" / "console.log").read_text()
+    """Per block (the fixture's run), DeepSpeed's per-module hooks, and the default under --compile (flat tensors
+    in units of gpt2-tiny's 2 blocks, one compiled graph a unit inside its hooks) train the same function."""
+    assert "ZeRO-3 gathers parameters per transformer block (2 DeepSpeed leaf modules)" in (
+        runs / "zero3" / "console.log").read_text()
     run_train(ARGS + ["--mode", "hybrid", "--batch-size", "2", "--run-name", name] + flags, runs, nproc=2)
     assert_matches_reference(single_reference, runs / name, GRAD_NORM_REL_TOL)
-    assert (leaf_line in (runs / name / "console.log").read_text()) == (name == "zero3-compile")
+    unit_line = "ZeRO-3 gathers parameters per unit of 2 transformer blocks (1 DeepSpeed leaf modules)"
+    assert (unit_line in (runs / name / "console.log").read_text()) == (name == "zero3-compile")
+    assert (summary(runs / name).get("zero3_fetch"), summary(runs / name).get("zero3_unit_blocks")) == (
+        ("flat", 2) if name == "zero3-compile" else ("module", None))
 
 
 def test_zero3_resume_is_exact(runs: Path) -> None:
@@ -148,7 +156,8 @@ def test_zero3_checkpoint_exports_and_inits(single_reference: ReferenceRun, runs
     # --init-from under zero.Init (rank 0 loads, each parameter re-partitioned): its first loss is the exported
     # model's on that batch (single's --init-from: tests/integration/test_checkpoint.py)
     args = ARGS + ["--max-steps", "1", "--init-from", str(tmp_path / "hf")]
-    run_train(args + ["--mode", "hybrid", "--batch-size", "2", "--run-name", "init-zero3"], tmp_path, nproc=2)
+    run_train(args + ["--mode", "hybrid", *PER_BLOCK, "--batch-size", "2", "--run-name", "init-zero3"], tmp_path,
+              nproc=2)
     a, (b,) = first_batch_loss(ours, ARGS + ["--batch-size", "4"]), step_losses(tmp_path / "init-zero3")
     assert abs(a - b) <= 1e-5 and abs(a - step_losses(single_reference.run_dir)[0]) > 1e-3  # trained weights
 
@@ -167,7 +176,7 @@ def test_zero3_flat_block_params_match_single_and_export(single_reference: Refer
     from gpt2.train.export import consolidated_state_dict
 
     ck = tmp_path / "ck"
-    args = ARGS + ["--mode", "hybrid", "--zero3-fetch", "flat", *flags]
+    args = ARGS + ["--mode", "hybrid", "--zero3-fetch", "flat", "--zero3-unit-blocks", "1", *flags]
     run_train(args + ["--run-name", name, "--save-dir", str(ck), "--save-interval", "5"], tmp_path, nproc=2)
     assert_matches_reference(single_reference, tmp_path / name, GRAD_NORM_REL_TOL)
     if name == "zero3-flat":
@@ -205,7 +214,8 @@ def test_zero3_unit_blocks_match_single_resume_and_export(single_reference: Refe
         run_train(args + ["--run-name", "resumed", "--resume", str(ck / "step-000005")], tmp_path, nproc=2)
         assert_resume_exact(tmp_path / name, tmp_path / "resumed", at=5)
         step5 = ck / "step-000005"
-        other = RunLayout.resolve(parse_args(ARGS + ["--mode", "hybrid", "--batch-size", "1", "--grad-accum", "2"]),
+        other = RunLayout.resolve(parse_args(ARGS + ["--mode", "hybrid", *PER_BLOCK, "--batch-size", "1",
+                                                     "--grad-accum", "2"]),
                                   2, torch.device("cpu"))  # the same run but for the unit size
         with pytest.raises(CheckpointError, match=r"does not match this run: zero3_unit_blocks: checkpoint 2, this "
                                                   r"run 1 \(--zero3-unit-blocks"):
@@ -297,7 +307,8 @@ def test_zero3_resume_follows_the_new_schedule(runs: Path, tmp_path: Path) -> No
     then every step's LR, the first resumed one included, is the 20-step schedule's."""
     from gpt2.engines.base import lr_at
 
-    args = [a if a != "10" else "20" for a in ARGS] + ["--mode", "hybrid", "--batch-size", "1", "--grad-accum", "2"]
+    args = [a if a != "10" else "20" for a in ARGS] + ["--mode", "hybrid", *PER_BLOCK, "--batch-size", "1",
+                                                       "--grad-accum", "2"]
     run_train(args + ["--run-name", "zero3-longer", "--resume", str(runs / "ck-zero3" / "step-000005")], tmp_path,
               nproc=2)
     t = parse_args(args).train

@@ -200,7 +200,7 @@ def test_validate_accepts_the_supported_neighbours() -> None:
     assert [parse_args(["--mode", "hybrid", *f]).parallel.deepspeed_nvtx for f in ([], ["--deepspeed-nvtx"])] == [
         False, True]
     parse_args(["--device", "cuda:1", "--seed", "0", "--min-lr", "0"])
-    parse_args(["--mode", "hybrid", "--compile"])  # ZeRO-3 with per-block gathers (the default --zero3-fetch)
+    parse_args(["--mode", "hybrid", "--compile"])  # ZeRO-3 over flat block units (the default --zero3-fetch)
     fsdp2 = parse_args(["--mode", "hybrid", "--zero-engine", "fsdp2", "--zero-stage", "2", "--tp-size", "2",
                         "--compile"])
     assert (fsdp2.zero_engine, fsdp2.zero_stage, parse_args(["--mode", "hybrid"]).zero_engine) == (
@@ -253,6 +253,22 @@ def test_the_compile_wrapper_is_cpp_where_it_was_measured_unless_asked(flags: li
                                                                        cpp: bool) -> None:
     world = 2 if "--tp-size" in flags else 1
     assert RunLayout.resolve(parse_args(flags), world_size=world, device=device).inductor_cpp_wrapper is cpp
+
+
+@pytest.mark.parametrize("flags, fetch, unit", [
+    (["--model", "gpt2"], "flat", 4),  # the default: flat tensors, 4 blocks a unit
+    (["--model", "gpt2-large"], "flat", 4),
+    (["--model", "gpt2-tiny"], "flat", 2),  # 2 blocks: the largest divisor up to 4
+    (["--model", "gpt2", "--n-layer", "6"], "flat", 3),
+    (["--model", "gpt2", "--n-layer", "5"], "flat", 1),
+    (["--model", "gpt2", "--zero3-fetch", "block"], "block", 4),
+    (["--model", "gpt2", "--zero3-unit-blocks", "6"], "flat", 6),  # given: kept
+    (["--model", "gpt2", "--zero3-fetch", "module"], "module", 1),  # no leaf blocks
+    (["--model", "gpt2", "--zero-stage", "2"], None, 1),
+])
+def test_the_zero3_gather_defaults_to_flat_units_of_4(flags: list[str], fetch: str | None, unit: int) -> None:
+    layout = RunLayout.resolve(parse_args(["--mode", "hybrid", *flags]), 2, "cpu")
+    assert (layout.zero3_fetch, layout.zero3_unit_blocks) == (fetch, unit)
 
 
 def test_the_fsdp2_unit_is_capped_at_the_model_depth() -> None:

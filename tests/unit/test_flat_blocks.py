@@ -142,5 +142,26 @@ def test_a_checkpoint_of_the_other_layout_is_refused(flat_run: bool) -> None:
     run, saved = (layout("flat"), layout("block")) if flat_run else (layout("block"), layout("flat"))
     meta = build_meta(saved, step=5)
     check_compatible(meta, saved, Path("ck"))  # its own layout resumes
-    with pytest.raises(CheckpointError, match="zero3_flat: checkpoint .*--zero3-fetch flat"):
+    with pytest.raises(CheckpointError, match=f"zero3_flat: checkpoint .*--zero3-fetch flat.*resume it with "
+                                              f"--zero3-fetch {'block' if flat_run else 'flat'}"):
         check_compatible(meta, run, Path("ck"))
+
+
+def test_a_checkpoint_from_before_the_flat_default_names_its_flags() -> None:
+    """A ZeRO-3 checkpoint saved before flat units of 4 became the default (its meta has neither key: per-block
+    gather, one block a leaf) is refused under the default layout, naming the flags that resume it."""
+    from pathlib import Path
+
+    from gpt2.config.cli import parse_args
+    from gpt2.config.layout import RunLayout
+    from gpt2.train.checkpoint import CheckpointError, build_meta, check_compatible
+
+    default = RunLayout.resolve(parse_args(["--mode", "hybrid", "--model", "gpt2", "--device", "cpu"]), 2, "cpu")
+    assert (default.zero3_flat, default.zero3_unit_blocks) == (True, 4)
+    old = {k: v for k, v in build_meta(default, step=5).items() if k not in ("zero3_flat", "zero3_unit_blocks")}
+    with pytest.raises(CheckpointError, match=r"resume it with --zero3-fetch block\).*resume it with "
+                                              r"--zero3-unit-blocks 1\)"):
+        check_compatible(old, default, Path("ck"))
+    pinned = parse_args(["--mode", "hybrid", "--model", "gpt2", "--device", "cpu", "--zero3-fetch", "block",
+                         "--zero3-unit-blocks", "1"])
+    check_compatible(old, RunLayout.resolve(pinned, 2, "cpu"), Path("ck"))  # with them it resumes
