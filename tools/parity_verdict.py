@@ -134,11 +134,13 @@ def config_key(config: dict[str, Any], world_size: int, fsdp2_gather: str | None
     t, p = config["train"], config["parallel"]
     label = run_label(t["mode"], p["zero_stage"], p["tp_size"], p["sequence_parallel"],
                       p.get("zero_engine", "deepspeed"))
+    compiled = compile_label(t["compile"], t["compile_scope"], t.get("compiler", "torch"))
     key = (f"{t['model']} {label} w{world_size} kernels={t['fused_kernels']} attn={t['attn']} "
-           f"compile={compile_label(t['compile'], t['compile_scope'], t.get('compiler', 'torch'))} "
+           f"compile={compiled} "
            f"ckpt={'on' if t['activation_checkpointing'] else 'off'} {t['precision']}")
     fsdp2 = p.get("zero_engine") == "fsdp2"  # FSDP2 reads neither setting: its label says the engine
-    if t["mode"] == "hybrid" and p["zero_stage"] == 3 and not fsdp2:
+    # DeepCompile removes ZeRO-3's gather hooks: no fetch unit either
+    if t["mode"] == "hybrid" and p["zero_stage"] == 3 and not fsdp2 and compiled != "deepcompile":
         key += f" fetch={p['zero3_fetch']}"
         unit = p.get("zero3_unit_blocks", 1)  # configs from before --zero3-unit-blocks: one block a leaf
         if unit is None:  # left out: the default unit for this model

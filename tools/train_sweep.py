@@ -53,8 +53,8 @@ import torch
 from torch.numa.binding import AffinityMode
 
 from gpt2.config.cli import parse_args as parse_train_args
-from gpt2.config.layout import ZERO3_UNIT_BLOCKS, RunLayout
-from gpt2.config.schema import PROFILED_STEPS, ConfigError
+from gpt2.config.layout import RunLayout
+from gpt2.config.schema import PROFILED_STEPS, ZERO3_UNIT_BLOCKS, ConfigError
 from gpt2.planning import planner
 from tools import report
 from tools.common import (
@@ -67,6 +67,7 @@ from tools.common import (
     torchrun,
     write_csv,
 )
+from tools.parity_matrix import PER_BLOCK
 from tools.parity_verdict import read_verdicts, verdict_of
 
 
@@ -91,7 +92,6 @@ def flag_value(flags: tuple[str, ...], flag: str) -> str | None:
     return flags[flags.index(flag) + 1] if flag in flags else None
 
 
-PER_BLOCK = ("--zero3-fetch", "block", "--zero3-unit-blocks", "1")  # ZeRO-3's default until 2026-11-29
 MODES: dict[str, Mode] = {
     "single": Mode("single", ("--mode", "single")),  # under torchrun too: world size 1, the reference of --gpus 1
     "baseline": Mode("DDP", ("--mode", "baseline")),

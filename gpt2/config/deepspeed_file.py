@@ -52,8 +52,8 @@ def zero3_defaults(zero3_fetch: str) -> dict[str, Any]:
     Linears stopped learning (GPT-2, 4 layers: 8.28 after 15 steps where single reaches 6.08). With false the model
     calls torch's linear like every other mode, and eager and compiled ZeRO-3 match single within 0.01; the saving
     it offers is moot here, a block's weights are re-gathered before its backward either way. DeepCompile keeps the
-    block default (0): every parameter is partitioned by zero.Init, and DeepCompile marks each non-persistent anyway
-    (deepspeed/compile/init_z3.py, `ds_persist`)."""
+    per-block threshold (0): every parameter is partitioned by zero.Init, and DeepCompile marks each non-persistent
+    anyway (deepspeed/compile/init_z3.py, `ds_persist`)."""
     return {"stage3_param_persistence_threshold": persistence_threshold_default(zero3_fetch),
             "memory_efficient_linear": False}
 

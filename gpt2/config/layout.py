@@ -22,6 +22,7 @@ from gpt2.config.deepspeed_file import ds_config_file, read_ds_file
 from gpt2.config.schema import (
     DEEPCOMPILE_RECOMPILE_STEP,
     PROFILED_STEPS,
+    ZERO3_UNIT_BLOCKS,
     ConfigError,
     ModelConfig,
     RunConfig,
@@ -83,17 +84,11 @@ def run_precision(requested: str, device_type: str) -> str:
     return requested if device_type == "cuda" else "fp32"
 
 
-# ZeRO-3's default unit (--zero3-unit-blocks left out; --zero3-fetch flat is the default): 4 blocks a leaf module.
-# GPT-2 Large, batch 8: 1.47x flat one-block leaves on one H200, and 2.6x (DP 2) and 3.0x (TP 2) per-block ZeRO-3 on
-# two (benchmarks/results/zero3/flat_params_h200, benchmarks/results/multi_gpu); 1 -> 2 blocks saved 46 ms a step and
-# 2 -> 4 another 13, and a unit's gathered weights stay resident while it runs, so larger units buy little.
-ZERO3_UNIT_BLOCKS = 4
-
-
 def zero3_unit_blocks_default(n_layer: int) -> int:
     """Blocks per ZeRO-3 leaf module where --zero3-unit-blocks is left out: the largest divisor of the model's
     `n_layer` blocks up to ZERO3_UNIT_BLOCKS (4 for every GPT-2 size; 2 for gpt2-tiny)."""
     return max(n for n in range(1, ZERO3_UNIT_BLOCKS + 1) if n_layer % n == 0)
+
 
 DEEPCOMPILE_MIN_TORCH = (2, 6)  # deepspeed/compile/util.py is_deepcompile_supported (0.19.8)
 

@@ -148,6 +148,13 @@ class DataConfig:
                                parse=non_negative_int)
 
 
+# ZeRO-3's default unit (--zero3-unit-blocks left out; --zero3-fetch flat is the default): 4 blocks a leaf module.
+# GPT-2 Large, batch 8: 1.47x flat one-block leaves on one H200, and 2.6x (DP 2) and 2.4-3.0x (TP 2) per-block ZeRO-3
+# on two (benchmarks/results/zero3/flat_params_h200, benchmarks/results/multi_gpu); 1 -> 2 blocks saved 46 ms a step and
+# 2 -> 4 another 13, and a unit's gathered weights stay resident while it runs, so larger units buy little.
+ZERO3_UNIT_BLOCKS = 4
+
+
 @dataclass
 class ParallelConfig:
     tp_size: int = option(1, "tensor-parallel group size (divides the world size)", PARALLEL, parse=positive_int)
@@ -184,12 +191,12 @@ class ParallelConfig:
            "each unit's all-gather issued by its own pre-forward hook; N: the next N units' issued when a unit's "
            "forward starts; 1 measured no gain at batch 8 on 4 GPUs; backward always prefetches one unit)", PARALLEL,
         parse=non_negative_int, given_only=True)
-    # the unit --zero3-unit-blocks leaves to gpt2.config.layout.RunLayout.zero3_unit_blocks (4, where it divides)
+    # left out: gpt2.config.layout.zero3_unit_blocks_default (ZERO3_UNIT_BLOCKS, where it divides the blocks)
     zero3_unit_blocks: int | None = option(
         None, "hybrid mode, ZeRO-3 with --zero3-fetch block or flat: transformer blocks per DeepSpeed leaf module (one "
               "hook set and one gather per unit and pass; must divide the model's blocks)", PARALLEL,
         parse=positive_int, given_only=True,
-        default_text="4, or the largest divisor of the model's blocks below 4")
+        default_text=f"{ZERO3_UNIT_BLOCKS}, or the largest divisor of the model's blocks below it")
     zero3_fetch: Literal["block", "flat", "module"] = option(
         "flat", "hybrid mode, ZeRO-3: the parameter gather unit: flat = each unit of transformer blocks "
                 "(--zero3-unit-blocks) is a DeepSpeed leaf module whose blocks keep their 12 parameters in 3-4 flat "
@@ -304,7 +311,7 @@ class TrainConfig:
     compile_wrapper: Literal["auto", "cpp", "python"] = option(
         "auto", "with --compile (--compiler torch): the host code Inductor generates to launch each graph's kernels: "
                 "cpp = a compiled C++ wrapper (less host time per kernel, a longer first compile), python = Python; "
-                "auto = cpp for ZeRO-3's per-block graphs (DeepSpeed or FSDP2, with or without TP) on CUDA "
+                "auto = cpp for ZeRO-3's per-block or per-unit graphs (DeepSpeed or FSDP2, with or without TP) on CUDA "
                 "without sequence parallelism or fused kernels (where measured), else python",
         OPTIM, given_only=True)
     ddp_bucket_mb: int = option(100, "DDP gradient bucket size (all-reduce granularity; --mode baseline)", OPTIM,

@@ -11,21 +11,20 @@ that sets one of them to another value is an error naming both. The optimizer (t
 TorchEngine) and the LR schedule (LambdaLR over `gpt2.engines.base.lr_at`) are our objects passed to
 `deepspeed.initialize`, so no DeepSpeed op needs compiling.
 
-`--zero3-fetch block` (default) marks each transformer block a DeepSpeed ZeRO-3 leaf module: its parameters
-are gathered by one coalesced all-gather in one pre-forward hook (and again before its backward) instead of
-by hooks on each of its ~10 submodules (fewer hooks and collectives: 1.3x steps/s on a 2-rank CPU run, no change
-on 4xH200 at batch 8), and lets `--compile` compile each block's forward with the hooks outside the graph.
-A gathered block is 12d^2 parameters (GPT-2 Large: 19.7M, 39 MB in bf16). `--zero3-fetch module` keeps
-DeepSpeed's default per-module hooks. `--zero3-fetch flat` gathers per block too, with each block's 12 parameters in
-3-4 flat tensors (`gpt2.runtime.flat_blocks`): less of DeepSpeed's per-tensor host work (one H200, compiled, batch 8:
-1.05-1.56x the per-block step; benchmarks/results/zero3/flat_params_h200); the model is then built whole, as under TP,
-and `save_state` writes the flat layout beside DeepSpeed's files for export.
+`--zero3-fetch flat` (default) and `block` mark each unit of `--zero3-unit-blocks` transformer blocks (default 4) a
+DeepSpeed ZeRO-3 leaf module: its parameters are gathered by one coalesced all-gather in one pre-forward hook (and
+again before its backward) instead of by hooks on each of its submodules, and `--compile` compiles each unit's
+forward with the hooks outside the graph. A gathered block is 12d^2 parameters (GPT-2 Large: 19.7M, 39 MB in bf16).
+`flat` keeps each unit's parameters in 3-4 flat tensors (`gpt2.runtime.flat_blocks`): less of DeepSpeed's per-tensor
+host work (GPT-2 Large, batch 8, 2 H200s: 0.98x DDP where one block a leaf ran 0.38x; benchmarks/results/multi_gpu);
+the model is then built whole, as under TP, and `save_state` writes the flat layout beside DeepSpeed's files for
+export. `--zero3-fetch module` keeps DeepSpeed's default per-module hooks.
 
-Under ZeRO-3 the model is built inside `deepspeed.zero.Init`: each module's parameters are partitioned
-over the data-parallel group as soon as its constructor returns, so GPT-2 Large/XL never exist whole on
-one device. Our modules initialise in their constructors (see `gpt2.model.gpt`), which zero.Init runs on the
-full tensor before partitioning it: with the same seed the weights equal those of the plain build
-(tests/integration/test_zero.py checks it). bf16/fp16 is DeepSpeed's torch_autocast by default (`--zero-precision
+Under ZeRO-3 with `--zero3-fetch block` or `module`, without TP, the model is built inside `deepspeed.zero.Init`:
+each module's parameters are partitioned over the data-parallel group as soon as its constructor returns, so the
+model never exists whole on one device. Our modules initialise in their constructors (see `gpt2.model.gpt`), which
+zero.Init runs on the full tensor before partitioning it: with the same seed the weights equal those of the plain
+build (tests/integration/test_zero.py checks it). bf16/fp16 is DeepSpeed's torch_autocast by default (`--zero-precision
 autocast`,
 gpt2.config.deepspeed_file.precision_values): fp32 weights and the forward under torch.autocast, as in single and DDP.
 With `--zero-precision deepspeed`, zero.Init creates 16-bit parameters, the rounded fp32 ones, and DeepSpeed

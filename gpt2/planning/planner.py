@@ -50,6 +50,10 @@ The terms, and why (GPT-2 Large, seq 1024, on 4 x H200, is the calibration case 
   unsharded gradients of any unit yet (with --grad-accum > 1: every unit's, kept unsharded across micro-steps).
   With the blocks gathered in bf16 (--fsdp2-gather), a block's gathered weights are what its matmuls save, so
   the blocks have no autocast copies, and the last block unit is held in 2 B; the root keeps fp32 and its copy.
+- Not modelled: the build. Under TP and DeepSpeed ZeRO-3's default `--zero3-fetch flat` every rank builds the whole
+  fp32 model (and an `--init-from` state dict) before DeepSpeed partitions it, 4 B per parameter for a moment before
+  step 1: GPT-2 XL's 6.2 GB, under any of its training peaks; a model too large for that needs `--zero3-fetch block`
+  without TP (built under zero.Init).
 
 Communication bytes per step come from perf_model.step_communication (ring model), plus the collectives
 our TP implementation adds (top-1 all-reduce, SP gradient and position-embedding collectives, the

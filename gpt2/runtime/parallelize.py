@@ -6,8 +6,9 @@
     param_groups(model, weight_decay)
 
 The TP plan shards the existing full weights, so a TP model computes the single-device model's function from the
-same seed. Under ZeRO-3 without TP the model is built inside `deepspeed.zero.Init` (`zero3`): each module is
-partitioned over the data-parallel group as soon as its constructor returns (see `gpt2.engines.deepspeed_engine`).
+same seed. Under ZeRO-3 without TP and without --zero3-fetch flat (the default) the model is built inside
+`deepspeed.zero.Init` (`zero3`): each module is partitioned over the data-parallel group as soon as its constructor
+returns (see `gpt2.engines.deepspeed_engine`).
 """
 
 from __future__ import annotations

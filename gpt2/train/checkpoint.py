@@ -161,6 +161,7 @@ def build_meta(layout: RunLayout, step: int) -> dict[str, Any]:
         meta["zero_engine"] = layout.zero_engine
     elif layout.mode == "hybrid":
         meta["deepspeed_version"] = importlib.metadata.version("deepspeed")  # no import: it picks an accelerator
+        meta["zero3_fetch"] = layout.zero3_fetch  # what ZeRO-3's hooks gathered (None: no hooks; absent: before it)
         meta["zero3_flat"] = layout.zero3_flat  # another set of parameter tensors (absent: false)
         meta["zero3_unit_blocks"] = layout.zero3_unit_blocks  # another set of parameter names (absent: 1)
     return meta
@@ -210,14 +211,16 @@ def check_compatible(meta: dict[str, Any], layout: RunLayout, where: Path) -> No
                          f"{layout.zero_engine!r} (--zero-engine)")
         # checkpoints from before these keys (and from before flat units became the default): block, 1 block a leaf
         flat, unit = meta.get("zero3_flat", False), meta.get("zero3_unit_blocks", 1)
+        hint = layout.zero3_fetch is not None  # runs without ZeRO-3's gather hooks refuse both flags
         if flat != layout.zero3_flat:
+            fetch = "flat" if flat else meta.get("zero3_fetch") or "block"
             diffs.append(f"zero3_flat: checkpoint {flat!r}, this run {layout.zero3_flat!r} (--zero3-fetch flat keeps "
-                         f"each block's parameters in flat tensors; resume it with --zero3-fetch "
-                         f"{'flat' if flat else 'block'})")
+                         "each block's parameters in flat tensors" + (f"; resume it with --zero3-fetch {fetch})"
+                                                                      if hint else ")"))
         if unit != layout.zero3_unit_blocks:
             diffs.append(f"zero3_unit_blocks: checkpoint {unit}, this run {layout.zero3_unit_blocks} "
-                         f"(--zero3-unit-blocks names the parameters by unit; resume it with "
-                         f"--zero3-unit-blocks {unit})")
+                         "(--zero3-unit-blocks names the parameters by unit"
+                         + (f"; resume it with --zero3-unit-blocks {unit})" if hint else ")"))
     if diffs:
         raise CheckpointError(
             f"checkpoint {where} does not match this run: " + "; ".join(diffs)

@@ -7,8 +7,8 @@ from single's by step 9 (measured; any lr from 2e-3 up: 2.6e-4), over the 2e-4 t
 Tolerances (measured on CPU in brackets): ZeRO-1/2/3 vs single per-step loss <= 1e-5 relative, only the
 reduction order differs [9e-8], and pre-clip gradient norm <= 2e-4 relative [4.2e-5] (the norm catches a 2x
 gradient-scale error, e.g. a lost 1/grad-accum, which the losses alone do not: AdamW and clipping hide it);
-first-step loss within 1e-5, i.e. a few fp32 ulps: the same initial weights under zero.Init (other weights
-would differ by ~1e-2) [1 ulp, 9.5e-7]; ZeRO-1/2/3 resume vs uninterrupted <= 1e-6 absolute, loss and
+first-step loss within 1e-5, i.e. a few fp32 ulps: the same initial weights, built whole or under zero.Init (other
+weights would differ by ~1e-2) [1 ulp, 9.5e-7]; ZeRO-1/2/3 resume vs uninterrupted <= 1e-6 absolute, loss and
 gradient norm [identical]; exported ZeRO-3 weights vs single's after 10 steps <= 1e-4 [2.5e-6].
 """
 
@@ -43,6 +43,7 @@ from tests.train_runs import (
     summary,
     train_reference,
 )
+from tools.parity_matrix import PER_BLOCK
 
 pytestmark = pytest.mark.slow
 ARGS = TINY_ARGS + ["--data", "synthetic", "--max-steps", str(REFERENCE_STEPS), "--seed", "3", "--eval-batches", "2"]
@@ -55,16 +56,12 @@ def single_reference(tmp_path_factory) -> ReferenceRun:
     return train_reference(tmp_path_factory.mktemp("zero-reference"), ARGS)
 
 
-# ZeRO-3 gathering each block's own parameters, one block a leaf, under zero.Init: the path these runs check (the
-# default, flat units, builds the model whole: test_zero3_fetch_unit_and_compile_match_single and the flat tests)
-PER_BLOCK = ["--zero3-fetch", "block", "--zero3-unit-blocks", "1"]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """ZeRO-3 per block with accumulation + checkpoints + --comm-log, ZeRO-3 resumed from step 5."""
+    """ZeRO-3 (the default gather: flat tensors in units of gpt2-tiny's 2 blocks) with accumulation + checkpoints +
+    --comm-log, ZeRO-3 resumed from step 5."""
     root = tmp_path_factory.mktemp("zero")
-    zero3 = ARGS + ["--mode", "hybrid", *PER_BLOCK, "--batch-size", "1", "--grad-accum", "2"]
+    zero3 = ARGS + ["--mode", "hybrid", "--batch-size", "1", "--grad-accum", "2"]
     run_train(zero3 + ["--run-name", "zero3", "--save-dir", str(root / "ck-zero3"), "--save-interval", "5",
                        "--comm-log"], root, nproc=2)
     run_train(zero3 + ["--run-name", "zero3-resumed", "--resume", str(root / "ck-zero3" / "step-000005")], root,
@@ -75,7 +72,7 @@ def runs(tmp_path_factory) -> Path:
 def test_zero3_matches_single(single_reference: ReferenceRun, runs: Path) -> None:
     single, zero3 = step_losses(single_reference.run_dir), step_losses(runs / "zero3")
     assert_matches_reference(single_reference, runs / "zero3", GRAD_NORM_REL_TOL)
-    assert abs(zero3[0] - math.log(50257)) < 0.1  # GPT-2 init survived zero.Init
+    assert abs(zero3[0] - math.log(50257)) < 0.1  # GPT-2 init survived the partitioning
     assert abs(zero3[0] - single[0]) < 1e-5  # same initial weights as the plain build
     s = summary(runs / "zero3")
     assert (s["mode"], s["world_size"], s["dp_size"], s["grad_accum"]) == ("hybrid", 2, 2, 2)
@@ -118,19 +115,24 @@ def test_zero1_zero2_match_single_and_resume_exactly(single_reference: Reference
 
 
 @pytest.mark.parametrize(("name", "flags"), [("zero3-module", ["--zero3-fetch", "module"]),
+                                             ("zero3-block", list(PER_BLOCK)),
                                              ("zero3-compile", ["--compile"])])
 def test_zero3_fetch_unit_and_compile_match_single(single_reference: ReferenceRun, runs: Path, name: str,
                                                    flags: list[str]) -> None:
-    """Per block (the fixture's run), DeepSpeed's per-module hooks, and the default under --compile (flat tensors
-    in units of gpt2-tiny's 2 blocks, one compiled graph a unit inside its hooks) train the same function."""
-    assert "ZeRO-3 gathers parameters per transformer block (2 DeepSpeed leaf modules)" in (
-        runs / "zero3" / "console.log").read_text()
+    """The default (the fixture's run: flat tensors in units of gpt2-tiny's 2 blocks, one DeepSpeed leaf module a
+    unit), DeepSpeed's per-module hooks, each block's own parameters one block a leaf under zero.Init (the default
+    until 2026-11-29), and the default under --compile (one graph a unit inside its hooks) train the same
+    function."""
+    unit_line = "ZeRO-3 gathers parameters per unit of 2 transformer blocks (1 DeepSpeed leaf modules)"
+    assert unit_line in (runs / "zero3" / "console.log").read_text()
     run_train(ARGS + ["--mode", "hybrid", "--batch-size", "2", "--run-name", name] + flags, runs, nproc=2)
     assert_matches_reference(single_reference, runs / name, GRAD_NORM_REL_TOL)
-    unit_line = "ZeRO-3 gathers parameters per unit of 2 transformer blocks (1 DeepSpeed leaf modules)"
-    assert (unit_line in (runs / name / "console.log").read_text()) == (name == "zero3-compile")
-    assert (summary(runs / name).get("zero3_fetch"), summary(runs / name).get("zero3_unit_blocks")) == (
-        ("flat", 2) if name == "zero3-compile" else ("module", None))
+    console = (runs / name / "console.log").read_text()
+    assert (unit_line in console) == (name == "zero3-compile")
+    assert ("ZeRO-3 gathers parameters per transformer block (2 DeepSpeed leaf modules)" in console) == (
+        name == "zero3-block")
+    assert (summary(runs / name).get("zero3_fetch"), summary(runs / name).get("zero3_unit_blocks")) == {
+        "zero3-module": ("module", None), "zero3-block": ("block", 1), "zero3-compile": ("flat", 2)}[name]
 
 
 def test_zero3_resume_is_exact(runs: Path) -> None:
@@ -153,8 +155,8 @@ def test_zero3_checkpoint_exports_and_inits(single_reference: ReferenceRun, runs
     export_hf(runs / "ck-zero3", tmp_path / "hf")  # the save dir: its latest checkpoint
     ours, _ = assert_hf_export_matches(cfg, zero_sd, tmp_path / "hf")
 
-    # --init-from under zero.Init (rank 0 loads, each parameter re-partitioned): its first loss is the exported
-    # model's on that batch (single's --init-from: tests/integration/test_checkpoint.py)
+    # --init-from under zero.Init (per block: rank 0 loads, each parameter re-partitioned): its first loss is the
+    # exported model's on that batch (single's --init-from: tests/integration/test_checkpoint.py)
     args = ARGS + ["--max-steps", "1", "--init-from", str(tmp_path / "hf")]
     run_train(args + ["--mode", "hybrid", *PER_BLOCK, "--batch-size", "2", "--run-name", "init-zero3"], tmp_path,
               nproc=2)
@@ -307,8 +309,7 @@ def test_zero3_resume_follows_the_new_schedule(runs: Path, tmp_path: Path) -> No
     then every step's LR, the first resumed one included, is the 20-step schedule's."""
     from gpt2.engines.base import lr_at
 
-    args = [a if a != "10" else "20" for a in ARGS] + ["--mode", "hybrid", *PER_BLOCK, "--batch-size", "1",
-                                                       "--grad-accum", "2"]
+    args = [a if a != "10" else "20" for a in ARGS] + ["--mode", "hybrid", "--batch-size", "1", "--grad-accum", "2"]
     run_train(args + ["--run-name", "zero3-longer", "--resume", str(runs / "ck-zero3" / "step-000005")], tmp_path,
               nproc=2)
     t = parse_args(args).train

@@ -20,7 +20,7 @@ import torch
 import train
 from gpt2.config.cli import parse_args
 from gpt2.config.layout import RunLayout, check_deepcompile_runs_here
-from gpt2.config.schema import ConfigError, ParallelConfig
+from gpt2.config.schema import ConfigError
 from gpt2.engines.ds_config import build_ds_config
 from gpt2.observe.run_logging import wandb_identity
 from tools.parity_matrix import matrix, plan
@@ -54,10 +54,12 @@ def test_deepcompile_is_one_fact_of_the_layout() -> None:
     modules), and records, tags and parity keys name it."""
     cfg = parse_args([*DC, "--model", "gpt2-large", "--compile-scope", "auto"])
     assert (cfg.train.compile, cfg.train.compile_scope, cfg.train.compiler) == (True, "model", "deepcompile")
-    assert cfg.parallel.zero3_fetch == ParallelConfig.zero3_fetch  # the default ZeRO config (persistence threshold 0)
+    assert build_ds_config(RunLayout.resolve(cfg, world_size=1, device="cuda"))["zero_optimization"][
+        "stage3_param_persistence_threshold"] == 0  # the default ZeRO config: every parameter partitioned
     layout = RunLayout.resolve(cfg, world_size=1, device="cuda")
     assert layout.deepcompile and layout.compile_scope == "deepcompile" and not layout.zero3_blocks
-    assert config_key(cfg.to_dict(), 1).startswith("gpt2-large zero3 w1 kernels=none attn=sdpa compile=deepcompile ")
+    assert config_key(cfg.to_dict(), 1) == ("gpt2-large zero3 w1 kernels=none attn=sdpa compile=deepcompile ckpt=off "
+                                            "bf16 zprec=autocast")  # no fetch unit: DeepCompile has no gather hooks
     assert "compile-deepcompile" in wandb_identity(cfg)["tags"]
     torch_cfg = parse_args(["--mode", "hybrid", "--compile"])
     torch_layout = RunLayout.resolve(torch_cfg, world_size=1, device="cuda")

@@ -158,10 +158,17 @@ def test_a_checkpoint_from_before_the_flat_default_names_its_flags() -> None:
 
     default = RunLayout.resolve(parse_args(["--mode", "hybrid", "--model", "gpt2", "--device", "cpu"]), 2, "cpu")
     assert (default.zero3_flat, default.zero3_unit_blocks) == (True, 4)
-    old = {k: v for k, v in build_meta(default, step=5).items() if k not in ("zero3_flat", "zero3_unit_blocks")}
+    old = {k: v for k, v in build_meta(default, step=5).items()
+           if k not in ("zero3_fetch", "zero3_flat", "zero3_unit_blocks")}
     with pytest.raises(CheckpointError, match=r"resume it with --zero3-fetch block\).*resume it with "
                                               r"--zero3-unit-blocks 1\)"):
         check_compatible(old, default, Path("ck"))
     pinned = parse_args(["--mode", "hybrid", "--model", "gpt2", "--device", "cpu", "--zero3-fetch", "block",
                          "--zero3-unit-blocks", "1"])
     check_compatible(old, RunLayout.resolve(pinned, 2, "cpu"), Path("ck"))  # with them it resumes
+    # a run without ZeRO-3's gather hooks (FSDP2 here) refuses both flags: the refusal names no such fix
+    fsdp2 = RunLayout.resolve(parse_args(["--mode", "hybrid", "--model", "gpt2", "--device", "cpu", "--zero-engine",
+                                          "fsdp2"]), 2, "cpu")
+    with pytest.raises(CheckpointError, match="zero_engine: checkpoint 'deepspeed'") as refused:
+        check_compatible(build_meta(default, step=5), fsdp2, Path("ck"))
+    assert "zero3_flat: checkpoint True" in str(refused.value) and "resume it with --zero3" not in str(refused.value)
