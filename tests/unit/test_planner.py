@@ -34,6 +34,7 @@ from gpt2.planning.planner import (
     zero3_held_params,
     zero3_persistent_params,
 )
+from tools.parity_matrix import PER_BLOCK
 
 LARGE = ["--model", "gpt2-large", "--seq-len", "1024"]
 DS16 = ["--mode", "hybrid", "--zero-precision", "deepspeed"]  # the ZeRO recipe of the measured runs
@@ -124,6 +125,26 @@ def test_sp_keeps_gathered_inputs_where_the_plain_path_runs():
     regathers = {op.calls for op in predict_communication(planned(sp + ["--compile"])) if "recomputed" in op.name}
     assert regathers == {1}
     assert sp_gathered_inputs(planned(sp[:-3] + ["--batch-size", "8"])).per_block == 0  # no SP: nothing gathered
+
+
+def test_activation_checkpointing_recomputes_a_unit_at_a_time():
+    """GPT.forward checkpoints each entry of model.blocks, under ZeRO-3's units of 4 (the default) a whole unit: 9
+    units for GPT-2 Large's 36 blocks. The recompute reruns each block's MLP-output all-reduce but the unit's last
+    (torch's non-reentrant checkpoint stops at the last saved tensor), and holds one unit's activations at a time
+    beside the 9 saved unit inputs (per block: 36 inputs, one block at a time)."""
+    ac = LARGE + ["--mode", "hybrid", "--tp-size", "2", "--batch-size", "8", "--activation-checkpointing"]
+    per_block, units = planned(ac + list(PER_BLOCK)), planned(ac)
+    assert (per_block.zero3_unit_blocks, units.zero3_unit_blocks) == (1, 4)
+
+    def recomputed(layout: RunLayout) -> int:
+        return {op.name: op.calls for op in predict_communication(layout)}["activation all-reduce"]
+
+    assert recomputed(units) - recomputed(per_block) == 36 - 9
+    saved_input = 4 * 8 * 1024 * 1280  # one fp32 residual-stream [b, s, d] (autocast), replicated at TP 2 without SP
+    no_ac = predict_memory(planned([f for f in ac if f != "--activation-checkpointing"] + list(PER_BLOCK)))
+    layer = (no_ac.activations - predict_memory(per_block).activations + 36 * saved_input) / 35
+    assert predict_memory(units).activations - predict_memory(per_block).activations == pytest.approx(
+        3 * layer - 27 * saved_input)
 
 
 def test_ddp_terms_by_hand():
