@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
-from gpt2.config.layout import zero3_unit_blocks_default
+from gpt2.config.layout import zero3_unit_blocks_of
 from gpt2.config.schema import Mode, compile_label
 from gpt2.observe.run_logging import run_label
 from tools.report import load_run
@@ -142,10 +142,9 @@ def config_key(config: dict[str, Any], world_size: int, fsdp2_gather: str | None
     # DeepCompile removes ZeRO-3's gather hooks: no fetch unit either
     if t["mode"] == "hybrid" and p["zero_stage"] == 3 and not fsdp2 and compiled != "deepcompile":
         key += f" fetch={p['zero3_fetch']}"
-        unit = p.get("zero3_unit_blocks", 1)  # configs from before --zero3-unit-blocks: one block a leaf
-        if unit is None:  # left out: the default unit for this model
-            unit = zero3_unit_blocks_default(config["model"]["n_layer"])
-        if unit > 1 and p["zero3_fetch"] != "module":
+        # configs from before --zero3-unit-blocks: one block a leaf; None (left out): the model's default unit
+        unit = zero3_unit_blocks_of(p["zero3_fetch"], p.get("zero3_unit_blocks", 1), config["model"]["n_layer"])
+        if unit > 1:
             key += f" unit={unit}"
     if t["mode"] == "hybrid" and not fsdp2:  # configs from before --zero-precision ran DeepSpeed's 16-bit model
         key += f" zprec={p.get('zero_precision', 'deepspeed')}"

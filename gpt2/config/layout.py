@@ -84,10 +84,16 @@ def run_precision(requested: str, device_type: str) -> str:
     return requested if device_type == "cuda" else "fp32"
 
 
-def zero3_unit_blocks_default(n_layer: int) -> int:
-    """Blocks per ZeRO-3 leaf module where --zero3-unit-blocks is left out: the largest divisor of the model's
-    `n_layer` blocks up to ZERO3_UNIT_BLOCKS (4 for every GPT-2 size; 2 for gpt2-tiny)."""
-    return max(n for n in range(1, ZERO3_UNIT_BLOCKS + 1) if n_layer % n == 0)
+LEAF_FETCHES = ("block", "flat")  # --zero3-fetch values that make transformer blocks DeepSpeed leaf modules
+
+
+def zero3_unit_blocks_of(fetch: str | None, given: int | None, n_layer: int) -> int:
+    """Transformer blocks per DeepSpeed ZeRO-3 leaf module: 1 unless `fetch` (--zero3-fetch as it applies; None: no
+    gather hooks) makes blocks leaves; else `given` (--zero3-unit-blocks), or where it is left out the largest divisor
+    of the model's `n_layer` blocks up to ZERO3_UNIT_BLOCKS (4 for every GPT-2 size; 2 for gpt2-tiny)."""
+    if fetch not in LEAF_FETCHES:
+        return 1
+    return given if given is not None else max(n for n in range(1, ZERO3_UNIT_BLOCKS + 1) if n_layer % n == 0)
 
 
 DEEPCOMPILE_MIN_TORCH = (2, 6)  # deepspeed/compile/util.py is_deepcompile_supported (0.19.8)
@@ -307,16 +313,12 @@ class RunLayout:
     @property
     def zero3_blocks(self) -> bool:
         """ZeRO-3 gathering each transformer block as one DeepSpeed leaf module (--zero3-fetch block or flat)."""
-        return self.zero3_fetch in ("block", "flat")
+        return self.zero3_fetch in LEAF_FETCHES
 
     @property
     def zero3_unit_blocks(self) -> int:
-        """Transformer blocks per DeepSpeed leaf module: --zero3-unit-blocks, or zero3_unit_blocks_default where it is
-        left out; 1 unless zero3_blocks."""
-        if not self.zero3_blocks:
-            return 1
-        given = self.cfg.parallel.zero3_unit_blocks
-        return given if given is not None else zero3_unit_blocks_default(self.cfg.model.n_layer)
+        """Transformer blocks per DeepSpeed leaf module (zero3_unit_blocks_of); 1 unless zero3_blocks."""
+        return zero3_unit_blocks_of(self.zero3_fetch, self.cfg.parallel.zero3_unit_blocks, self.cfg.model.n_layer)
 
     @property
     def zero3_flat(self) -> bool:

@@ -191,7 +191,7 @@ class ParallelConfig:
            "each unit's all-gather issued by its own pre-forward hook; N: the next N units' issued when a unit's "
            "forward starts; 1 measured no gain at batch 8 on 4 GPUs; backward always prefetches one unit)", PARALLEL,
         parse=non_negative_int, given_only=True)
-    # left out: gpt2.config.layout.zero3_unit_blocks_default (ZERO3_UNIT_BLOCKS, where it divides the blocks)
+    # left out: gpt2.config.layout.zero3_unit_blocks_of (ZERO3_UNIT_BLOCKS, where it divides the blocks)
     zero3_unit_blocks: int | None = option(
         None, "hybrid mode, ZeRO-3 with --zero3-fetch block or flat: transformer blocks per DeepSpeed leaf module (one "
               "hook set and one gather per unit and pass; must divide the model's blocks)", PARALLEL,

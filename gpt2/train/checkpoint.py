@@ -211,16 +211,18 @@ def check_compatible(meta: dict[str, Any], layout: RunLayout, where: Path) -> No
                          f"{layout.zero_engine!r} (--zero-engine)")
         # checkpoints from before these keys (and from before flat units became the default): block, 1 block a leaf
         flat, unit = meta.get("zero3_flat", False), meta.get("zero3_unit_blocks", 1)
-        hint = layout.zero3_fetch is not None  # runs without ZeRO-3's gather hooks refuse both flags
+
+        def resume_with(flag: str) -> str:  # runs without ZeRO-3's gather hooks refuse both flags: no such fix
+            return f"; resume it with {flag}" if layout.zero3_fetch is not None else ""
+
         if flat != layout.zero3_flat:
-            fetch = "flat" if flat else meta.get("zero3_fetch") or "block"
+            fetch = meta.get("zero3_fetch") or ("flat" if flat else "block")
             diffs.append(f"zero3_flat: checkpoint {flat!r}, this run {layout.zero3_flat!r} (--zero3-fetch flat keeps "
-                         "each block's parameters in flat tensors" + (f"; resume it with --zero3-fetch {fetch})"
-                                                                      if hint else ")"))
+                         f"each block's parameters in flat tensors{resume_with(f'--zero3-fetch {fetch}')})")
         if unit != layout.zero3_unit_blocks:
             diffs.append(f"zero3_unit_blocks: checkpoint {unit}, this run {layout.zero3_unit_blocks} "
-                         "(--zero3-unit-blocks names the parameters by unit"
-                         + (f"; resume it with --zero3-unit-blocks {unit})" if hint else ")"))
+                         f"(--zero3-unit-blocks names the parameters by unit"
+                         f"{resume_with(f'--zero3-unit-blocks {unit}')})")
     if diffs:
         raise CheckpointError(
             f"checkpoint {where} does not match this run: " + "; ".join(diffs)
