@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from gpt2.config.layout import RunLayout
 from gpt2.config.schema import ConfigError, RunConfig
+from gpt2.runtime.rendezvous import check_launcher_values
 from parallel.dims import ParallelDims
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -94,6 +95,7 @@ def init_distributed(cfg: RunConfig) -> tuple[RunLayout, DistContext]:
         missing = ", ".join(v for v in LAUNCHER_VARS if v not in os.environ)
         raise ConfigError(f"the environment has {given} but no {missing}: left over from another launch (a launcher "
                           "sets them all)? unset them for one process, or launch with torchrun")
+    check_launcher_values(world_size, rank, local_rank)  # before the rendezvous, which would wait for them
     timeout = timedelta(minutes=env_int(TIMEOUT_ENV, COLLECTIVE_TIMEOUT_MIN, minimum=1))
     device = pick_device(cfg.train.device, local_rank)
     layout = RunLayout.resolve(cfg, world_size, device)

@@ -417,6 +417,32 @@ def test_stale_launcher_variables_are_named(monkeypatch: pytest.MonkeyPatch, cap
     assert "launched on" not in err
 
 
+def _launched(monkeypatch: pytest.MonkeyPatch, rank: int, world_size: int, port: int) -> None:
+    """Launcher variables as torchrun would set them, without its agent store; a rendezvous fails the test at once
+    (the old code waited there for the collective timeout)."""
+    for var, value in (("RANK", rank), ("WORLD_SIZE", world_size), ("LOCAL_RANK", 0), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", port)):
+        monkeypatch.setenv(var, str(value))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: pytest.fail("rendezvous reached"))
+
+
+def test_launcher_values_that_cannot_launch_are_refused_before_the_rendezvous(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        _launched(monkeypatch, rank=2, world_size=2, port=port)
+        err = train_error(["--mode", "baseline", "--data", "synthetic"], capsys, tmp_path / "runs")
+        assert err.count("\n") == 1 and "RANK=2 is not below WORLD_SIZE=2" in err, err
+        _launched(monkeypatch, rank=0, world_size=2, port=port)
+        err = train_error(["--mode", "baseline", "--data", "synthetic"], capsys, tmp_path / "runs")
+        assert err.count("\n") == 1 and f"MASTER_PORT={port} is already in use" in err, err
+
+
 @pytest.mark.parametrize(("device", "flags", "then"), [
     ("cpu", ["--precision", "bf16"], "then rerun (no --save-dir: nothing was saved)"),  # a CPU run is fp32 anyway
     ("cuda", ["--save-dir", "ck"], "then resume from the newest checkpoint (--resume auto)"),
