@@ -42,6 +42,7 @@ from gpt2.config.schema import (
 SECTIONS: dict[str, type] = {"train": TrainConfig, "model": ModelConfig, "data": DataConfig,
                              "parallel": ParallelConfig, "checkpoint": CheckpointConfig, "log": LogConfig,
                              "plan": PlanConfig}
+RUN_NAME_SUFFIX_ROOM = 4  # bytes kept for the "-N" that make_run_dir appends to a taken run name
 HELP_WIDTH = 100  # the flags page's width (docs/flags.md), whatever the terminal's
 
 
@@ -121,8 +122,8 @@ def throughput_warmup_default(deepcompile: bool) -> int:
 
 
 def resolve_compile_scope(requested: str, mode: str, tp_size: int, compiler: str = "torch") -> str:
-    """`auto`: one whole-model graph for single/DDP without TP (4xH200, GPT-2 Large: +21% tokens/s at batch 8
-    over per-block graphs, benchmarks/results/train/), per-block graphs elsewhere (ZeRO hooks, TP collectives).
+    """`auto`: one whole-model graph for single/DDP without TP (faster there than per-block graphs: less host work
+    a step; docs/decisions.md), per-block graphs elsewhere (ZeRO hooks, TP collectives).
     DeepCompile always compiles the whole model (`engine.compile()`): `model`; it has no per-block scope."""
     if compiler == "deepcompile":
         if requested == "blocks":
@@ -346,14 +347,40 @@ def check_folder_creatable(what: str, folder: Path, writable: bool = True) -> No
     """A folder a run or tool will write must be creatable (and, with `writable`, writable by this user), checked
     before the work whose results it holds: a file in the way or a read-only parent fails now, not at the end."""
     path = folder.expanduser()
-    if path.exists() and not path.is_dir():
+    nearest = next(p for p in (path, *path.parents) if _exists(p))  # the folder, or where creating it starts
+    limit = name_max(nearest if nearest.is_dir() else nearest.parent)
+    if long := [part for part in path.relative_to(nearest).parts if len(part.encode()) > limit]:
+        raise ConfigError(f"{what} {folder}: the name {long[0][:40]}... is longer than the file system's {limit} "
+                          "bytes; pass a shorter path")
+    if nearest == path and not path.is_dir():
         raise ConfigError(f"{what} {folder} is a file, not a folder; pass a folder path")
-    nearest = next(p for p in (path, *path.parents) if p.exists())  # the folder, or where creating it starts
     if not nearest.is_dir():
         raise ConfigError(f"{what} {folder} cannot be created: {nearest} is a file; pass another folder path")
     if writable and not os.access(nearest, os.W_OK | os.X_OK):
         raise ConfigError(f"{what} {folder} is not writable here ({nearest} is read-only for this user); pass a "
                           "folder you can write to")
+
+
+def _exists(path: Path) -> bool:
+    """Path.exists, False for a name too long to look up (ENAMETOOLONG, which exists() raises)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
+def name_max(folder: Path) -> int:
+    """The longest file name (bytes) the file system of `folder` (an existing folder) takes."""
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255  # POSIX file systems' usual limit, where the system does not say
+
+
+def _run_name_max(out_dir: Path) -> int:
+    """The longest --run-name that gpt2.observe.run_logging.make_run_dir can create under `out_dir`, suffix included."""
+    nearest = next(p for p in (out_dir, *out_dir.parents) if _exists(p) and p.is_dir())
+    return name_max(nearest) - RUN_NAME_SUFFIX_ROOM
 
 
 def _check_output_paths(cfg: RunConfig) -> None:
@@ -362,6 +389,9 @@ def _check_output_paths(cfg: RunConfig) -> None:
     name = cfg.log.run_name
     if name is not None and (not name or Path(name).name != name or name in (".", "..")):
         raise ConfigError(f"--run-name {name!r} must be a plain folder name (no '/'); --out-dir sets the parent")
+    if name is not None and len(name.encode()) > (limit := _run_name_max(Path(cfg.log.out_dir))):
+        raise ConfigError(f"--run-name is {len(name.encode())} bytes long; at most {limit} here (the file system's "
+                          f"file name limit, less room for the '-N' a taken name gets): pass a shorter --run-name")
     for flag, folder in (("--out-dir", cfg.log.out_dir), ("--save-dir", cfg.checkpoint.save_dir),
                          ("--cache-dir", cfg.data.cache_dir)):
         if folder is not None:

@@ -194,6 +194,16 @@ def test_an_output_folder_that_cannot_be_written_fails_at_parse_time(flag: str, 
     assert parse_args(["--cache-dir", str(tmp_path / "new")])  # a read-only token cache still serves hits
 
 
+def test_a_name_longer_than_the_file_system_takes_is_refused(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """A run name or an output folder's name past NAME_MAX ended in an ENAMETOOLONG traceback at make_run_dir."""
+    err = train_error(["--model", "gpt2-tiny", "--data", "synthetic", "--max-steps", "1", "--run-name", "r" * 300],
+                      capsys, tmp_path / "runs")
+    assert err.count("\n") == 1 and "--run-name is 300 bytes long; at most 251 here" in err, err
+    with pytest.raises(ConfigError, match="is longer than the file system's 255 bytes; pass a shorter path"):
+        parse_args(["--save-dir", str(tmp_path / ("c" * 256) / "ck")])
+    assert parse_args(["--run-name", "r" * 251, "--out-dir", str(tmp_path)]).log.run_name == "r" * 251
+
+
 def test_validate_accepts_the_supported_neighbours() -> None:
     assert parse_args(["--mode", "hybrid", "--zero-stage", "2", "--compile"]).parallel.zero_stage == 2
     assert parse_args(["--mode", "hybrid"]).parallel.zero_stage == 3  # the default
