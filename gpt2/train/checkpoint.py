@@ -194,6 +194,27 @@ def read_meta(step_dir: Path) -> dict[str, Any]:
     return meta
 
 
+def _zero3_unit_diffs(meta: dict[str, Any], layout: RunLayout) -> list[str]:
+    """How a checkpoint's ZeRO-3 parameter sets (flat tensors, unit names) differ from this run's, with the flag
+    that resumes it where this run takes one."""
+    diffs = []
+    # checkpoints from before these keys (and from before flat units became the default): block, 1 block a leaf
+    flat, unit = meta.get("zero3_flat", False), meta.get("zero3_unit_blocks", 1)
+
+    def resume_with(flag: str) -> str:  # runs without ZeRO-3's gather hooks refuse both flags: no such fix
+        return f"; resume it with {flag}" if layout.zero3_fetch is not None else ""
+
+    if flat != layout.zero3_flat:
+        fetch = meta.get("zero3_fetch") or ("flat" if flat else "block")
+        diffs.append(f"zero3_flat: checkpoint {flat!r}, this run {layout.zero3_flat!r} (--zero3-fetch flat keeps "
+                     f"each block's parameters in flat tensors{resume_with(f'--zero3-fetch {fetch}')})")
+    if unit != layout.zero3_unit_blocks:
+        diffs.append(f"zero3_unit_blocks: checkpoint {unit}, this run {layout.zero3_unit_blocks} "
+                     f"(--zero3-unit-blocks names the parameters by unit"
+                     f"{resume_with(f'--zero3-unit-blocks {unit}')})")
+    return diffs
+
+
 def check_compatible(meta: dict[str, Any], layout: RunLayout, where: Path) -> None:
     """Model config and parallel layout must match the checkpoint's (the error lists every difference), and
     the checkpoint must lie before --max-steps."""
@@ -206,23 +227,12 @@ def check_compatible(meta: dict[str, Any], layout: RunLayout, where: Path) -> No
              for k, v in meta["model"].items() if ours["model"].get(k) != v]
     diffs += [f"{k}: checkpoint {meta.get(k)!r}, this run {ours[k]!r}" for k in _LAYOUT_KEYS if meta.get(k) != ours[k]]
     if meta["mode"] == ours["mode"] == "hybrid":
-        if meta.get("zero_engine", "deepspeed") != layout.zero_engine:
+        if meta.get("zero_engine", "deepspeed") != layout.zero_engine:  # the one difference: the engine's parameter
+            # sets differ with it, and DeepSpeed's fetch flags (refused under FSDP2) cannot bridge it
             diffs.append(f"zero_engine: checkpoint {meta.get('zero_engine', 'deepspeed')!r}, this run "
                          f"{layout.zero_engine!r} (--zero-engine)")
-        # checkpoints from before these keys (and from before flat units became the default): block, 1 block a leaf
-        flat, unit = meta.get("zero3_flat", False), meta.get("zero3_unit_blocks", 1)
-
-        def resume_with(flag: str) -> str:  # runs without ZeRO-3's gather hooks refuse both flags: no such fix
-            return f"; resume it with {flag}" if layout.zero3_fetch is not None else ""
-
-        if flat != layout.zero3_flat:
-            fetch = meta.get("zero3_fetch") or ("flat" if flat else "block")
-            diffs.append(f"zero3_flat: checkpoint {flat!r}, this run {layout.zero3_flat!r} (--zero3-fetch flat keeps "
-                         f"each block's parameters in flat tensors{resume_with(f'--zero3-fetch {fetch}')})")
-        if unit != layout.zero3_unit_blocks:
-            diffs.append(f"zero3_unit_blocks: checkpoint {unit}, this run {layout.zero3_unit_blocks} "
-                         f"(--zero3-unit-blocks names the parameters by unit"
-                         f"{resume_with(f'--zero3-unit-blocks {unit}')})")
+        else:
+            diffs += _zero3_unit_diffs(meta, layout)
     if diffs:
         raise CheckpointError(
             f"checkpoint {where} does not match this run: " + "; ".join(diffs)

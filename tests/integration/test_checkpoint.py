@@ -261,6 +261,19 @@ def test_resume_with_other_grad_accum_is_refused(tmp_path: Path) -> None:
         check_compatible(meta, layout([]), tmp_path)
 
 
+def test_another_zero_engines_checkpoint_names_the_engine_only(tmp_path: Path) -> None:
+    """An FSDP2 checkpoint under DeepSpeed (and back): the engine is the difference; DeepSpeed's fetch flags, which
+    FSDP2 refuses, are no advice for it."""
+    def layout(argv: list[str]) -> RunLayout:
+        return RunLayout.resolve(parse_args(["--mode", "hybrid", *argv]), 2, "cpu")
+
+    fsdp2, deepspeed = layout(["--zero-engine", "fsdp2"]), layout([])
+    for saved, resumed in ((fsdp2, deepspeed), (deepspeed, fsdp2)):
+        with pytest.raises(CheckpointError, match="zero_engine: checkpoint") as refused:
+            check_compatible(build_meta(saved, step=5), resumed, tmp_path)
+        assert "zero3" not in str(refused.value), refused.value
+
+
 def test_resume_follows_the_new_schedule_when_max_steps_grows(single: Path, tmp_path: Path) -> None:
     """Resuming the 8-step run's step-4 checkpoint with --max-steps 16: every step's LR, the first resumed one
     included, is the 16-step schedule's (gpt2.engines.base.lr_at), not the checkpoint's stale 8-step value. The copy
