@@ -71,8 +71,19 @@ def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Te
 
 
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, dims: ParallelDims) -> torch.Tensor:
-    """`torch.nn.utils.clip_grad_norm_` (L2) for a TP model, and for FSDP2's DTensor gradients: the norm of the
-    full, unsharded gradient.
+    """`torch.nn.utils.clip_grad_norm_` (L2) for a TP model, and for FSDP2's DTensor gradients: `grad_norm`, then
+    every local gradient multiplied by min(1, max_norm / (norm + 1e-6)). Returns the (pre-clip) total norm."""
+    params = [p for p in parameters if p.grad is not None]
+    total = grad_norm(params, dims)
+    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's clip_grads_with_norm_, on the local grads
+    if params:
+        torch._foreach_mul_([_local(p.grad) for p in params], clip_coef)
+    return total
+
+
+def grad_norm(parameters: Iterable[nn.Parameter], dims: ParallelDims) -> torch.Tensor:
+    """The global L2 gradient norm of a TP model, and of FSDP2's DTensor gradients: the norm of the full, unsharded
+    gradient (what `clip_grad_norm_` returns; nothing is clipped).
 
     ||g||^2 = sum over the ranks that split a gradient of their shards' squares: the TP-sharded parameters' over the
     TP group, the replicated ones' once (TP rank 0), and, for DTensor gradients (FSDP2's, Shard(0) over the
@@ -94,8 +105,4 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, dims: P
         dist.all_reduce(total_sq)
     elif dims.tp_size > 1:
         dist.all_reduce(total_sq, group=dims.tp_group)
-    total = total_sq.sqrt()
-    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's clip_grads_with_norm_, on the local grads
-    if params:
-        torch._foreach_mul_(sharded + replicated, clip_coef)
-    return total
+    return total_sq.sqrt()

@@ -51,10 +51,11 @@ model is (--zero-precision deepspeed), so it is not offered.
 
 The step: fused AdamW over the sharded DTensor parameters (`parallelize.param_groups`: the same groups and weight
 decay as every engine) run on their local shards (`LocalShardAdamW`), the LambdaLR schedule, TP-aware clipping
-(`parallel.grads.clip_grad_norm_`: local sums of squares, one all-reduce over DP x TP; replicated ones counted
-once), the non-finite guard (`step_if_finite`: the fused AdamW skips the step on the device when the global norm is not
-finite). Gradient accumulation: `set_requires_gradient_sync(False)` on every micro-step but the last (FSDP2 keeps
-the unsharded gradients and reduce-scatters their sum once). --sequence-parallel: the marked parameters'
+(`parallel.grads.grad_norm`: local sums of squares, one all-reduce over DP x TP; replicated ones counted
+once; the fused AdamW divides the gradients by the clip divisor as it reads them), the non-finite guard
+(`step_if_finite`: the fused AdamW skips the step on the device when the global norm is not finite). Gradient
+accumulation: `set_requires_gradient_sync(False)` on every micro-step but the last (FSDP2 keeps the unsharded
+gradients and reduce-scatters their sum once). --sequence-parallel: the marked parameters'
 gradients are summed over the TP group after the last micro-step's reduce-scatter, on this rank's DP shard (both
 TP ranks of a DP position hold the same shard of a replicated parameter; sums commute with the DP average).
 --compile compiles each block's (and the final LayerNorm's and LM head's) forward before `fully_shard`
@@ -92,7 +93,7 @@ from gpt2.engines.torch_engine import TorchEngine
 from gpt2.model.gpt import GPT
 from gpt2.observe.run_logging import log
 from gpt2.runtime.distributed import DistContext
-from parallel.grads import clip_grad_norm_
+from parallel.grads import grad_norm
 from parallel.tp_plan import PARAM_MARKS
 
 FSDP2_DIR = "fsdp2"  # the engine's sub-folder inside one of our step folders (gpt2.train.checkpoint)
@@ -242,9 +243,9 @@ class FSDP2Engine(TorchEngine):
         self.root.set_requires_gradient_sync(last_micro_step)
         return contextlib.nullcontext()
 
-    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
         """The global norm of the DTensor gradients: reduced over DP, the TP-sharded ones' squares over TP."""
-        return clip_grad_norm_(params, max_norm, self.ctx.dims)
+        return grad_norm(params, self.ctx.dims)
 
     def evaluate(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """TorchEngine's evaluation, then every unit back to its shards: a forward without backward leaves the units

@@ -161,14 +161,28 @@ class NonFiniteGuard:
         return step % self.max_bad_steps == 0
 
 
-def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
+def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor,
+                   grad_divisor: torch.Tensor | None = None) -> None:
     """optimizer.step(), which a fused optimizer turns into a no-op on the device when `grad_norm` is not finite:
-    it reads GradScaler's `found_inf` attribute and leaves parameters, moments and step counts as they were."""
+    it reads GradScaler's `found_inf` attribute and leaves parameters, moments and step counts as they were.
+    `grad_divisor` (a device scalar, or None): the fused kernel divides each gradient by it as it reads it and
+    stores the result back (GradScaler's `grad_scale` attribute, here the clipping: `clip_divisor`)."""
     optimizer.found_inf = (~torch.isfinite(grad_norm)).float()  # type: ignore[attr-defined]
+    if grad_divisor is not None:
+        optimizer.grad_scale = grad_divisor  # type: ignore[attr-defined]
     try:
         optimizer.step()
     finally:
         del optimizer.found_inf  # type: ignore[attr-defined]
+        if grad_divisor is not None:
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+
+
+def clip_divisor(grad_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What clipping to `max_norm` divides every gradient by: max(1, (norm + 1e-6) / max_norm), the reciprocal of
+    torch's clip coefficient min(1, max_norm / (norm + 1e-6)). Handed to the fused AdamW (`step_if_finite`), the
+    clipping costs no pass of its own over the gradients (a multiply reads and writes each one first)."""
+    return torch.clamp((grad_norm.float() + 1e-6) / max_norm, min=1.0)
 
 
 def _parse_faults(spec: str, rank: int) -> dict[int, str]:

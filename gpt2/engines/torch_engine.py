@@ -4,7 +4,7 @@
   group; `no_sync` on all but the last micro-step of gradient accumulation), with our tensor
   parallelism inside when --tp-size > 1.
 - The DeepSpeed engine (`--mode hybrid`) implements the same interface; the FSDP2 engine (`--mode hybrid
-  --zero-engine fsdp2`) is this one with FSDP2's sharding in place of DDP (`wrap`, `no_sync`, `clip_grad_norm`).
+  --zero-engine fsdp2`) is this one with FSDP2's sharding in place of DDP (`wrap`, `no_sync`, `grad_norm`).
 
 Build order (torchtitan's, `gpt2.runtime.parallelize`): full model on the target device from the seed -> weights from
 --init-from -> tensor parallelism (each rank keeps its shards) -> activation checkpointing -> torch.compile per
@@ -31,11 +31,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gpt2.config.layout import RunLayout
 from gpt2.engines.base import evaluate_batches, lr_at, resync_lr, state_file
-from gpt2.engines.guard import NonFiniteGuard, step_if_finite
+from gpt2.engines.guard import NonFiniteGuard, clip_divisor, step_if_finite
 from gpt2.runtime.compiling import compile_whole
 from gpt2.runtime.distributed import DistContext
 from gpt2.runtime.parallelize import build_model, parallelize, param_groups, tp_comm_stats
-from parallel.grads import allreduce_sequence_parallel_grads, clip_grad_norm_
+from parallel.grads import allreduce_sequence_parallel_grads, grad_norm
 
 
 class TorchEngine:
@@ -81,11 +81,11 @@ class TorchEngine:
         sync = last_micro_step or self.ddp is None
         return contextlib.nullcontext() if sync else self.ddp.no_sync()
 
-    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-        """Clip to the global gradient norm and return it (pre-clip); TP-aware with tensor parallelism."""
+    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """The global gradient norm (multi-tensor kernels, no host sync); TP-aware with tensor parallelism."""
         if self.ctx.dims.tp_size > 1:
-            return clip_grad_norm_(params, max_norm, self.ctx.dims)  # sharded weights' squares summed over TP
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+            return grad_norm(params, self.ctx.dims)  # sharded weights' squares summed over TP
+        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype is None:
@@ -106,14 +106,15 @@ class TorchEngine:
 
     def optimizer_step(self) -> torch.Tensor:
         """Clip, step unless the global gradient norm is not finite (decided on the device), schedule; returns the
-        pre-clip global gradient norm (a device tensor)."""
+        pre-clip global gradient norm (a device tensor). The clipping is the fused AdamW's: its kernel divides each
+        gradient by `clip_divisor` as it reads it (one pass over the gradients for the norm, one for the update)."""
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.train.grad_clip
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        norm = self.clip_grad_norm(params, clip if clip > 0 else float("inf"))
+        norm = self.grad_norm(params)
         # fp16: an inf/NaN gradient the scaler found makes the norm non-finite too, so this skips what
         # scaler.step would; the scaler still backs off from the inf checks unscale_ recorded
-        step_if_finite(self.optimizer, norm)
+        step_if_finite(self.optimizer, norm, clip_divisor(norm, clip) if clip > 0 else None)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self._step_lr = self.scheduler.get_last_lr()[0]  # this update's lr; scheduler.step() moves to the next

@@ -9,7 +9,7 @@ import torch
 from gpt2.config.cli import parse_args
 from gpt2.config.schema import MODEL_PRESETS, ModelConfig
 from gpt2.engines.base import lr_at
-from gpt2.engines.guard import step_if_finite
+from gpt2.engines.guard import clip_divisor, step_if_finite
 from gpt2.model.gpt import GPT
 from gpt2.runtime.compiling import INDUCTOR_SETTINGS, compile_forwards, compile_model, compile_whole
 
@@ -29,6 +29,39 @@ def test_fp16_scaler_and_guard_skip_the_same_steps(grad: float, applied: bool) -
     assert torch.equal(weight.detach(), torch.ones(3)) is not applied  # a skipped step leaves the weight
     assert optimizer.state[weight]["step"].item() == float(applied)
     assert scaler.get_scale() == (2.0**4 if applied else 2.0**3)
+
+
+@pytest.mark.parametrize("scale", [0.1, 1.0, 30.0])  # norm below, at and far above the clip
+def test_clipping_inside_the_fused_adamw_is_torchs_clip_then_step(scale: float) -> None:
+    """TorchEngine's step hands clip_divisor to the fused AdamW instead of clipping first: the same update (to fp32
+    rounding: a division by the divisor where torch multiplies by its reciprocal), the gradients left clipped as
+    clip_grad_norm_ leaves them, and a non-finite norm still skips the step."""
+    torch.manual_seed(0)
+    shapes = [(7, 5), (5,), (3, 4, 2)]
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    groups = lambda ps: [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}]  # noqa: E731
+    opt, ref_opt = (torch.optim.AdamW(groups(ps), lr=0.01, fused=True) for ps in (ours, ref))
+    for step in range(3):
+        grads = [torch.randn(s) * scale for s in shapes]
+        for p, q, g in zip(ours, ref, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        norm = torch.nn.utils.get_total_norm([p.grad for p in ours])
+        step_if_finite(opt, norm, clip_divisor(norm, 1.0))
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+        ref_opt.step()
+        assert torch.equal(norm, ref_norm)
+        for p, q in zip(ours, ref):
+            torch.testing.assert_close(p.grad, q.grad, rtol=2e-7, atol=0)
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+    before = [p.detach().clone() for p in ours]
+    for p in ours:
+        p.grad = torch.full_like(p, float("nan"))
+    norm = torch.nn.utils.get_total_norm([p.grad for p in ours])
+    step_if_finite(opt, norm, clip_divisor(norm, 1.0))
+    assert all(torch.equal(p.detach(), b) for p, b in zip(ours, before))
+    assert opt.state[ours[0]]["step"].item() == 3
 
 
 def test_lr_schedule_warmup_then_cosine_to_min() -> None:
