@@ -1,0 +1,91 @@
+"""The results store and the tables generated from it: the committed README and docs/results.md are the
+generator's output, and the generator's rules hold (ratios within one call, unverified and superseded rows
+labelled, simulated rows kept out of throughput tables)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tools import results_tables as rt
+from tools.results_store import COLUMNS, ROOT, VERDICTS, append_rows, read_rows
+
+
+def row(id_: int, **kw: str) -> dict[str, str]:
+    base = {c: "" for c in COLUMNS}
+    base.update(id=str(id_), kind="throughput", date="2026-11-29", call="A", device="NVIDIA H200", gpus="2",
+                model="gpt2-large", mode="baseline", engine="torch", tp="1", sp="0", compile="compile",
+                kernels="none", batch="8", tokens_per_s="100000", mfu="0.3", peak_gib="20", parity="pass",
+                parity_file="benchmarks/results/parity/x/parity.csv", simulated="0")
+    base.update(kw)
+    return base
+
+
+def test_committed_docs_are_the_generated_tables() -> None:
+    """README.md's headline and docs/results.md's tables are `python -m tools.results_tables` over the store."""
+    rows = rt.by_id(read_rows())
+    for page in rt.PAGES:
+        text = page.read_text()
+        assert rt.generate(text, page, rows) == text, (
+            f"{page.relative_to(ROOT)} is stale: run python -m tools.results_tables")
+
+
+def test_store_rows_are_complete_and_point_at_files() -> None:
+    rows = read_rows()
+    ids = {r["id"] for r in rows}
+    assert rows and len(ids) == len(rows)
+    for r in rows:
+        assert list(r) == list(COLUMNS)
+        assert r["parity"] in VERDICTS and r["simulated"] in ("0", "1"), r["id"]
+        assert (ROOT / r["raw"]).is_file(), f"row {r['id']}: raw file {r['raw']} is missing"
+        assert not r["parity_file"] or (ROOT / r["parity_file"]).is_file(), f"row {r['id']}: {r['parity_file']}"
+        assert not r["superseded_by"] or r["superseded_by"] in ids, f"row {r['id']}: no row {r['superseded_by']}"
+
+
+def test_a_ratio_across_calls_is_refused() -> None:
+    a, b = row(1), row(2, call="B", tokens_per_s="50000")
+    assert rt.ratio(row(3, tokens_per_s="50000"), a) == 0.5
+    with pytest.raises(rt.CrossCallRatio):
+        rt.ratio(b, a)
+    with pytest.raises(rt.CrossCallRatio):  # the same call name on another day is another call
+        rt.ratio(row(4, date="2026-11-28"), a)
+    with pytest.raises(rt.CrossCallRatio):
+        rt.render(rt.Table([(1, None), (2, 1)]), {1: a, 2: b})
+
+
+def test_a_number_without_a_passing_verdict_is_labelled() -> None:
+    rows = {1: row(1), 2: row(2, parity="none"), 3: row(3, parity="pass", parity_file=""), 4: row(4, parity="fail")}
+    text = rt.render(rt.Table([(i, None) for i in rows]), rows)
+    lines = text.splitlines()[2:]
+    assert "no verdict" not in lines[0] and "[pass]" in lines[0]
+    for line in lines[1:]:
+        assert "**no verdict**" in line and "[pass]" not in line
+
+
+def test_a_superseded_row_is_labelled() -> None:
+    rows = {1: row(1, superseded_by="2"), 2: row(2)}
+    lines = rt.render(rt.Table([(1, None), (2, None)]), rows).splitlines()[2:]
+    assert "superseded by #2" in lines[0] and "superseded" not in lines[1]
+
+
+def test_simulated_rows_stay_out_of_throughput_tables() -> None:
+    rows = {1: row(1), 2: row(2, simulated="1", mfu="0.9")}
+    text = rt.render(rt.Table([(1, None), (2, 1)]), rows)
+    assert "| 1 |" in text and "| 2 |" not in text
+    assert "#2" not in rt.targets(rows)  # nor is a simulated row the best of anything
+
+
+def test_append_rows_assigns_ids_and_refuses_unknown_columns(tmp_path: Path) -> None:
+    store = tmp_path / "runs.csv"
+    assert append_rows([{"kind": "throughput", "parity": "pass"}, {"kind": "parity"}], store) == [1, 2]
+    assert append_rows([{"kind": "throughput"}], store) == [3]
+    assert [r["id"] for r in read_rows(store)] == ["1", "2", "3"]
+    with pytest.raises(ValueError):
+        append_rows([{"tokens": 1}], store)
+    with pytest.raises(ValueError):
+        append_rows([{"parity": "pending"}], store)
+
+
+def test_readme_is_at_most_1200_words() -> None:
+    assert len((ROOT / "README.md").read_text().split()) <= 1200

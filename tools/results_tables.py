@@ -1,0 +1,260 @@
+"""The README's headline table and docs/results.md's tables, generated from the results store.
+
+    python -m tools.results_tables            # rewrite the generated blocks of README.md and docs/results.md
+    python -m tools.results_tables --check    # exit 1 when a committed block differs from the store's
+
+A block sits between `<!-- generated:NAME -->` and `<!-- end generated:NAME -->`; TABLES says which store rows
+(by id) each block shows and which row a ratio divides by. The rules, enforced here rather than by hand:
+a ratio divides two rows of one call (the same date, device and call) or is refused; a row without a passing
+verdict (and its parity file) is labelled "no verdict"; a row whose configuration a newer row replaces is
+labelled "superseded by #N"; a simulated row (one rank of a multi-GPU layout on one device) never enters a
+throughput table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tools.results_store import ROOT, STORE, read_rows
+
+Row = Mapping[str, str]
+
+
+class CrossCallRatio(ValueError):
+    """A ratio between rows of two calls: host and machine differ between calls, so it is refused."""
+
+
+@dataclass(frozen=True)
+class Table:
+    """Store rows shown in one block: (row id, id of the row its ratio divides by, or None)."""
+    rows: Sequence[tuple[int, int | None]]
+    columns: tuple[str, ...] = ("row", "configuration", "devices", "batch", "tok/s", "MFU", "peak GiB", "ratio",
+                                "verdict", "call")
+    notes: Sequence[str] = field(default_factory=tuple)
+
+
+def call_of(row: Row) -> tuple[str, str, str]:
+    return row["date"], row["device"], row["call"]
+
+
+def verified(row: Row) -> bool:
+    return row["parity"] == "pass" and bool(row["parity_file"])
+
+
+def ratio(row: Row, base: Row) -> float:
+    """row's tokens/s over base's, only within one call."""
+    if call_of(row) != call_of(base):
+        raise CrossCallRatio(f"row {row['id']} (call {' '.join(call_of(row))}) against row {base['id']} "
+                             f"(call {' '.join(call_of(base))}): a ratio divides two rows of one call")
+    return float(row["tokens_per_s"]) / float(base["tokens_per_s"])
+
+
+def configuration(row: Row) -> str:
+    engine, tp = row["engine"], int(row["tp"] or 1)
+    if engine == "hf":
+        text = "Hugging Face GPT2LMHeadModel, DDP"
+    elif engine == "nanogpt":
+        text = "nanoGPT-style reference, DDP"
+    elif engine == "fsdp2":
+        text = f"FSDP2 (units of {row['zero3_unit']})"
+    elif engine == "deepspeed" and row["zero_stage"] == "3":
+        layout = {"block": "per block", "flat": "flat"}.get(row["zero3_fetch"], row["zero3_fetch"])
+        unit = f", units of {row['zero3_unit']}" if row["zero3_fetch"] == "flat" else ""
+        text = f"DeepSpeed ZeRO-3 ({layout}{unit})"
+    elif engine == "deepspeed":
+        text = f"DeepSpeed ZeRO-{row['zero_stage']}"
+    else:
+        text = {"single": "single", "baseline": "DDP"}.get(row["mode"], row["mode"])
+    if tp > 1:
+        text += f" + TP{tp}" + (" + SP" if row["sp"] == "1" else "")
+    if engine not in ("hf", "nanogpt"):
+        text += {"compile": ", `--compile`", "deepcompile": ", DeepCompile", "eager": ", eager"}[row["compile"]]
+    if row["kernels"] not in ("", "none"):
+        text += f", `--fused-kernels {row['kernels']}`"
+    if row["variant"]:
+        text += f" ({row['variant']})"
+    return text
+
+
+def label(row: Row) -> str:
+    """The verdict cell: pass with its file, else what the number lacks."""
+    if row["kind"] == "reference":
+        text = "reference model, not gated"
+    elif verified(row):
+        text = f"[pass](../{row['parity_file']})"
+    else:
+        text = "**no verdict**"
+    if row["superseded_by"]:
+        text += f"; **superseded by #{row['superseded_by']}**"
+    return text
+
+
+def _k(value: str) -> str:
+    return f"{float(value) / 1000:.1f}k" if value else ""
+
+
+def cells(row: Row, base: Row | None) -> dict[str, str]:
+    return {
+        "row": row["id"], "configuration": configuration(row),
+        "devices": f"{row['gpus']}× {row['device'].replace('NVIDIA ', '').replace(' 80GB HBM3', '')}",
+        "batch": row["batch"], "tok/s": _k(row["tokens_per_s"]),
+        "MFU": f"{float(row['mfu']) * 100:.1f}%" if row["mfu"] else "",
+        "peak GiB": f"{float(row['peak_gib']):.1f}" if row["peak_gib"] else "",
+        "ratio": f"{ratio(row, base):.2f}× #{base['id']}" if base is not None else "",
+        "verdict": label(row), "call": f"{row['date']} {row['call']}",
+    }
+
+
+def render(table: Table, rows: Mapping[int, Row], link_prefix: str = "../") -> str:
+    """A Markdown table; simulated rows are left out of it (they never sit beside real runs)."""
+    lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
+    for row_id, base_id in table.rows:
+        row = rows[row_id]
+        if row["simulated"] == "1":
+            continue
+        c = cells(row, rows[base_id] if base_id is not None else None)
+        c["verdict"] = c["verdict"].replace("](../", f"]({link_prefix}")
+        lines.append("| " + " | ".join(c[col] for col in table.columns) + " |")
+    return "\n".join([*lines, *table.notes]) + "\n"
+
+
+def by_id(rows: Iterable[Row]) -> dict[int, Row]:
+    return {int(r["id"]): r for r in rows}
+
+
+def targets(rows: Mapping[int, Row]) -> str:
+    """The performance targets against the best current row with a verdict (superseded and unverified left out)."""
+    live = [r for r in rows.values() if r["kind"] == "throughput" and verified(r) and not r["superseded_by"]
+            and r["simulated"] != "1" and r["mfu"]]
+
+    def best(pred) -> Row | None:
+        found = [r for r in live if pred(r)]
+        return max(found, key=lambda r: float(r["mfu"])) if found else None
+
+    def show(row: Row | None, goal: float) -> tuple[str, str]:
+        if row is None:
+            return "no current row", "not measured"
+        mfu = float(row["mfu"]) * 100
+        return (f"{mfu:.1f}%: #{row['id']} {configuration(row)}, batch {row['batch']}, {row['gpus']}× "
+                f"{row['device'].replace('NVIDIA ', '').replace(' 80GB HBM3', '')} ({row['date']} {row['call']})",
+                "met" if mfu >= goal else f"missed by {goal - mfu:.1f} points")
+
+    zero3 = lambda r: r["zero_stage"] == "3" and r["tp"] == "1"  # noqa: E731
+    lines = ["| target | best current row with a verdict | status |", "|---|---|---|"]
+    for name, pred, goal in (
+            ("best configuration ≥ 55% MFU", lambda r: True, 55.0),
+            ("ZeRO-3 ≥ 50% MFU at its best batch", zero3, 50.0),
+            ("ZeRO-3 ≥ 30% MFU at batch 8", lambda r: zero3(r) and r["batch"] == "8", 30.0),
+            ("ZeRO-3 + TP2 ≥ 45% MFU", lambda r: r["zero_stage"] == "3" and r["tp"] == "2", 45.0)):
+        lines.append(f"| {name} | " + " | ".join(show(best(pred), goal)) + " |")
+    pairs = []
+    for hf in (r for r in rows.values() if r["engine"] == "hf"):
+        ours = [r for r in live if call_of(r) == call_of(hf) and r["batch"] == hf["batch"]]
+        pairs += [f"{configuration(r)} {ratio(r, hf):.2f}× (#{r['id']}/#{hf['id']}, {r['gpus']}× "
+                  f"{r['device'].replace('NVIDIA ', '').replace(' 80GB HBM3', '')}, {r['date']} {r['call']})"
+                  for r in ours]
+    lines.append("| every mode ≥ 2.5× Hugging Face at the same batch, same call | " + ("; ".join(pairs) or "none") +
+                 " | " + ("met" if pairs and all("×" in p and float(p.split("× ")[0].split()[-1]) >= 2.5
+                                                 for p in pairs) else "missed") + " |")
+    return "\n".join(lines) + "\n"
+
+
+def span(rows: Mapping[int, Row]) -> str:
+    """The dates and devices the store's throughput rows cover, as one line."""
+    real = [r for r in rows.values() if r["simulated"] != "1"]
+    dates = sorted(r["date"] for r in real)
+    devices = sorted({r["device"] for r in real})
+    return (f"{len(real)} runs, {dates[0]} to {dates[-1]}, on {' and '.join(devices)} "
+            f"(1 to {max(int(r['gpus']) for r in real)} GPUs of one host).\n")
+
+
+def pairs(*ids: int, vs: int | None = None) -> list[tuple[int, int | None]]:
+    return [(i, None if i == vs else vs) for i in ids]
+
+
+TABLES: dict[str, Table] = {
+    "headline": Table(
+        [*pairs(191, 190, 192, vs=191), *pairs(153, 154, 155, vs=153), *pairs(131, 132, vs=131),
+         *pairs(37, 94, vs=37)],
+        columns=("row", "configuration", "devices", "batch", "tok/s", "MFU", "peak GiB", "ratio", "verdict")),
+    "two-gpus": Table([*pairs(191, 190, 192, vs=191), *pairs(194, 193, vs=194), (200, None), (198, None),
+                       (199, None), (195, None), (197, None)]),
+    "tp-wrapper": Table([*pairs(175, 176, vs=175), *pairs(178, 177, vs=178), *pairs(180, 179, 181, 183, vs=180),
+                         (182, None), (184, None), *pairs(185, 186, vs=185), (187, None), (188, None), (189, None)]),
+    "four-gpus": Table([*pairs(153, 154, 155, 156, 157, vs=153), *pairs(161, 163, 164, 162, vs=161),
+                        *pairs(169, 168, vs=169), *pairs(160, 159, 158, vs=160), (165, None), (166, None),
+                        (167, None)]),
+    "four-h200": Table([*pairs(212, 213, 214, vs=212), *pairs(206, 207, 205, 208, vs=206), (209, None), (210, None),
+                        (211, None), *pairs(202, 201, vs=202), *pairs(204, 203, vs=204),
+                        *pairs(217, 216, 215, 218, vs=217)]),
+    "four-gpus-earlier": Table([*pairs(141, 142, 143, vs=141), *pairs(144, 145, 146, 147, vs=144),
+                                *pairs(148, 149, 150, 151, vs=148), (152, None), *pairs(171, 170, vs=171),
+                                *pairs(172, 173, 174, vs=172)]),
+    "one-gpu-flat": Table([*pairs(107, 108, vs=107), *pairs(109, 110, vs=109), *pairs(104, 105, vs=104),
+                           (103, None), (106, None), *pairs(126, 125, vs=126), *pairs(130, 128, 129, vs=130),
+                           *pairs(131, 132, 133, vs=131), (135, None), (134, None), *pairs(136, 137, vs=136),
+                           (140, None), *pairs(138, 139, vs=138), *pairs(119, 118, 121, 120, vs=119),
+                           *pairs(111, 112, vs=112)]),
+    "one-gpu-zero": Table([*pairs(66, 70, 69, 68, 67, 71, vs=66), *pairs(75, 77, 76, vs=75),
+                           *pairs(81, 82), (85, None), (78, None), (79, None),
+                           *pairs(47, 48, 49, 50, vs=47), *pairs(72, 74, 73, vs=72), *pairs(83, 84), (86, None),
+                           (58, None), *pairs(87, 88, vs=87), *pairs(91, 92, 93, vs=91), *pairs(37, 94, vs=37),
+                           (95, None), (30, None), (80, None), *pairs(100, 96, 97, 98, 99, 101, vs=100),
+                           (102, None)]),
+    "one-gpu-kernels": Table([*pairs(1, 2, 3, 4, 5, vs=1), (6, None), (7, None), *pairs(13, 14, 15, vs=13),
+                              *pairs(11, 12, vs=11), *pairs(24, 25, vs=24), *pairs(26, 27, vs=26),
+                              *pairs(29, 28, vs=29),
+                              *pairs(30, 31, vs=30), *pairs(32, 33, vs=32), *pairs(34, 35, vs=34), (36, None),
+                              *pairs(23, 20, 22, 21, 19, vs=23)]),
+}
+PAGES = {ROOT / "README.md": ("headline",), ROOT / "docs" / "results.md": (*(t for t in TABLES if t != "headline"),
+                                                                             "targets", "span")}
+BLOCK = "<!-- generated:{0} -->\n(.*?)<!-- end generated:{0} -->"
+
+
+def block(name: str, rows: Mapping[int, Row], page: Path) -> str:
+    if name == "targets":
+        return targets(rows)
+    if name == "span":
+        return span(rows)
+    prefix = "" if page.parent == ROOT else "../"
+    return render(TABLES[name], rows, link_prefix=prefix)
+
+
+def generate(text: str, page: Path, rows: Mapping[int, Row]) -> str:
+    for name in PAGES[page]:
+        pattern = re.compile(BLOCK.format(re.escape(name)), re.S)
+        if not pattern.search(text):
+            raise SystemExit(f"{page.relative_to(ROOT)} has no block {name!r} (<!-- generated:{name} -->)")
+        new = f"<!-- generated:{name} -->\n{block(name, rows, page)}<!-- end generated:{name} -->"
+        text = pattern.sub(lambda _, new=new: new, text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="exit 1 when a page's generated blocks are stale")
+    p.add_argument("--store", type=Path, default=STORE)
+    args = p.parse_args(argv)
+    rows = by_id(read_rows(args.store))
+    stale = []
+    for page in PAGES:
+        text = page.read_text()
+        new = generate(text, page, rows)
+        if new != text:
+            stale.append(str(page.relative_to(ROOT)))
+            if not args.check:
+                page.write_text(new)
+    if args.check and stale:
+        print(f"stale generated tables in {', '.join(stale)}: run python -m tools.results_tables", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
