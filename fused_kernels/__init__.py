@@ -52,8 +52,8 @@ def get_ops(backend: str, *, inductor_head: bool = False, whole_mlp: bool = Fals
     """The ops of `backend` ("none", "triton", "cuda"); raises KernelUnavailableError if unusable.
 
     inductor_head: torch.compile traces the LM head too (`--compile-scope model`). Inductor fuses the head's
-    matmul + cross-entropy itself, faster than the chunked kernel (GPT-2 Large, batch 8, H200: 6.5 against 7.5 ms
-    forward+backward, benchmarks/results/kernels/kernels.md), so the reference op is used there.
+    matmul + cross-entropy itself, faster than the chunked kernel (docs/decisions.md), so the reference op is used
+    there.
 
     whole_mlp: a backend's whole-MLP op may be used (`gpt2.config.layout.whole_mlp_allowed` decides); otherwise
     `mlp` is None and nothing is built for it.

@@ -126,8 +126,8 @@ class AttentionChoice:
         return AttentionChoice(self.name, backend, fn, self.timings_ms, self.rejected)
 
     def describe(self) -> str:
-        """One line for the log and the summary, e.g. `auto -> sdpa-cudnn (sdpa-cudnn 1.02 ms, sdpa-flash 1.10
-        ms; rejected sdpa-efficient: ...)`."""
+        """One line for the log and the summary, e.g. `auto -> sdpa-cudnn (sdpa-cudnn <t> ms; sdpa-flash <t> ms;
+        rejected sdpa-efficient: ...)`."""
         if self.name == self.backend:
             return self.name
         text = f"{self.name} -> {self.backend}"

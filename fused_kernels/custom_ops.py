@@ -41,7 +41,7 @@ def kernel_op(name: str, *, fake: Callable, traced: bool) -> Callable[[Callable]
     `wrap_triton(kernel)[grid](...)` (also how torch finds the kernels for its compile-cache keys); `fake` is
     then unused. Otherwise a `custom_op` with `fake` as its fake implementation, run with `wrap_triton`
     returning the kernel itself, as `triton_op` does in eager (dispatching each launch as a traceable
-    higher-order op would cost ~1 ms a call).
+    higher-order op would cost more host time than the kernel saves: docs/decisions.md).
     """
 
     def register(fn: Callable) -> CustomOpDef:

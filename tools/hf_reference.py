@@ -14,10 +14,8 @@ vocabulary of 50257, not padded), trained on synthetic tokens with `labels=input
            documented example config with its "auto" values resolved as HF's Trainer resolves them.
 Tokens/s, MFU (our FLOPs/token formula and peak table), memory and the run folder (config.json,
 metrics.jsonl, summary.json, console.log) come from the same gpt2.observe.metrics / gpt2.observe.run_logging code as
-train.py, so `tools.train_sweep` and the report can put these rows next to ours.
-
-Issue-author numbers for comparison (GPT-2 Large, seq 1024, 4x H200): HF DDP batch 8 139.7k tok/s,
-batch 16 152.1k; HF ZeRO-3 batch 8 38.9k, batch 32 136.6k.
+train.py, so `tools.train_sweep` and the report can put these rows next to ours (the issue author's own numbers
+for these trainers: docs/decisions.md).
 """
 
 from __future__ import annotations

@@ -78,10 +78,10 @@ class Protocol:
 
 
 SMALL_PROTOCOL = Protocol(batch_size=8, micro_batch=None, steps=30, warmup_steps=10, lr=6e-4)
-# gpt2-large at lr 6e-4 spikes at step 4 in every row, and DeepSpeed ZeRO-3 rows then leave the band from step 8
-# (one H200, 2026-11-29): a false fail. At 2.5e-4 (GPT-3's lr for its 760M model) every row of the 4-GPU calls
-# passed; micro-batch 2 lets 4-6 rows share a GPU and leaves dp x accumulation to split 32 at TP 2 and 4 GPUs.
-# gpt2-medium and -xl take it too, unmeasured: the nearest measured model of their size class.
+# gpt2-large at lr 6e-4 spikes early in every row, and DeepSpeed ZeRO-3 rows then leave the band: a false fail. At
+# 2.5e-4 (GPT-3's lr for its 760M model) every row passed (docs/decisions.md); micro-batch 2 lets 4-6 rows share a
+# GPU and leaves dp x accumulation to split 32 at TP 2 and 4 GPUs. gpt2-medium and -xl take it too, untried: the
+# nearest tried model of their size class.
 LARGE_PROTOCOL = Protocol(batch_size=32, micro_batch=2, steps=10, warmup_steps=5, lr=2.5e-4)
 PROTOCOLS = {"gpt2-tiny": SMALL_PROTOCOL, "gpt2": SMALL_PROTOCOL, "gpt2-medium": LARGE_PROTOCOL,
              "gpt2-large": LARGE_PROTOCOL, "gpt2-xl": LARGE_PROTOCOL}

@@ -38,7 +38,7 @@ TP2 = ("--tp-size", "2")
 SP, COMPILE = "--sequence-parallel", "--compile"
 DEEPCOMPILE = ("--compile", "--compiler", "deepcompile")  # ZeRO-3 under DeepSpeed's DeepCompile (CUDA only)
 # DeepSpeed ZeRO-3's other gathers beside its default (flat tensors, gpt2.runtime.flat_blocks, in units of 4 blocks,
-# gpt2.runtime.block_units): each block's own parameters one block a leaf (the default until 2026-11-29), and flat
+# gpt2.runtime.block_units): each block's own parameters one block a leaf (the default before flat units), and flat
 # tensors one block a leaf
 PER_BLOCK = ("--zero3-fetch", "block", "--zero3-unit-blocks", "1")
 FLAT_U1 = ("--zero3-fetch", "flat", "--zero3-unit-blocks", "1")

@@ -40,11 +40,9 @@ VERDICTS = ("reference", "noise", "pass", "precision", "skipped", "pending", "fa
 PASSING = frozenset({"reference", "noise", "pass"})
 TRAIN_MODES = get_args(Mode)  # train.py's --mode choices
 # default floor of the tolerance, by the reference run's precision. The noise row measures a summation-order change
-# only; configurations that fuse or round differently but compute the same function wander further in bf16: on one
-# H200 (2026-11-23, 20 steps, warm-up 5, lr 6e-4) compiled, fused-kernel and DDP-compiled GPT-2 Large reached
-# 0.027-0.085 at the loss spike that ends the warm-up, while the two bugs this gate exists for moved the loss by 2.2
-# (ZeRO-3 --compile, step 7) and by 20+ (GPT-2 Large whole-model compile). fp32 on CPU: ~1e-6 apart over 6 steps of
-# gpt2-tiny, so a difference above 1e-4 fails.
+# only; configurations that fuse or round differently but compute the same function wander further in bf16, yet
+# far less than the two bugs this gate exists for moved the loss (ZeRO-3 --compile, GPT-2 Large whole-model
+# compile). fp32 on CPU runs agree to far below 1e-4, so a difference above it fails. The runs: docs/decisions.md.
 FLOOR = {"bf16": 0.05, "fp32": 1e-4}
 
 

@@ -1,5 +1,5 @@
 """The `cuda` backend. On Hopper (sm_90), in the runs `gpt2.config.layout.RunLayout.whole_mlp` allows, the whole MLP is
-one op on the wgmma GEMM's fused epilogues (`fused_kernels.cuda.mlp`; measured: benchmarks/results/single_gpu).
+one op on the wgmma GEMM's fused epilogues (`fused_kernels.cuda.mlp`; docs/decisions.md).
 Elsewhere the MLP up-projection's epilogue is our CUDA C++ bias+GELU kernel:
 
 linear(x, W, b, gelu=True) = bias_gelu(x @ W^T) with the matmul by cuBLAS (no bias) and bias + GELU
@@ -27,8 +27,8 @@ SOURCE_DIR = Path(__file__).resolve().parent
 SOURCES = [SOURCE_DIR / "bias_gelu.cpp", SOURCE_DIR / "bias_gelu.cu"]
 NVCC_FLAGS = [
     "-O3",  # no --use_fast_math: it turns tanhf into tanh.approx for fp32 too (bias_gelu.cu picks per dtype)
-    "-gencode=arch=compute_80,code=sm_80",  # A100
-    "-gencode=arch=compute_90,code=sm_90",  # H100 / H200
+    "-gencode=arch=compute_80,code=sm_80",  # Ampere
+    "-gencode=arch=compute_90,code=sm_90",  # Hopper
 ]
 
 

@@ -4,8 +4,8 @@ y = (GELU_tanh(x W_fc^T + b_fc)) W_proj^T + b_proj, as `torch.ops.gpt2_fused.cud
 epilogue writes h = GELU(pre) and the pre-activation pre (`wgmma_persistent_bias_gelu_aux`). The backward's
 down-projection dgrad applies GELU's backward and accumulates b_fc's gradient in its epilogue
 (`wgmma_persistent_dgelu`, `gpt2_fused::cuda_mlp_dgelu`). The down-projection's forward, the weight gradients and dx
-are cuBLAS. One op, not two Linears, because GELU's backward fuses into the *down*-projection's GEMM. Measured
-against eager's separate ops: benchmarks/results/gemm/h100-2026-11-26.
+are cuBLAS. One op, not two Linears, because GELU's backward fuses into the *down*-projection's GEMM (against eager's
+separate ops: docs/decisions.md).
 
 sm_90 only (wgmma, TMA); the kernels are bf16, so the op runs under bf16 autocast, and the caller keeps the two
 Linears elsewhere (`linear_pair`). Used only where `gpt2.config.layout.RunLayout.whole_mlp` allows.

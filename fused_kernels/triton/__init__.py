@@ -1,11 +1,10 @@
 """The `triton` backend: bias+GELU after the up-projection's cuBLAS matmul, residual-add+LayerNorm and chunked
 LM cross-entropy.
 
-Each op is used in training only where it measured faster than what it replaces (GPT-2 Large training shapes,
-H200, benchmarks/results/kernels/kernels.md): the one-kernel matmul+bias+GELU (`matmul_gelu`, kept for the
-kernel benchmark) ran at 0.85x of cuBLAS + GELU forward and 0.99x forward+backward, so the up-projection is
-cuBLAS followed by the Triton bias+GELU (1.76x eager forward+backward). Where Inductor compiles the LM head,
-`fused_kernels.get_ops` swaps the chunked cross-entropy for Inductor's own (faster there).
+Each op is used in training only where it ran faster than what it replaces at GPT-2 Large's training shapes
+(docs/decisions.md): the one-kernel matmul+bias+GELU (`matmul_gelu`, kept for the kernel benchmark) was slower
+than cuBLAS + GELU, so the up-projection is cuBLAS followed by the Triton bias+GELU. Where Inductor compiles the
+LM head, `fused_kernels.get_ops` swaps the chunked cross-entropy for Inductor's own (faster there).
 
 Each kernel is a PyTorch custom op with a fake implementation and registered autograd
 (`fused_kernels.custom_ops`), so `torch.compile` traces a model using them without graph breaks.

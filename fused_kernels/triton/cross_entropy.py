@@ -84,7 +84,7 @@ def _forward_fake(hidden, weight, targets, vocab_size, compute_dtype, need_grad,
 # - the body is a host loop that writes cuBLAS results into slices of its outputs and overwrites each [C, Vp]
 #   logits chunk with its gradient in place; traced, these become functional copies that Inductor re-plans,
 #   losing the one-chunk peak-memory bound that is this op's point;
-# - Dynamo tracing into these launches crashed on an H200 (an illegal memory access in an Inductor kernel next
+# - Dynamo tracing into these launches crashed on a GPU (an illegal memory access in an Inductor kernel next
 #   to the chunks); opaque, the op runs exactly the eager code that passed there;
 # - there is nothing to fuse: the work is cuBLAS GEMMs either way, and the op's outputs are scalars and gradients.
 @kernel_op("triton_lm_cross_entropy", fake=_forward_fake, traced=False)

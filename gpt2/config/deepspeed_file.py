@@ -28,7 +28,7 @@ def persistence_threshold_default(zero3_fetch: str) -> int:
     """ZeRO-3's `stage3_param_persistence_threshold` where the DeepSpeed JSON leaves it out. Per-block gathers (block,
     flat): 0, so a block's LayerNorms and biases travel in its one coalesced all-gather; persistent (unpartitioned) ones
     would instead be re-gathered after every optimizer step with one blocking all-gather each (DeepSpeed's
-    `_post_step`: ~290 for GPT-2 Large; 1.8x steps/s on a 2-rank CPU proxy without them). Per-module hooks:
+    `_post_step`: ~290 for GPT-2 Large; docs/decisions.md). Per-module hooks:
     DeepSpeed's own 1e5, which spares those hooks a gather per small module."""
     return 100_000 if zero3_fetch == "module" else 0
 
@@ -37,9 +37,8 @@ def throughput_timer_defaults() -> dict[str, Any]:
     """DeepSpeed's `timers.throughput` section where the DeepSpeed JSON has none (a section in the file is used as it
     is): off. DeepSpeed's default timer (enabled, `synchronized`) synchronizes the device at every micro-batch's
     forward and every `engine.step()` call, once a micro-batch (deepspeed/utils/timer.py, ThroughputTimer, from the
-    third step on), so the host cannot queue the next work while the device runs: in a profile of flat ZeRO-3 in
-    4-block units on an H200 the one at the end of the optimizer step held the host about 7 ms of a 142-ms step. Our
-    metrics time the steps themselves (`gpt2.observe.metrics`), so nothing reads it."""
+    third step on), so the host cannot queue the next work while the device runs, which host-bound steps pay for
+    (docs/decisions.md). Our metrics time the steps themselves (`gpt2.observe.metrics`), so nothing reads it."""
     return {"enabled": False}
 
 
@@ -64,8 +63,8 @@ def precision_values(precision: str, recipe: str) -> dict[tuple[str, ...], Any]:
     autocast: DeepSpeed's torch_autocast section, the recipe of single and DDP: fp32 weights (partitions, master
     copy and gradients), the forward under torch.autocast, so a Linear's matmul sees the same bf16-rounded weight as
     in single. deepspeed: its bf16/fp16 section, a 16-bit model (weights, residual stream and LayerNorms in 16
-    bits) stepped from fp32 master weights; on gpt2 it ends 0.09 off single after 30 steps where single's own
-    run-to-run noise is 0.01 (benchmarks/results/parity/h200-2026-11-23), so it is not the default."""
+    bits) stepped from fp32 master weights: another function, whose losses drift from single's well beyond
+    single's own run-to-run noise (docs/decisions.md), so it is not the default."""
     autocast = recipe == "autocast" and precision != "fp32"
     values: dict[tuple[str, ...], Any] = {
         ("bf16", "enabled"): recipe == "deepspeed" and precision == "bf16",

@@ -127,8 +127,8 @@ def resolve_grad_accum(cfg: RunConfig, dp_size: int) -> int:
 
 def whole_mlp_allowed(cfg: RunConfig) -> bool:
     """A fused-kernel backend may run each MLP as one op reading both Linears' weights (`fused_kernels.KernelOps.mlp`):
-    only where the Linears stay whole modules (no TP shards, no ZeRO-3 partitions) and in compiled runs, where that
-    op measured faster (eager: 0.988x; benchmarks/results/single_gpu)."""
+    only where the Linears stay whole modules (no TP shards, no ZeRO-3 partitions) and in compiled runs, the only
+    ones where that op beat the separate ones (docs/decisions.md)."""
     return cfg.parallel.tp_size == 1 and cfg.zero_stage != 3 and cfg.train.compile
 
 
@@ -210,19 +210,15 @@ class RunLayout:
     @property
     def compile_wrapper(self) -> str | None:
         """How Inductor launches each compiled graph's kernels, --compile-wrapper resolved: "cpp" or "python"; None
-        where torch.compile compiles nothing (no --compile, DeepCompile). `auto` picks C++ where it was measured
-        faster and checked on GPUs: the ZeRO-3 engines' per-block graphs on CUDA (DeepSpeed's and FSDP2's, not
-        ZeRO-1/2), host-bound at batch 8 (2xH200, GPT-2 Large: FSDP2 with 4 blocks a unit 158.9 -> 115.4 ms a step,
-        DeepSpeed ZeRO-3 437 -> 310 ms), and with TP in them (its all-reduces in the graphs; TP 2 on 2xH200,
-        batch 8, alternating runs: DeepSpeed ZeRO-3 + TP2 1.29x the tokens/s, FSDP2 + TP2 1.29x); every one passed
-        parity with it (benchmarks/results/multi_gpu). With `--fused-kernels cuda` (its bias+GELU custom op in the
-        graphs) for DeepSpeed ZeRO-3 without TP: with Python launch code for the kernels and C++ without, the
-        kernels read 0.84x (1xH200, flat blocks, batch 8), the wrappers' gap, not the kernels'; with C++ on both
-        sides 0.995x, parity passing (benchmarks/results/zero3/flat_params_h200). Not yet with sequence
-        parallelism (other collectives in the graphs), with the cuda kernels under TP or FSDP2, or with the Triton
-        kernels, none of which has run with it on a GPU, nor for single/DDP's whole-model graph (DDP ran with it in
-        two calls and passed parity, but was not timed like for like). CPU runs keep Python: their kernels, not
-        their launches, take the time, and the C++ build would lengthen every compiled CPU test."""
+        where torch.compile compiles nothing (no --compile, DeepCompile). `auto` picks C++ where GPU runs found it
+        faster and passing parity (docs/decisions.md): the ZeRO-3 engines' per-block graphs on CUDA (DeepSpeed's
+        and FSDP2's, not ZeRO-1/2), whose small-batch steps are host-bound, so each kernel launch's host time
+        counts; with TP in them (its all-reduces in the graphs); and with `--fused-kernels cuda` (its bias+GELU
+        custom op in the graphs) for DeepSpeed ZeRO-3 without TP, where kernels and no kernels must launch alike
+        for the two to compare. Not yet with sequence parallelism (other collectives in the graphs), with the cuda
+        kernels under TP or FSDP2, or with the Triton kernels, none of which has run with it on a GPU, nor for
+        single/DDP's whole-model graph (not timed like for like). CPU runs keep Python: their kernels, not their
+        launches, take the time, and the C++ build would lengthen every compiled CPU test."""
         t = self.cfg.train
         if self.compile_scope not in ("blocks", "model"):
             return None
@@ -287,7 +283,7 @@ class RunLayout:
         (LayerNorm still computes in fp32; under TP the row-parallel bias is added in bf16): the differences from
         single's recipe, within the GPU parity gate; half the all-gather bytes and no autocast weight copies.
         `auto` picks it for bf16 runs without fused kernels (the configurations the GPU parity gate covered with
-        it, benchmarks/results/multi_gpu); fp32 runs (every CPU run) gather fp32."""
+        it: docs/decisions.md); fp32 runs (every CPU run) gather fp32."""
         if not self.fsdp2:
             return None
         if self.precision != "bf16":

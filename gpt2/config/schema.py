@@ -149,9 +149,8 @@ class DataConfig:
 
 
 # ZeRO-3's default unit (--zero3-unit-blocks left out; --zero3-fetch flat is the default): 4 blocks a leaf module.
-# GPT-2 Large, batch 8: 1.47x flat one-block leaves on one H200, and 2.6x (DP 2) and 2.4-3.0x (TP 2) per-block ZeRO-3
-# on two (benchmarks/results/zero3/flat_params_h200, benchmarks/results/multi_gpu); 1 -> 2 blocks saved 46 ms a step and
-# 2 -> 4 another 13, and a unit's gathered weights stay resident while it runs, so larger units buy little.
+# DeepSpeed's host work is per unit, so fewer units step faster; the gain shrinks with each doubling, and a unit's
+# gathered weights stay resident while it runs, so larger units buy little (docs/decisions.md).
 ZERO3_UNIT_BLOCKS = 4
 
 
@@ -189,7 +188,7 @@ class ParallelConfig:
     fsdp2_forward_prefetch: int = option(
         0, "--zero-engine fsdp2: block units all-gathered ahead of the one running in forward (0 = FSDP2's default: "
            "each unit's all-gather issued by its own pre-forward hook; N: the next N units' issued when a unit's "
-           "forward starts; 1 measured no gain at batch 8 on 4 GPUs; backward always prefetches one unit)", PARALLEL,
+           "forward starts, holding N more units gathered; backward always prefetches one unit)", PARALLEL,
         parse=non_negative_int, given_only=True)
     # left out: gpt2.config.layout.zero3_unit_blocks_of (ZERO3_UNIT_BLOCKS, where it divides the blocks)
     zero3_unit_blocks: int | None = option(
@@ -249,8 +248,8 @@ class LogConfig:
 
 THROUGHPUT_WARMUP_STEPS = 3
 # DeepCompile compiles at the first step, profiles, then re-compiles with its prefetch and selective-gather passes
-# in the step after this many (deepspeed/compile/init_z3.py WARMUP, DeepSpeed 0.19.8): on GPT-2 Large on one H100
-# the two compiles took over 8 minutes, which tokens/s must not count.
+# in the step after this many (deepspeed/compile/init_z3.py WARMUP, DeepSpeed 0.19.8): the two compiles take minutes
+# on GPT-2 Large (docs/decisions.md), which tokens/s must not count.
 DEEPCOMPILE_RECOMPILE_STEP = 5
 # --profile's window after the throughput warm-up: the profiler's warm-up step and its 3 recorded (active) steps;
 # tokens/s and MFU leave them out (gpt2.observe.profiling)
@@ -294,7 +293,7 @@ class TrainConfig:
     compile: bool = option(False, "torch.compile the model (see --compile-scope)", OPTIM)
     # the parsed config holds the resolved scope; the command line's `auto` picks one (gpt2.config.cli)
     compile_scope: Literal["blocks", "model"] = option(
-        "blocks", "auto: model for single/baseline without TP (measured fastest), else blocks; blocks: each block + "
+        "blocks", "auto: model for single/baseline without TP (the fastest there), else blocks; blocks: each block + "
                   "LM head compiled separately (fast compile); model: the whole (DDP-wrapped) model as one graph, "
                   "split at DDP buckets (less per-step CPU overhead)", OPTIM, choices=("auto", "blocks", "model"),
         given_only=True, default_text="auto")
@@ -312,7 +311,7 @@ class TrainConfig:
         "auto", "with --compile (--compiler torch): the host code Inductor generates to launch each graph's kernels: "
                 "cpp = a compiled C++ wrapper (less host time per kernel, a longer first compile), python = Python; "
                 "auto = cpp for ZeRO-3's per-block or per-unit graphs (DeepSpeed or FSDP2, with or without TP) on CUDA "
-                "without sequence parallelism or fused kernels (where measured), else python",
+                "without sequence parallelism or fused kernels (where it ran faster), else python",
         OPTIM, given_only=True)
     ddp_bucket_mb: int = option(100, "DDP gradient bucket size (all-reduce granularity; --mode baseline)", OPTIM,
                                 parse=positive_int, given_only=True)

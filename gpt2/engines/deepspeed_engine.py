@@ -16,7 +16,7 @@ DeepSpeed ZeRO-3 leaf module: its parameters are gathered by one coalesced all-g
 again before its backward) instead of by hooks on each of its submodules, and `--compile` compiles each unit's
 forward with the hooks outside the graph. A gathered block is 12d^2 parameters (GPT-2 Large: 19.7M, 39 MB in bf16).
 `flat` keeps each unit's parameters in 3-4 flat tensors (`gpt2.runtime.flat_blocks`): less of DeepSpeed's per-tensor
-host work (GPT-2 Large, batch 8, 2 H200s: 0.98x DDP where one block a leaf ran 0.38x; benchmarks/results/multi_gpu);
+host work, which bounds the step at small batches (docs/decisions.md);
 the model is then built whole, as under TP, and `save_state` writes the flat layout beside DeepSpeed's files for
 export. `--zero3-fetch module` keeps DeepSpeed's default per-module hooks.
 
@@ -47,9 +47,8 @@ are removed and the parameters' all-gathers/releases and the gradients' reduce-s
 graphs, prefetched and selectively kept gathered after 5 profiled steps. Nothing else changes: the same zero.Init
 build, ZeRO-3 keys, optimizer, clipping and overflow check: by DeepSpeed's code (deepspeed/compile/init_z3.py) its op
 reduces each gradient into ZeRO-3's own partition buffer, and `engine.step()` computes the norm, clips and skips from
-there as without it. On one H100, GPT-2 Large at batch 8 trained 14 steps within 0.0005 of single, both compiles
-included (benchmarks/results/parity/h100-2026-11-26; tests/unit/test_deepcompile.py -m gpu, parity row
-zero3-deepcompile).
+there as without it: it trains single's function within the GPU parity gate, both compiles included
+(tests/unit/test_deepcompile.py -m gpu, parity row zero3-deepcompile; docs/decisions.md).
 Its evaluation graphs compile under `gpt2.runtime.compiling.deepcompile_eval_settings`.
 
 Non-finite guard (`gpt2.engines.guard`): the loss passes through `guard.gate` before `engine.backward`, so a non-finite
@@ -167,7 +166,7 @@ def arch_list_deepspeed_can_parse() -> Iterator[None]:
     """TORCH_CUDA_ARCH_LIST without arch-specific suffixes (`9.0a` -> `9.0`) while inside.
 
     DeepSpeed's JIT builder (0.19.8, op_builder/builder.py `compute_capability_args`) reads each entry as digits, so
-    an entry PyTorch accepts, such as `9.0a` (set on our H100 image), stops the build of its DeepCompile op with
+    an entry PyTorch accepts, such as `9.0a` (which Hopper images set), stops the build of its DeepCompile op with
     `invalid literal for int() with base 10: '0a'`. That op uses no arch-specific instruction."""
     old = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if old is not None:

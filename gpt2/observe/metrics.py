@@ -60,7 +60,7 @@ def peak_tflops_for_name(name: str) -> float | None:
 
 def host_cpu() -> str:
     """The host CPU's model and the cores this process may use. Host-bound steps (ZeRO at small batches, eager
-    custom ops) run at its speed: the same code on two H100 machines gave ZeRO-3 0.41x and 0.61x of single."""
+    custom ops) run at its speed, so two machines with the same GPU can differ widely (docs/decisions.md)."""
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -209,10 +209,8 @@ class LapTimer:
     evaluation steps, the last step). Between those, a host-bound step queues its kernels while the device still
     runs the step before, as in a run nobody times; a lap taken without synchronising ends when the host is done,
     so single laps are rough, but the laps between two synchronised ones add up to the exact wall time between
-    them. A synchronisation every step (as before) idled the device while the host started the next step: FSDP2 at
-    batch 8 on 2xH200 measured 152 ms a step in train.py then, 115 ms in the host-profile tool, which does not
-    synchronise inside its window (benchmarks/results/multi_gpu; train.py's preemption check synchronised every
-    step too then, see gpt2.train.preemption). `restart()` leaves out what ran since the last lap (evaluation, a
+    them. A synchronisation every step would idle the device while the host starts the next step, slowing a
+    host-bound step (docs/decisions.md). `restart()` leaves out what ran since the last lap (evaluation, a
     checkpoint save, --profile's write)."""
 
     def __init__(self, device: torch.device):

@@ -94,7 +94,7 @@ class StepProfiler:
     def stop(self) -> None:
         """End profiling and drop the profile. Its events are hundreds of thousands of Python objects: kept alive,
         they would be scanned by every full garbage collection in the steps that tokens/s measures (host-bound
-        runs measured slower after a retained profile: benchmarks/results/zero3/README.md, calls 9-11)."""
+        runs ran slower after a retained profile: docs/decisions.md)."""
         if self._prof is not None:
             self._prof.stop()
             self._prof = None

@@ -8,7 +8,8 @@ Peak allocated memory per GPU is the larger of two moments. Backward start (the 
 while every block's saved tensors are alive): model states + saved activations + loss buffers + weight
 copies + workspace. Optimizer step: model states + the gradients that exist only for the step (the fp32 copy
 DeepSpeed's 16-bit model makes; FSDP2's sharded gradients, which its reduce-scatters create in backward).
-The terms, and why (GPT-2 Large, seq 1024, on 4 x H200, is the calibration case in tests/unit/test_planner.py):
+The terms, and why (GPT-2 Large, seq 1024, on four GPUs, is the calibration case in tests/unit/test_planner.py; the
+runs behind each term: docs/decisions.md):
 
 - States (ZeRO paper): torch.autocast runs (single, DDP) keep fp32 weights (4 B), fp32 gradients (4 B,
   DDP's buckets are the .grad views) and AdamW's two fp32 moments (8 B) per parameter; so does DeepSpeed's
@@ -16,26 +17,25 @@ The terms, and why (GPT-2 Large, seq 1024, on 4 x H200, is the calibration case 
   gradients communicated in 16 bits. DeepSpeed's own bf16/fp16 (--zero-precision deepspeed) keeps 16-bit
   weights (2 B) and gradients (2 B) and an fp32 master copy + moments (12 B), sharded by ZeRO stage; at the
   step it makes an fp32 copy of its gradient partition (4 B / dp). The calibration runs below used the latter;
-  the autocast recipe's ZeRO terms were checked since against 4x H100 runs (tests/unit/test_planner.py: the
-  ZeRO-3 + TP2 rows within 2%; benchmarks/results/multi_gpu for the rest).
+  the autocast recipe's ZeRO terms were checked since against GPU runs (tests/unit/test_planner.py).
 - Saved activations per block (perf_model.layer_activation_bytes, Korthikanti et al. 2022, flash/SDPA):
   under autocast the residual stream is fp32, so both LayerNorm inputs cost 4 B per element and their
   16-bit casts 2 B: 36 B per token per unit width (+ the fp32 log-sum-exp). Compiled blocks (inductor's
-  min-cut partitioner) keep one of the fp32 tensors in 16 bits: 34 B. This was measured on CPU with
-  torch 2.13 (saved-tensor hooks around an autocast GPT-2 Large block, eager 36.1 vs compiled 34.1).
+  min-cut partitioner) keep one of the fp32 tensors in 16 bits: 34 B (saved-tensor hooks around an autocast
+  GPT-2 Large block on CPU).
   DeepSpeed's 16-bit model has a 16-bit residual stream: 32 B; compiled (ZeRO-3 with per-block compile), 24 B:
   the GELU output [b, s, 4h/t] is not saved but recomputed from the up-projection's output. That was read off
-  GPU memory (4 x H200, GPT-2 Large: 14.8 / 44.5 GiB at batch 8 / 32, a slope of 24 B plus the loss term),
-  not seen in a CPU saved-tensor measurement, where inductor's CPU partitioner keeps it (32 B either way).
+  GPU memory (the slope of peak memory over batch size), not seen in a CPU saved-tensor count, where inductor's
+  CPU partitioner keeps it (32 B either way).
 - Weight copies: autocast's 16-bit copy of every weight is saved for backward by its matmul (2 B per
   parameter; also under torch.compile in the same CPU measurement); with activation checkpointing only
   one block's copies and the tied embedding's are alive. ZeRO-3 keeps gathered 16-bit weights alive from
   their forward to their backward when DeepSpeed's trace says they are reused within
   `stage3_max_reuse_distance` parameters (ds_configs/zero3.json: 1e9, i.e. most of GPT-2 Large's later
-  blocks and the tied embedding); this is simulated on the module order. Measured since: with our blocks as
-  DeepSpeed's leaf modules it keeps every gathered weight to backward at any reuse distance, so the backward
-  re-gathers this model predicts do not happen (benchmarks/results/multi_gpu/comm_log_h100x4_2026-11-28); the
-  memory term is kept until a measurement tells the two apart.
+  blocks and the tied embedding); this is simulated on the module order. With our blocks as DeepSpeed's leaf
+  modules it keeps every gathered weight to backward at any reuse distance (its comms log shows it), so the
+  backward re-gathers this model predicts do not happen; the memory term is kept until a GPU run tells the two
+  apart.
 - Loss (the "logits" term), per token with Vp the padded vocabulary: eager cross-entropy keeps the fp32
   log-softmax and, during its backward, the fp32 nll and log-softmax gradients: 12 B x V. Compiled
   (--compile): inductor saves the 16-bit logits and writes one 16-bit gradient: 2 x 2 B x Vp. Vocab-parallel
@@ -43,8 +43,8 @@ The terms, and why (GPT-2 Large, seq 1024, on 4 x H200, is the calibration case 
   Triton fused CE: one 2^26-logit chunk, the fp32 grad_W accumulator and fp32 grad_h. Plus ln_f's input
   and output.
 - Workspace: cuBLAS's workspace (32 MiB), DeepSpeed's reduce bucket and (ZeRO-3) prefetch bucket.
-- FSDP2 (`fsdp2_memory`), read off one step's phases (benchmarks.memory_phases, 2 x H200, GPT-2 Large, batch 8
-  and 16, --compile): no gradient exists between steps or when backward starts (each unit's reduce-scatter creates
+- FSDP2 (`fsdp2_memory`), read off one step's phases (benchmarks.memory_phases, GPT-2 Large, batch 8 and 16,
+  --compile): no gradient exists between steps or when backward starts (each unit's reduce-scatter creates
   its shard; zero_grad frees them), so the sharded gradients count at the optimizer step only; held when backward
   starts are the root unit (never resharded) and the last block unit (gathered again for backward), not the
   unsharded gradients of any unit yet (with --grad-accum > 1: every unit's, kept unsharded across micro-steps).
@@ -296,9 +296,8 @@ def sp_gathered_inputs(layout: RunLayout) -> GatheredInputs:
     Only parallel.layers' overlapped path (`_ColumnParallelMatmul`: eager, `--tp-overlap` on, no fused GELU) saves
     the shard and gathers again in backward; `--compile` traces the plain path inside the blocks, and the MLP
     up-projection (GELU fused into its matmul) always takes it. The vocab-parallel LM head is never compiled
-    (gpt2.runtime.compiling.compiled_parts), so it keeps its shard whenever --tp-overlap is on. Measured on 4x H100
-    (ZeRO-3 + TP2 + SP, batch 48, --compile): 57.4 GiB where the shard assumption planned 52.9
-    (benchmarks/results/multi_gpu)."""
+    (gpt2.runtime.compiling.compiled_parts), so it keeps its shard whenever --tp-overlap is on. Planning the shard
+    everywhere under-predicted a ZeRO-3 + TP2 + SP run's peak (docs/decisions.md)."""
     if not layout.sequence_parallel or layout.tp_size == 1:
         return GatheredInputs(0, 0)
     overlap = layout.cfg.parallel.tp_overlap
@@ -474,8 +473,8 @@ def zero3_fp32_traffic(layout: RunLayout, ops: list[CommOp], extra_bytes: int) -
     """`zero3_gathers`' ops with the embeddings' and LayerNorms' fp32 bytes added (`zero3_fp32_params`): their
     gradients in the reduce-scatter, their weights in the forward gathers or the after-step refresh. (Held from
     forward to backward, the embeddings are not gathered again; a LayerNorm re-gathered in backward, 2d elements a
-    block, is left out.) On 4x H100 this is the whole difference between the plan and `--comm-log` for GPT-2 Large's
-    reduce-scatter, 131,773,440 bytes a step (benchmarks/results/multi_gpu/comm_log_h100x4_2026-11-28)."""
+    block, is left out.) This is the whole difference between the plan and `--comm-log` for GPT-2 Large's
+    reduce-scatter (docs/decisions.md)."""
     gathered, persistent = zero3_fp32_params(layout)
     more = {"grad reduce-scatter": gathered + persistent, "param all-gather (fwd)": gathered,
             "persistent param all-gather (after step)": persistent}
@@ -620,7 +619,7 @@ class Hardware:
     """Assumptions of the step-time model, printed with every search."""
 
     gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB
-    achievable_tflops: float = 400.0  # sustained bf16 matmul rate per GPU (~40% of H100/H200's 989 dense)
+    achievable_tflops: float = 400.0  # sustained bf16 matmul rate per GPU (~40% of a 989 TFLOP/s dense peak)
     busbw_intra_gbs: float = 350.0  # collective bus bandwidth within a node (NVLink)
     busbw_inter_gbs: float = 40.0  # ... of a group spanning nodes (e.g. one 400 Gb/s NIC per GPU)
     gpus_per_node: int = 8

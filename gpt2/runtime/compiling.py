@@ -5,15 +5,14 @@ Three ways a model is compiled (`--compile-scope`, resolved in `gpt2.config.sche
 - `compile_model`: each block, the final LayerNorm and the LM head + loss in place (scope `blocks`);
 - `compile_forwards`: the same parts' forwards only, module hooks left eager (ZeRO-3 with per-block gathers).
 
-Each applies `INDUCTOR_SETTINGS` first. Why (measured on one H100, torch 2.11, bf16; reproduced standalone by
-`benchmarks/repro/inductor_loop_ordering_inplace.py`): with Inductor's defaults, a whole-model graph of a
-GPT-2 of width 1280 and two or more blocks computes a wrong training forward — the step-0 loss 11.041 instead
-of 11.081, the tied embedding's gradient 26% off, GPT-2 Large climbing to a loss of 30+ — while the same graph
-under `aot_eager` is exact. Turning off either `loop_ordering_after_fusion` or `inplace_buffers` makes it exact
-(pattern matcher, padding, split or persistent reductions, online softmax, mix-order reductions, buffer reuse
-and epilogue fusion do not); Inductor's compiler bisector blames the lowering of one bf16 cast. Loop
-re-ordering after fusion costs nothing measurable here: 191.3k tok/s with it off vs 190.2k (wrong) with it
-on, GPT-2 Large width at 12 layers, batch 8 x 1024; `inplace_buffers=False` costs 0.8%.
+Each applies `INDUCTOR_SETTINGS` first. Why (CUDA, torch 2.11, bf16; reproduced standalone by
+`benchmarks/repro/inductor_loop_ordering_inplace.py`; the numbers: docs/decisions.md): with Inductor's defaults, a
+whole-model graph of a GPT-2 of width 1280 and two or more blocks computes a wrong training forward (the step-0 loss
+and the tied embedding's gradient off, GPT-2 Large diverging) while the same graph under `aot_eager` is exact.
+Turning off either `loop_ordering_after_fusion` or `inplace_buffers` makes it exact (pattern matcher, padding,
+split or persistent reductions, online softmax, mix-order reductions, buffer reuse and epilogue fusion do not);
+Inductor's compiler bisector blames the lowering of one bf16 cast. Loop re-ordering after fusion is the one
+turned off: it costs less throughput than `inplace_buffers=False`.
 """
 
 from __future__ import annotations
@@ -69,7 +68,7 @@ def compile_forwards(model: GPT, cpp_wrapper: bool = False) -> None:
     compiled forward sees them whole."""
     # On CUDA, ZeRO-3's gathered block parameters fail a guard of the previous block's graph, so Dynamo compiles
     # the shared Block.forward once per block (reused every step after that); at its default limit of 8 the
-    # other blocks of GPT-2 Large ran eagerly (4xH200 logs: "hit config.recompile_limit (8)").
+    # other blocks of GPT-2 Large ran eagerly (the log says "hit config.recompile_limit (8)").
     import torch._dynamo
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(model.blocks) + 8)
@@ -82,7 +81,7 @@ def deepcompile_eval_settings(deepcompile: bool) -> contextlib.AbstractContextMa
     """Inductor settings for the graphs DeepCompile compiles at evaluation (no grad). Inductor asserts the 16-byte
     alignment of every output of a fallback op, even one the op leaves undefined; the no-grad graph calls
     `_scaled_dot_product_cudnn_attention`, whose logsumexp is undefined without gradients, and the assert raises
-    `TypeError: expected Tensor()` (pytorch/pytorch#196226; seen on an H100, torch 2.11). The assert is a check
+    `TypeError: expected Tensor()` (pytorch/pytorch#196226; seen on CUDA, torch 2.11). The assert is a check
     only: without it the eval graph is the same. Training graphs compile outside this and keep the assert."""
     if not deepcompile:
         return contextlib.nullcontext()

@@ -2,9 +2,9 @@
 3-4 tensors a block instead of 12.
 
 ZeRO-3's host work is per parameter tensor: fetch and release bookkeeping, a gradient hook, a reduce-scatter slot
-and a partition per tensor, each step (benchmarks/results/zero3/host_breakdown_cpu). GPT-2 Large has 436 tensors;
-flattened, 112 (tp 1) or 148 (TP). The CPU prototype (benchmarks/repro/deepspeed_flat_block_params.py) measured
-0.79-0.85x of the per-tensor step's host time at 24 blocks, the same losses to the bit.
+and a partition per tensor, each step. GPT-2 Large has 436 tensors; flattened, 112 (tp 1) or 148 (TP). Fewer
+tensors cut the step's host time with the same losses to the bit (the CPU prototype,
+benchmarks/repro/deepspeed_flat_block_params.py; docs/decisions.md).
 
     FlatBlock(block)          # the block's 12 Parameters -> one flat Parameter per FlatGroup, views in forward
       .matmul.<group>         # the MATMUL_TYPES' weights / biases: a MatmulFlatParams, which DeepSpeed gathers
@@ -22,8 +22,8 @@ hooks see what they saw on the members.
 Same function: the flat tensors are the members' values, concatenated in `named_parameters` order, and the forward
 runs the same Block on views of them; autograd's view backward hands each member's gradient to its slice. A view that
 autograd saves for backward keeps its block's gathered storage alive until the block's backward (a Parameter saved as
-itself does not: ZeRO-3 empties its `.data` after the forward); on one H200 (GPT-2 Large, bf16 autocast, batch 8 and
-32) the peak memory was the same as per-block ZeRO-3's (benchmarks/results/zero3/flat_params_h200).
+itself does not: ZeRO-3 empties its `.data` after the forward); a unit's weights are gathered until its backward
+anyway (DeepSpeed keeps them: gpt2.planning.planner), so the peak is per-block ZeRO-3's (docs/decisions.md).
 
 Built on whole tensors (after the TP plan, before `deepspeed.initialize`), so not under `deepspeed.zero.Init`: the
 model exists whole on every device until DeepSpeed partitions it, as it does under TP (GPT-2 XL: 6 GB of fp32).
