@@ -7,8 +7,8 @@ engine interface, beside DeepSpeed's (`gpt2.engines.deepspeed_engine`, the defau
 Sharding. Each group of --fsdp2-unit-blocks consecutive transformer blocks (default 4) is one `fully_shard` unit
 (FSDP2's list form: one all-gather of the group's parameters before its forward and again before its backward, one
 reduce-scatter of its gradients, one set of hooks; the parameter names stay the blocks'). At batch 8 the step is
-host-bound, and FSDP2's host work is per unit: on 2xH200, GPT-2 Large, 340 ms a step at one block a unit, 159 at
-four (docs/design.md). The root module is the last unit: the token and
+host-bound, and FSDP2's host work is per unit, so fewer, larger units step faster (docs/decisions.md). The root
+module is the last unit: the token and
 position embeddings, the final LayerNorm and the LM head, whose weight IS `wte.weight` (GPT-2 ties them; `LMHead`
 registers the same Parameter), so the tie lives inside one unit: FSDP2 shards it once, swaps the gathered tensor
 into both modules and accumulates both gradient contributions before its reduce-scatter. The root stays gathered
@@ -39,7 +39,7 @@ reduce-scattered in fp32 and averaged over the DP group (FSDP2 divides by its si
   matmuls see the same values, with half the all-gather bytes and no autocast weight copies; the LayerNorm scales
   and biases are rounded to bf16 too (LayerNorm still computes in fp32: autocast upcasts them), and so are their
   gradients; under TP, RowParallelLinear adds its bias in bf16. Those are the differences from single's function,
-  within the parity gate (benchmarks/results/multi_gpu). Inputs are not cast
+  within the parity gate (docs/decisions.md). Inputs are not cast
   (`cast_forward_inputs=False`): the residual stream stays fp32, as under autocast. The root (embeddings, tied
   head, final LayerNorm) gathers fp32: the embedding output is the residual stream. Gradients come out of the
   blocks in bf16 (for the Linears no change: autocast's matmul gradients are bf16 before their cast to fp32) and
@@ -132,7 +132,7 @@ def shard_model(model: GPT, mesh: DeviceMesh, *, reshard_after_forward: bool, un
         fully_shard(group, mesh=mesh, reshard_after_forward=reshard_after_forward,
                     mp_policy=mixed_precision(block_gather_dtype))
     # the root stays gathered from forward to backward at either stage: its LM head runs last in forward and first
-    # in backward (an explicit True would free and re-gather it there: measured, 2x the all-gather bytes of gpt2-tiny)
+    # in backward (an explicit True would free it there and gather it again: twice its all-gather bytes)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mixed_precision(None))
     units: list[nn.Module] = [group[0] for group in groups] + [model]
     for name, p in model.named_parameters():
@@ -146,9 +146,8 @@ def set_forward_prefetch(units: list[nn.Module], depth: int) -> None:
     """Each unit's forward (the root's first: it runs the embeddings before block 0) issues the all-gathers of the
     next `depth` block units (`units`: shard_model's, root last; 0 leaves FSDP2's default, no forward prefetch).
     Without it a unit's all-gather is issued by its own pre-forward hook, so it overlaps the previous unit's
-    compute only when the host runs ahead of the device, which at batch 8 it barely does (device busy ~75%,
-    benchmarks/results/profiles); yet depth 1 measured no gain there (4x H200, benchmarks/results/multi_gpu), so
-    the default is 0. Prefetching holds at most `depth` more units gathered during forward, below the peak at
+    compute only when the host runs ahead of the device, which at batch 8 it barely does; yet depth 1 did not
+    speed that step up (docs/decisions.md), so the default is 0. Prefetching holds at most `depth` more units gathered during forward, below the peak at
     backward's start (gpt2.planning.planner.fsdp2_memory)."""
     *blocks, root = units
     if depth == 0 or not blocks:
@@ -197,9 +196,8 @@ class FSDP2CommLog:
 class LocalShardAdamW(torch.optim.AdamW):
     """torch's fused AdamW whose update runs on each DTensor's local shard: the same kernels on the same numbers
     (AdamW is elementwise, so the shard's update is the DTensor's), without DTensor's per-op dispatch over FSDP2's
-    hundreds of sharded parameters (pytorch/pytorch#134191; about 15 ms of host time a step for GPT-2 Large's 436
-    under cProfile in the c1 profile; removing it did not change the batch-8 step on 2xH200, where the device does
-    not wait for that host work: benchmarks/results/multi_gpu, call a1). The parameters and the state stay DTensors
+    hundreds of sharded parameters (pytorch/pytorch#134191: host time a step that grows with the parameter count,
+    though a device-bound step hides it: docs/decisions.md). The parameters and the state stay DTensors
     (`get_state_dict`/DCP see what they saw): only the lists `Adam.step` hands its kernel hold their local tensors
     (views of the same storage, so the update lands in place). `_init_group` has this signature in every torch the
     harness supports (2.11-2.13); tests/unit/test_fsdp2_step.py checks the step against AdamW on DTensors."""
