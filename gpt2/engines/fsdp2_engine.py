@@ -147,8 +147,8 @@ def set_forward_prefetch(units: list[nn.Module], depth: int) -> None:
     next `depth` block units (`units`: shard_model's, root last; 0 leaves FSDP2's default, no forward prefetch).
     Without it a unit's all-gather is issued by its own pre-forward hook, so it overlaps the previous unit's
     compute only when the host runs ahead of the device, which at batch 8 it barely does; yet depth 1 did not
-    speed that step up (docs/decisions.md), so the default is 0. Prefetching holds at most `depth` more units gathered during forward, below the peak at
-    backward's start (gpt2.planning.planner.fsdp2_memory)."""
+    speed that step up (docs/decisions.md), so the default is 0. Prefetching holds at most `depth` more units
+    gathered during forward, below the peak at backward's start (gpt2.planning.planner.fsdp2_memory)."""
     *blocks, root = units
     if depth == 0 or not blocks:
         return
