@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# FSDP2 beside DeepSpeed (issue 34: --mode hybrid --zero-engine fsdp2) on 4 GPUs, one step per call (each under
+# FSDP2 beside DeepSpeed (--mode hybrid --zero-engine fsdp2) on 4 GPUs, one step per call (each under
 # TOTAL_S, default 540 s), GPT-2 Large unless MODEL says otherwise:
 #   OUT=/tmp/fsdp2-parity-large STEP=parity MODEL=gpt2-large bash benchmarks/gpu_fsdp2.sh
 #   OUT=/tmp/fsdp2-parity-gpt2 STEP=parity MODEL=gpt2 bash benchmarks/gpu_fsdp2.sh

@@ -494,7 +494,7 @@ def bias_gelu_section(rows: list[dict[str, object]]) -> str:
 
 {markdown_table(table, list(table[0]))}
 
-Target (issue 16, deliverable 2): the fused epilogue >= 1.15x the best "cuBLAS + separate bias-GELU" variant.
+Target: the fused epilogue >= 1.15x the best "cuBLAS + separate bias-GELU" variant.
 The backward's fusion (pre-activation written by the forward epilogue, dpre and db in the dgrad's epilogue) is
 timed in the forward + backward section; the up-projection's dX = dpre W and dW = dpre^T x stay plain GEMMs.
 """
@@ -516,7 +516,7 @@ def mlp_fwd_bwd_section(rows: list[dict[str, object]]) -> str:
 
 Forward: h = GELU(x W_up^T + b) and the pre-activation pre; backward from the down-projection's dgrad dh = dy W_down:
 dpre = dh * GELU'(pre), db = column sums of dpre. Fused: the forward epilogue writes h and pre (bias_gelu_aux), the
-dgrad's epilogue computes dpre and accumulates db (dgelu). Target (issue 16): fused total >= 1.15x the best separate.
+dgrad's epilogue computes dpre and accumulates db (dgelu). Target: fused total >= 1.15x the best separate.
 """
 
 

@@ -7,7 +7,7 @@ the median) against the number of parameter tensors is close to a line; its slop
 spends per parameter tensor per step. GPT-2 Large has 436 parameter tensors, so slope x 436 is the host
 time per step that engine's per-tensor work costs at GPT-2 Large (torch's own included; on a GPU, the device's work
 can overlap it, so the wall time added depends on the batch). For ZeRO-3 this is the per-parameter Python path that
-issue 15's profiles name (gradient bucketing, partition and free, gathers, per-parameter norms): the persistence
+the ZeRO-3 profiles name (gradient bucketing, partition and free, gathers, per-parameter norms): the persistence
 threshold is 0, as the harness sets it (gpt2/engines/ds_config.py), so every tensor is partitioned and gathered although
 these are tiny.
 

@@ -1,4 +1,4 @@
-"""GPU regressions: the two compiled configurations that trained the wrong function (issue 13).
+"""GPU regressions: the two compiled configurations that trained the wrong function.
 
 1. A whole-model compile of a GPT-2 of width 1280 (GPT-2 Large's) with two blocks: with Inductor's defaults
    (torch 2.11, H100, bf16) the step-0 loss was 11.041 against eager's 11.081 and the tied embedding's gradient

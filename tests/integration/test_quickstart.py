@@ -1,4 +1,4 @@
-"""The quick start on a stock Linux Python (issue 19): scripts/python_env.sh picks one environment for every
+"""The quick start on a stock Linux Python: scripts/python_env.sh picks one environment for every
 script, scripts/setup.sh creates the project's .venv (clear errors before any download), and a fresh clone's
 `bash scripts/demo.sh` / `bash scripts/test.sh` work with the distribution's externally managed Python (PEP 668).
 """

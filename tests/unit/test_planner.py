@@ -88,7 +88,7 @@ MEASURED_FSDP2 = [  # (flags, world size, measured peak allocated GiB), H200s, t
 @pytest.mark.parametrize(("flags", "world", "measured"), MEASURED_FSDP2,
                          ids=[f"w{w} " + " ".join(f) for f, w, _ in MEASURED_FSDP2])
 def test_fsdp2_peak_within_5_percent_of_measurement(flags, world, measured):
-    """Issue 34's target. Before the FSDP2 terms were read off the memory phases (gradients counted at backward
+    """The FSDP2 planner's target. Before the FSDP2 terms were read off the memory phases (gradients counted at backward
     start, two units and their gradients held), the first and third cases were 15% and 13% high."""
     predicted = predict_memory(planned(LARGE + flags, world)).peak / GIB
     assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
