@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import functools
 import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpt2.config.cli import parse_args
 from gpt2.config.schema import ConfigError
+from gpt2.train.preemption import STARTUP_SIGNALS, PreemptionWatcher
 
 if TYPE_CHECKING:
     from gpt2.config.layout import RunLayout
@@ -53,8 +55,18 @@ def resume_command(argv: list[str]) -> str:
     return shlex.join(["python", "train.py", *kept, "--resume", "auto"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def main(argv: list[str] | None = None, preemption: PreemptionWatcher | None = None) -> int:
+    """Train; returns the exit status. `preemption`: the watcher `python train.py` installs before torch loads (a
+    preemption during start-up then still checkpoints after step 1 and exits 75); default: one installed here. Its
+    handlers are put back on return."""
+    preemption = preemption or PreemptionWatcher(STARTUP_SIGNALS)
+    try:
+        return _run(sys.argv[1:] if argv is None else argv, preemption)
+    finally:
+        preemption.restore()
+
+
+def _run(argv: list[str], preemption: PreemptionWatcher) -> int:
     try:
         cfg = parse_args(argv)
         if cfg.plan.plan:  # prints and exits: no process group, data or GPU
@@ -85,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             prepare_resume,
         )
         from gpt2.train.loop import run_training
-        from gpt2.train.preemption import EXIT_INTERRUPTED, Preempted, PreemptionWatcher
+        from gpt2.train.preemption import EXIT_INTERRUPTED, Preempted
 
         layout, ctx = init_distributed(cfg)
         try:
@@ -101,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130  # gpt2.preemption.EXIT_INTERRUPTED, perhaps not imported yet (it loads torch)
     logger = None
     finished = False
-    # SIGUSR1 / SIGTERM / SIGINT from here on: checkpoint at the next step boundary, exit 75 (130 for SIGINT)
-    preemption = PreemptionWatcher()
+    # SIGUSR1 / SIGTERM (since start-up) / SIGINT from here on: checkpoint at the next step boundary, exit 75 (130 for
+    # SIGINT)
+    preemption.watch(signal.SIGINT)
     try:
         setup_console(None, ctx.is_main)
         # the plan is made once, here: the checkpoints get its size, the loop adds its comparison to the summary
@@ -162,16 +175,14 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s; exit %d", err, EXIT_NONFINITE)
         return EXIT_NONFINITE
     finally:
-        try:
-            if logger:
-                logger.close()
-            shutdown_distributed(all_ranks_finished=finished)
-        finally:
-            preemption.restore()
+        if logger:
+            logger.close()
+        shutdown_distributed(all_ranks_finished=finished)
     return 0
 
 
 if __name__ == "__main__":
+    watcher = PreemptionWatcher(STARTUP_SIGNALS)  # before torch loads: a preemption then is not a bare exit 143
     from gpt2.runtime.distributed import run_as_process
 
-    run_as_process(main)
+    run_as_process(functools.partial(main, preemption=watcher))

@@ -83,9 +83,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from gpt2.config.layout import RunLayout
-from gpt2.config.schema import CheckpointConfig, ConfigError, RunConfig
+from gpt2.config.schema import CheckpointConfig, ConfigError, RunConfig, TrainConfig
 from gpt2.data.loader import BatchLoader
-from gpt2.engines.base import Engine
+from gpt2.engines.base import Engine, lr_at
 from gpt2.engines.guard import NonFiniteError
 from gpt2.observe.run_logging import log
 from gpt2.runtime.distributed import DistContext
@@ -661,6 +661,21 @@ def check_save_space(layout: RunLayout, start_step: int, checkpoint_size: float)
                     save_dir, free / GIB, held, held * need / GIB, need / GIB, EXIT_SAVE_FAILED)
 
 
+def schedule_change(meta: dict[str, Any], train: TrainConfig) -> str | None:
+    """What resuming a checkpoint made by a run of another --max-steps does to the LR schedule (recomputed for this
+    run's length: gpt2.engines.base.lr_at), or None where it stays the same (same length, or a constant LR after
+    the warm-up). Stated, not refused: extending a finished run, or resuming a preempted one to a new end, is
+    what such a resume is for."""
+    saved = meta.get("max_steps")
+    if saved in (None, train.max_steps) or train.min_lr == train.lr:
+        return None
+    step = meta["step"]
+    was, now = lr_at(step, dataclasses.replace(train, max_steps=saved)), lr_at(step, train)
+    return (f"resume: the checkpoint at step {step} was made by a run of --max-steps {saved}; this run's --max-steps "
+            f"{train.max_steps} recomputes the LR schedule (step {step + 1}'s LR: {was:.4g} in the checkpoint's "
+            f"schedule, {now:.4g} now); pass --max-steps {saved} to keep the checkpoint's schedule")
+
+
 def prepare_resume(layout: RunLayout, ctx: DistContext, checkpoint_size: float) -> ResumePoint | None:
     """Start-up checks, cheap and before anything heavy: resolve --resume, check it matches this run, check
     --save-dir holds nothing this run would write and has room for `checkpoint_size` bytes a save. The run folder's
@@ -672,6 +687,8 @@ def prepare_resume(layout: RunLayout, ctx: DistContext, checkpoint_size: float) 
         resume = ResumePoint(resume_from, read_meta(resume_from))
         _on_rank0(ctx, lambda: verify_checkpoint(resume_from))  # at start-up: a bad file fails before any work
         check_compatible(resume.meta, layout, resume_from)
+        if ctx.is_main and (change := schedule_change(resume.meta, cfg.train)):
+            log.warning("%s", change)
     check_save_dir(cfg, resume_from, resume.step if resume else 0)
     check_save_space(layout, resume.step if resume else 0, checkpoint_size)
     return resume

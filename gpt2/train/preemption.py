@@ -24,16 +24,18 @@ from __future__ import annotations
 import os
 import signal
 from types import FrameType
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-
-from gpt2.runtime.distributed import DistContext
-from gpt2.runtime.readback import LateRead
+if TYPE_CHECKING:  # no torch at import: train.py installs the watcher before torch loads (seconds)
+    from gpt2.runtime.distributed import DistContext
+    from gpt2.runtime.readback import LateRead
 
 EXIT_PREEMPTED = 75
 EXIT_INTERRUPTED = 130
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+# watched from the process's first moment (train.py); SIGINT only once training starts: a Ctrl-C before that stops at
+# once (KeyboardInterrupt), as there is nothing to checkpoint
+STARTUP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 _CTRL_C = b"Ctrl-C: stopping after this step, with a checkpoint if --save-dir is set; Ctrl-C again stops at once\n"
 
 
@@ -69,6 +71,11 @@ class PreemptionWatcher:
         self._pending: LateRead | None = None  # the last call's all-reduced flag, read by the next call
         self._replaced = {sig: signal.signal(sig, self._handle) for sig in signals}
 
+    def watch(self, sig: signal.Signals) -> None:
+        """Handle `sig` too from now on (`restore` puts its handler back as well)."""
+        if sig not in self._replaced:
+            self._replaced[sig] = signal.signal(sig, self._handle)
+
     def restore(self) -> None:
         for sig, handler in self._replaced.items():
             if handler is not None:  # None: a handler installed from C, which Python cannot put back
@@ -89,6 +96,11 @@ class PreemptionWatcher:
         self.checked = step
         if not ctx.distributed:
             return bool(self.received)
+        import torch
+        import torch.distributed as dist
+
+        from gpt2.runtime.readback import LateRead
+
         flag = torch.full((1,), float(self.received), device=ctx.device)  # a fill on the device: no host copy
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         previous, self._pending = self._pending, LateRead(flag)

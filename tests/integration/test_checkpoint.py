@@ -275,10 +275,11 @@ def test_another_zero_engines_checkpoint_names_the_engine_only(tmp_path: Path) -
 
 
 def test_resume_follows_the_new_schedule_when_max_steps_grows(single: Path, tmp_path: Path) -> None:
-    """Resuming the 8-step run's step-4 checkpoint with --max-steps 16: every step's LR, the first resumed one
-    included, is the 16-step schedule's (gpt2.engines.base.lr_at), not the checkpoint's stale 8-step value. The copy
-    resumed has no manifest.json (a checkpoint from before manifests, for test_checkpoint_files_are_verified_before_
-    any_load): our weights_only files load with a warning."""
+    """Resuming the 8-step run's step-4 checkpoint with --max-steps 16 (a warning says so, naming the flag that keeps
+    the old schedule): every step's LR, the first resumed one included, is the 16-step schedule's
+    (gpt2.engines.base.lr_at), not the checkpoint's stale 8-step value. The copy resumed has no manifest.json (a
+    checkpoint from before manifests, for test_checkpoint_files_are_verified_before_any_load): our weights_only
+    files load with a warning."""
     from gpt2.config.cli import parse_args
     from gpt2.engines.base import lr_at
 
@@ -288,6 +289,8 @@ def test_resume_follows_the_new_schedule_when_max_steps_grows(single: Path, tmp_
     args = [a if a != "8" else "16" for a in COMMON] + ["--batch-size", "4"]
     proc = run_train(args + ["--run-name", "longer", "--resume", str(legacy)], tmp_path)
     assert "has no manifest.json" in proc.stderr and "weights_only=True" in proc.stderr
+    assert ("the checkpoint at step 4 was made by a run of --max-steps 8; this run's --max-steps 16 recomputes the LR "
+            "schedule" in proc.stderr and "pass --max-steps 8 to keep" in proc.stderr), proc.stderr[-2000:]
     t = parse_args(args).train
     logged = {r["step"]: r["lr"] for r in read_records(tmp_path / "longer") if r["type"] == "step" and "lr" in r}
     assert sorted(logged) == list(range(5, 17))

@@ -175,6 +175,34 @@ def test_a_second_ctrl_c_in_train_main_is_one_line(tmp_path: Path, monkeypatch: 
             in capsys.readouterr().err)
 
 
+def test_a_preemption_during_start_up_checkpoints_after_the_first_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """SIGTERM while train.py parses its flags (before torch loads, the model or the data exist) is a preemption like
+    a later one: step 1's checkpoint, exit 75; the process's handler before and after is the test's own."""
+    import train
+
+    def unexpected(signum: int, frame: object) -> None:
+        pytest.fail("SIGTERM reached the handler train.main found: none of its own was installed yet")
+
+    def parse_when_preempted(argv: list[str]):
+        signal.raise_signal(signal.SIGTERM)
+        return parse_args(argv)
+
+    from gpt2.config.cli import parse_args
+
+    previous = signal.signal(signal.SIGTERM, unexpected)
+    try:
+        monkeypatch.setattr(train, "parse_args", parse_when_preempted)
+        ck = tmp_path / "ck"
+        assert train.main(PREEMPT_ARGS + ["--max-steps", "3", "--out-dir", str(tmp_path / "runs"),
+                                          "--save-dir", str(ck)]) == EXIT_PREEMPTED
+        assert saved_step(ck) == 1
+        assert "preempted by SIGTERM after step 1" in capsys.readouterr().err
+        assert signal.getsignal(signal.SIGTERM) is unexpected
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_ranks_agree_one_step_later_without_waiting_for_this_step(gloo_world) -> None:
     """Distributed, each call reads the previous call's all-reduced flag (reading this step's would wait for the
     device every step): a signal before call k stops every rank at call k + 1; one process reads its own flag."""
