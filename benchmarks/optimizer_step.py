@@ -26,6 +26,9 @@ Rows (N parameters, 4 bytes each; `min_GB` is what a row must move at least, eac
 - compiled-flat+clip: the norm, then one torch.compile'd elementwise function per group over the flat buffers
   (clip, AdamW, the non-finite skip as a select): what a single-pass kernel reaches; 32N, the bound of a clipped
   step (the clip needs every gradient before any update, so the norm's read cannot be folded in).
+- compiled-lists+clip (only when --variants names it; its compile takes minutes): the same compiled update over
+  the model's own tensors, no flat buffers (Inductor: a kernel per tensor); 32N. What a compiled optimizer in
+  the engines would reach without changing the parameters' layout.
 - grad-norm, clip-mul: the two parts of clip-first before its AdamW (4N, 8N).
 - copy: `dst.copy_(src)` of a large fp32 buffer (read + write): the bandwidth the bounds divide by.
 
@@ -68,6 +71,8 @@ SLEEP_CYCLES = 50_000_000  # device cycles the stream waits while the host queue
 COLUMNS = ["variant", "tensors", "ms", "wall_ms", "min_GB", "GB/s", "pct_of_copy_bw", "x_adamw_bound", "error"]
 VARIANTS = ("engine", "clip-first", "fused", "foreach", "fused-flat", "fused-flat+clip", "compiled-flat+clip",
             "grad-norm", "clip-mul", "copy")
+COMPILED = ("compiled-flat+clip", "compiled-lists+clip")
+OPT_IN = ("compiled-lists+clip",)  # only when --variants names it: Inductor compiles a graph of every tensor
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,13 +83,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     p.add_argument("--iters", type=int, default=20, help="timed calls per variant (the median is reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first (optimizer state, compilation)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
-    p.add_argument("--no-compile", action="store_true", help="leave out compiled-flat+clip (Inductor's compile)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, from {','.join(VARIANTS + OPT_IN)} (default: all but {','.join(OPT_IN)})")
+    p.add_argument("--no-compile", action="store_true", help="leave out the compiled variants (Inductor's compile)")
     p.add_argument("--profile", action="store_true", help="also write one step's kernel table per variant")
     args = p.parse_args(argv)
-    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    unknown = set(args.variants.split(",")) - set(VARIANTS + OPT_IN)
     if unknown:
-        p.error(f"unknown --variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+        p.error(f"unknown --variants {sorted(unknown)}; choose from {', '.join(VARIANTS + OPT_IN)}")
     return args
 
 
@@ -143,20 +149,22 @@ def flat_groups(groups: list[dict], grads: dict[int, torch.Tensor]) -> tuple[lis
     return flat, flat_grads
 
 
-def adamw_flat(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
-               divisor: torch.Tensor, skip: torch.Tensor, lr: float, beta1: float, beta2: float, eps: float,
-               weight_decay: float) -> None:
-    """torch's AdamW (decoupled decay, bias-corrected) on flat tensors in place, the gradient divided by `divisor`,
-    nothing changed where `skip`: compiled, one elementwise kernel reads p, g, m, v and writes p, m, v."""
-    g = g / divisor
+def adamw_update(ps: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.Tensor],
+                 step: torch.Tensor, divisor: torch.Tensor, skip: torch.Tensor, lr: float, beta1: float, beta2: float,
+                 eps: float, weight_decay: float) -> None:
+    """torch's AdamW (decoupled decay, bias-corrected; one step count for the group) in place, each gradient divided
+    by `divisor`, nothing changed where `skip`: compiled, one elementwise kernel per tensor reads p, g, m, v and
+    writes p, m, v (the gradient is not written back)."""
     step_new = step + 1
-    m_new = beta1 * m + (1 - beta1) * g
-    v_new = beta2 * v + (1 - beta2) * g * g
     bc1, bc2 = 1 - beta1**step_new, 1 - beta2**step_new
-    p_new = p * (1 - lr * weight_decay) - (lr / bc1) * m_new / (v_new.sqrt() / bc2.sqrt() + eps)
-    p.copy_(torch.where(skip, p, p_new))
-    m.copy_(torch.where(skip, m, m_new))
-    v.copy_(torch.where(skip, v, v_new))
+    for p, g, m, v in zip(ps, gs, ms, vs):
+        g = g / divisor
+        m_new = beta1 * m + (1 - beta1) * g
+        v_new = beta2 * v + (1 - beta2) * g * g
+        p_new = p * (1 - lr * weight_decay) - (lr / bc1) * m_new / (v_new.sqrt() / bc2.sqrt() + eps)
+        p.copy_(torch.where(skip, p, p_new))
+        m.copy_(torch.where(skip, m, m_new))
+        v.copy_(torch.where(skip, v, v_new))
     step.copy_(torch.where(skip, step, step_new))
 
 
@@ -198,6 +206,24 @@ class Variant:
     before: Callable[[], None]  # untimed, ahead of each call
 
 
+def compiled_variant(weights: list[list[torch.Tensor]], grads: list[list[torch.Tensor]], groups: list[dict],
+                     t: Any, clip: float) -> Variant:
+    """The norm, then `adamw_update` compiled once per group over its tensors (own moments, zeros at first)."""
+    device = weights[0][0].device
+    update = torch.compile(adamw_update, fullgraph=True, dynamic=False)
+    states = [(ws, gs, [torch.zeros_like(w) for w in ws], [torch.zeros_like(w) for w in ws],
+               torch.zeros((), device=device), group["weight_decay"]) for ws, gs, group in zip(weights, grads, groups)]
+    every_grad = [g for gs in grads for g in gs]
+
+    def compiled_step() -> None:
+        total = torch.nn.utils.get_total_norm(every_grad)
+        divisor, skip = clip_divisor(total, clip), ~torch.isfinite(total)
+        for ps, gs, ms, vs, step, wd in states:
+            update(ps, gs, ms, vs, step, divisor, skip, t.lr, t.beta1, t.beta2, 1e-8, wd)
+
+    return Variant(len(every_grad), 32, compiled_step, lambda: None)
+
+
 def make_variant(name: str, s: Setup) -> Variant:
     """One row's step over the setup's parameters (its own optimizer state or flat copies where it needs them)."""
     engine, opt, t, clip = s.engine, s.engine.optimizer, s.engine.cfg.train, s.clip
@@ -224,6 +250,10 @@ def make_variant(name: str, s: Setup) -> Variant:
     if name == "clip-mul":
         coef = torch.ones((), device=device)
         return Variant(len(s.params), 8, lambda: torch._foreach_mul_(list(s.grads.values()), coef), s.attach)
+    if name == "compiled-lists+clip":
+        groups = opt.param_groups
+        return compiled_variant([[p.detach() for p in g["params"]] for g in groups],
+                                [[s.grads[id(p)] for p in g["params"]] for g in groups], groups, t, clip)
     groups, flat_grads = flat_groups(opt.param_groups, s.grads)
     weights = [g["params"][0] for g in groups]
     if name in ("fused-flat", "fused-flat+clip"):
@@ -240,17 +270,7 @@ def make_variant(name: str, s: Setup) -> Variant:
         clipped = name.endswith("+clip")
         return Variant(len(weights), 36 if clipped else ADAMW_BYTES, flat_clip if clipped else flat.step, attach_flat)
     if name == "compiled-flat+clip":
-        states = [(w.detach(), g, torch.zeros_like(g), torch.zeros_like(g), torch.zeros((), device=device),
-                   group["weight_decay"]) for w, g, group in zip(weights, flat_grads, groups)]
-        update = torch.compile(adamw_flat, fullgraph=True, dynamic=False)
-
-        def compiled_step() -> None:
-            total = torch.nn.utils.get_total_norm(flat_grads)
-            divisor, skip = clip_divisor(total, clip), ~torch.isfinite(total)
-            for p, g, m, v, step, wd in states:
-                update(p, g, m, v, step, divisor, skip, t.lr, t.beta1, t.beta2, 1e-8, wd)
-
-        return Variant(len(states), 32, compiled_step, lambda: None)
+        return compiled_variant([[w.detach()] for w in weights], [[g] for g in flat_grads], groups, t, clip)
     raise ValueError(f"unknown variant {name!r}")
 
 
@@ -297,7 +317,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     setup = Setup(engine, clip)
     n = setup.n
     for name in variants:
-        if name == "copy" or (name == "compiled-flat+clip" and args.no_compile):
+        if name == "copy" or (name in COMPILED and args.no_compile):
             continue
         row: dict[str, object] = {"variant": name}
         try:

@@ -47,7 +47,7 @@ def _tiny_params() -> list[torch.nn.Parameter]:
 
 @pytest.mark.parametrize("grad_value", [0.05, 10.0, float("nan")])
 def test_the_flat_update_is_torchs_clipped_guarded_adamw(grad_value: float) -> None:
-    """adamw_flat (eager here; the benchmark compiles it) against torch's fused AdamW handed the same divisor and
+    """adamw_update (eager here; the benchmark compiles it) against torch's fused AdamW handed the same divisor and
     non-finite flag: three steps, the last with `grad_value` gradients (nan: skipped, nothing changes)."""
     from gpt2.engines.guard import clip_divisor, step_if_finite
 
@@ -61,7 +61,7 @@ def test_the_flat_update_is_torchs_clipped_guarded_adamw(grad_value: float) -> N
         divisor, skip = clip_divisor(norm, 1.0), ~torch.isfinite(norm)
         ref.grad = g.clone()
         step_if_finite(opt, norm, divisor)
-        optimizer_step.adamw_flat(p, g.clone(), m, v, step, divisor, skip, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+        optimizer_step.adamw_update([p], [g.clone()], [m], [v], step, divisor, skip, 1e-2, 0.9, 0.95, 1e-8, 0.1)
         state = opt.state[ref]
         torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(m, state["exp_avg"], rtol=1e-6, atol=1e-9)
