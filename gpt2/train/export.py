@@ -20,14 +20,17 @@ is reassembled from the TP ranks' shards by the TP plan (`parallel.tp_plan.unsha
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from gpt2.config.cli import check_folder_creatable
 from gpt2.config.schema import ConfigError, ModelConfig
@@ -38,6 +41,8 @@ from gpt2.runtime.flat_blocks import FLAT_LAYOUT_FILE, unflatten_state_dict
 from gpt2.train.checkpoint import EXIT_SAVE_FAILED, LATEST, CheckpointError, read_meta, verify_checkpoint
 from gpt2.train.preemption import EXIT_INTERRUPTED
 from parallel.tp_plan import param_shard, unshard_tensor
+
+EXIT_TERMINATED = 128 + signal.SIGTERM  # a shell's status for a process SIGTERM ended
 
 
 def _step_dir(path: Path) -> Path:
@@ -106,9 +111,15 @@ class ExportTargetError(Exception):
     """The output folder holds something already: exporting into it would overwrite the user's files."""
 
 
-def check_out_dir(out_dir: Path) -> None:
-    """Refuse an existing non-empty folder (or a file): save_pretrained would silently replace its files; and one
-    that cannot be created or written (found only after the gather otherwise)."""
+def check_out_dir(out_dir: Path, checkpoint: Path) -> None:
+    """Refuse an existing non-empty folder (or a file): save_pretrained would silently replace its files; one inside
+    the checkpoint (or save dir) it reads, whose manifest check the new files would fail; and one that cannot be
+    created or written (found only after the gather otherwise)."""
+    source = checkpoint.resolve()
+    if out_dir.resolve() == source or source in out_dir.resolve().parents:
+        raise ExportTargetError(f"output folder {out_dir} is inside the checkpoint {checkpoint} being exported (its "
+                                "files would no longer match its manifest); nothing was written. Choose a folder "
+                                "outside it.")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ExportTargetError(f"output folder {out_dir} exists and is not empty; nothing was written. "
                                 "Choose a new or empty folder.")
@@ -118,9 +129,48 @@ def check_out_dir(out_dir: Path) -> None:
         raise ExportTargetError(f"{err}; nothing was written") from None
 
 
+def _partial_prefix(out_dir: Path) -> str:
+    """The name an export's temporary folder starts with, followed by the exporting process's id."""
+    return f".{out_dir.name}.export-"
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it
+    os.umask(mask)
+    return mask
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_abandoned_exports(out_dir: Path) -> None:
+    """Remove the temporary folders of exports to `out_dir` whose process is gone (SIGKILL, power loss): each is a
+    partial copy of a model, so they would keep a disk full."""
+    prefix = _partial_prefix(out_dir)
+    for partial in out_dir.parent.glob(f"{glob.escape(prefix)}*"):
+        pid = partial.name[len(prefix):].partition("-")[0]
+        if partial.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+class Terminated(BaseException):
+    """SIGTERM during an export: raised where the export is, so that its temporary folder is removed."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def export_hf(checkpoint: Path, out_dir: Path) -> Path:
     """Write `out_dir` (new or empty) as a transformers GPT2LMHeadModel folder; returns it."""
-    check_out_dir(out_dir)  # before the gather, which can take minutes and much memory
+    check_out_dir(out_dir, checkpoint)  # before the gather, which can take minutes and much memory
     from transformers import GPT2LMHeadModel
 
     step_dir = _step_dir(checkpoint)
@@ -129,10 +179,12 @@ def export_hf(checkpoint: Path, out_dir: Path) -> Path:
         hf = GPT2LMHeadModel(hf_config_for(cfg))
     hf.load_state_dict(ours_to_hf(sd, cfg), assign=True, strict=True)
     hf.tie_weights()
-    # written beside it and renamed: a stop mid-write (Ctrl-C, kill, disk full) leaves no partial out_dir
+    # written beside it and renamed: a stop mid-write (Ctrl-C, SIGTERM, disk full) leaves no partial out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    remove_abandoned_exports(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_partial_prefix(out_dir)}{os.getpid()}-", dir=out_dir.parent))
     try:
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp's 0700 would keep the export from everyone else
         hf.save_pretrained(tmp)
         if out_dir.exists():
             out_dir.rmdir()  # empty (check_out_dir)
@@ -148,17 +200,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", type=Path, help="a step-XXXXXX folder or a --save-dir (its latest checkpoint)")
     p.add_argument("out_dir", type=Path, help="output folder (Hugging Face layout)")
     args = p.parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         out = export_hf(args.checkpoint, args.out_dir)
     except (CheckpointError, ExportTargetError) as err:
         print(f"gpt2.train.export: error: {err}", file=sys.stderr)
         return 2
-    except OSError as err:  # the write itself (disk full): the temporary folder is gone, out_dir untouched
+    except (OSError, SafetensorError) as err:  # the write itself (disk full): the temporary folder is gone
         print(f"gpt2.train.export: error: writing {args.out_dir} failed ({err}); nothing was written", file=sys.stderr)
         return EXIT_SAVE_FAILED
     except KeyboardInterrupt:
         print(f"gpt2.train.export: interrupted (Ctrl-C); {args.out_dir} was not written", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Terminated:
+        print(f"gpt2.train.export: stopped by SIGTERM; {args.out_dir} was not written", file=sys.stderr)
+        return EXIT_TERMINATED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"exported {_step_dir(args.checkpoint)} -> {out}")
     return 0
 

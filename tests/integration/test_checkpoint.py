@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
 import shutil
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 import gpt2.train.checkpoint
 from gpt2.config.cli import parse_args
@@ -159,7 +162,10 @@ def test_export_checks_its_output_folder_before_the_gather(single: Path, tmp_pat
         capsys.readouterr().err)
 
 
-@pytest.mark.parametrize(("stop", "code"), [(KeyboardInterrupt(), 130), (OSError(errno.ENOSPC, "No space left"), 74)])
+@pytest.mark.parametrize(("stop", "code"), [
+    (KeyboardInterrupt(), 130), (OSError(errno.ENOSPC, "No space left"), 74),
+    (SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on '
+                     'device" })'), 74)])  # safetensors' writer on a full disk
 def test_an_export_stopped_mid_write_leaves_no_partial_folder(single: Path, tmp_path: Path, capsys,
                                                               monkeypatch: pytest.MonkeyPatch, stop: BaseException,
                                                               code: int) -> None:
@@ -176,6 +182,54 @@ def test_an_export_stopped_mid_write_leaves_no_partial_folder(single: Path, tmp_
     assert export_main([str(single / "ck"), str(tmp_path / "out" / "hf")]) == code
     assert "gpt2.train.export: " in capsys.readouterr().err
     assert list((tmp_path / "out").iterdir()) == []  # neither hf/ nor the temporary folder
+
+
+def test_export_never_writes_into_what_it_reads_and_leaves_nothing_when_stopped(
+        single: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An output folder inside the checkpoint is refused (the checkpoint stays resumable); SIGTERM mid-write exits
+    143 leaving nothing, and a later export removes what a killed one left; the export honours the umask."""
+    from transformers import GPT2LMHeadModel
+
+    from gpt2.train.checkpoint import verify_checkpoint
+    from gpt2.train.export import main as export_main
+
+    ck = tmp_path / "ck"
+    shutil.copytree(single / "ck", ck)
+    for source, inside in ((ck, ck / "hf"), (ck / "step-000008", ck / "step-000008" / "hf")):
+        assert export_main([str(source), str(inside)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"output folder {inside} is inside the checkpoint {source}" in err, err
+    verify_checkpoint(ck / "step-000008")
+
+    out = tmp_path / "out"
+    out.mkdir()
+    killed = out / ".hf.export-4194305-x1y2"  # a killed export's folder: above any pid_max, so no live process
+    killed.mkdir()
+    real_save = GPT2LMHeadModel.save_pretrained
+
+    def terminated(self, folder, *args, **kwargs):
+        (Path(folder) / "config.json").write_text("{}")
+        signal.raise_signal(signal.SIGTERM)
+
+    def unexpected(signum: int, frame: object) -> None:
+        pytest.fail("SIGTERM reached the test's handler: the export installed none")
+
+    previous = signal.signal(signal.SIGTERM, unexpected)
+    try:
+        monkeypatch.setattr(GPT2LMHeadModel, "save_pretrained", terminated)
+        assert export_main([str(ck), str(out / "hf")]) == 143
+        assert "stopped by SIGTERM" in capsys.readouterr().err
+        assert list(out.iterdir()) == []  # the killed export's folder too
+        assert signal.getsignal(signal.SIGTERM) is unexpected
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    monkeypatch.setattr(GPT2LMHeadModel, "save_pretrained", real_save)
+    old_mask = os.umask(0o022)
+    try:
+        assert export_main([str(ck), str(out / "hf")]) == 0
+    finally:
+        os.umask(old_mask)
+    assert (out / "hf").stat().st_mode & 0o777 == 0o755
 
 
 def test_checkpoint_files_are_verified_before_any_load(single: Path, tmp_path: Path, capsys) -> None:
