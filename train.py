@@ -11,7 +11,7 @@ a non-finite loss or gradient norm, none applied or saved (gpt2/engines/guard.py
 preempted by SIGUSR1/SIGTERM after saving a checkpoint (gpt2/train/preemption.py; rerun with --resume auto); 130
 Ctrl-C (SIGINT): the same checkpoint at the next step boundary, or at once and without one on a second Ctrl-C; 74 a
 save the file system refused (disk full: the message names the step and the newest good checkpoint;
-gpt2/train/checkpoint.py).
+gpt2/train/checkpoint.py), or a write of the run folder or the token cache (gpt2.observe.run_logging.WriteFailed).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _run(argv: list[str], preemption: PreemptionWatcher) -> int:
         from gpt2.engines.guard import EXIT_NONFINITE, NonFiniteError
         from gpt2.model.flops import model_params_for_flops
         from gpt2.observe.profiling import check_profile_window
-        from gpt2.observe.run_logging import MetricsLogger, log, make_run_dir, setup_console
+        from gpt2.observe.run_logging import MetricsLogger, WriteFailed, log, make_run_dir, setup_console
         from gpt2.planning.planner import compare_with_run, format_plan, plan_for_run
         from gpt2.runtime.distributed import init_distributed, shutdown_distributed
         from gpt2.train.checkpoint import (
@@ -149,6 +149,9 @@ def _run(argv: list[str], preemption: PreemptionWatcher) -> int:
     except SaveError as err:  # raised on every rank at the same save, like the stops below
         finished = True
         log.error("%s; exit %d", err, EXIT_SAVE_FAILED)
+        return EXIT_SAVE_FAILED
+    except WriteFailed as err:  # the run folder or the token cache (one process: no barrier to leave through)
+        print(f"train.py: error: {err}; exit {EXIT_SAVE_FAILED}", file=sys.stderr)
         return EXIT_SAVE_FAILED
     except ConfigError as err:
         print(f"train.py: error: {err}", file=sys.stderr)

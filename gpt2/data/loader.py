@@ -67,6 +67,7 @@ import json
 import logging
 import os
 import re
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +85,7 @@ from gpt2.data.tokenizer import (
     offline_message,
     tokenizer_fingerprint,
 )
+from gpt2.observe.run_logging import write_failed
 
 __all__ = ["BatchLoader", "DataBundle", "DataError", "build_data", "resolve_splits"]
 
@@ -245,19 +247,31 @@ def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
 def _build_cache(split: TextSplit, bin_path: Path, meta: dict, tokenizer, eot: int, num_proc: int) -> None:
     """Tokenise one split and write its flat stream (raw array) then its JSON sidecar."""
     try:
-        import datasets
+        import datasets  # noqa: F401 (imported where used; here only its absence is named)
     except ImportError as e:  # e.g. a GPU machine meant to run from a --cache-dir built elsewhere
         raise DataError(f"no token cache {bin_path} for the {split.name} text ({split.label}), and building one "
                         "needs the `datasets` package: install it, or copy a --cache-dir built elsewhere for the same "
                         "text and tokenizer (`python -m gpt2.data <train.py data flags>`)") from e
+    # the intermediate files (the text as Arrow, the tokenised rows) live in a scratch folder removed with the build,
+    # so a build stopped by a full disk leaves nothing that keeps the disk full
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=bin_path.parent, ignore_cleanup_errors=True) as scratch:
+        try:
+            _tokenise_into(split, bin_path, meta, tokenizer, eot, num_proc, Path(scratch))
+        except OSError as err:
+            raise write_failed(bin_path, err) from None
+
+
+def _tokenise_into(split: TextSplit, bin_path: Path, meta: dict, tokenizer, eot: int, num_proc: int,
+                   scratch: Path) -> None:
+    import datasets
     import pyarrow.compute as pc
 
-    rows = _load_rows(split, bin_path.parent / "hf-datasets")
+    rows = _load_rows(split, scratch / "hf-datasets")
     num_proc = max(1, min(num_proc, len(rows) // 1000 or 1))  # worker start-up dominates tiny inputs
     features = datasets.Features({"ids": datasets.Sequence(datasets.Value("int32")),
                                   "has_text": datasets.Value("bool")})
     tokens = rows.map(_tokenize_rows, batched=True, num_proc=num_proc if num_proc > 1 else None,
-                      remove_columns=rows.column_names, features=features,
+                      remove_columns=rows.column_names, features=features, cache_file_name=str(scratch / "ids.arrow"),
                       fn_kwargs={"tokenizer": tokenizer, "eot": eot}, desc=f"tokenising {split.name}")
     table = tokens.with_format("arrow")
     n_tokens = sum(int(pc.sum(pc.list_value_length(b["ids"])).as_py() or 0) for b in table.iter(batch_size=65536))

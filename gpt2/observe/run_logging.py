@@ -5,6 +5,8 @@ Only rank 0 writes. A run folder is never reused: an existing name gets a numeri
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import importlib.util
 import json
 import logging
@@ -21,18 +23,45 @@ from gpt2.config.schema import ConfigError, RunConfig, compile_label
 log = logging.getLogger("gpt2")
 
 
+class WriteFailed(Exception):
+    """A file of the run (its run folder, a token cache) that the file system refused (disk full); nothing
+    half-written is left. train.py exits 74 (EXIT_SAVE_FAILED), like a refused checkpoint save."""
+
+
+def write_failed(path: Path, err: OSError) -> WriteFailed:
+    """The one line for a refused write of `path`: a full disk, or the error itself."""
+    full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+    what = "no space left on device" if full else f"a write failed ({err.strerror or err})"
+    return WriteFailed(f"{what} while writing {path}; free space, then rerun (with --save-dir, --resume auto "
+                       "continues from the newest checkpoint)")
+
+
 def make_run_dir(cfg: RunConfig) -> Path:
     """Create a fresh run folder under --out-dir; never returns an existing folder."""
     name = cfg.log.run_name or f"{cfg.train.mode}-{cfg.train.model}-{time.strftime('%Y%m%d-%H%M%S')}"
     root = Path(cfg.log.out_dir)
-    root.mkdir(parents=True, exist_ok=True)
     candidate, n = root / name, 1
-    while True:
-        try:
-            candidate.mkdir()
-            return candidate
-        except FileExistsError:
-            candidate, n = root / f"{name}-{n}", n + 1
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        while True:
+            try:
+                candidate.mkdir()
+                return candidate
+            except FileExistsError:
+                candidate, n = root / f"{name}-{n}", n + 1
+    except OSError as err:
+        raise write_failed(candidate, err) from None
+
+
+class _RunFileHandler(logging.FileHandler):
+    """console.log: a refused write (disk full) says so once on the terminal and stops writing the file, instead
+    of logging's traceback at every record; metrics.jsonl's next write then stops the run (WriteFailed)."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        log.removeHandler(self)
+        logging.getLogger("py.warnings").removeHandler(self)
+        self.close()
+        log.warning("%s: a write failed; logging to the terminal only", self.baseFilename)
 
 
 def setup_console(run_dir: Path | None, is_main: bool) -> None:
@@ -47,11 +76,25 @@ def setup_console(run_dir: Path | None, is_main: bool) -> None:
     stream.setFormatter(fmt)
     log.addHandler(stream)
     if run_dir is not None:
-        file = logging.FileHandler(run_dir / "console.log")
+        try:
+            file = _RunFileHandler(run_dir / "console.log")
+        except OSError as err:
+            raise write_failed(run_dir / "console.log", err) from None
         file.setFormatter(fmt)
         log.addHandler(file)
     logging.captureWarnings(True)
     logging.getLogger("py.warnings").handlers = log.handlers
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """`path` with `text`, or (disk full) unchanged: written beside it and renamed; WriteFailed when refused."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise write_failed(path, err) from None
 
 
 def _clean(record: dict[str, Any]) -> dict[str, Any]:
@@ -147,9 +190,12 @@ class MetricsLogger:
         """`record`: what config.json and wandb's config hold (default: the parsed config; train.py passes the
         run layout's `config_record`, with the resolved values)."""
         self.run_dir = run_dir
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 (closed in close())
+        try:  # unbuffered: each record is one write, undone whole when refused (_append)
+            self._jsonl = open(run_dir / "metrics.jsonl", "ab", buffering=0)  # noqa: SIM115 (closed in close())
+        except OSError as err:
+            raise write_failed(run_dir / "metrics.jsonl", err) from None
         record = record if record is not None else cfg.to_dict()
-        (run_dir / "config.json").write_text(json.dumps(record, indent=2))
+        _write_whole(run_dir / "config.json", json.dumps(record, indent=2))
         self._wandb = None
         mode = wandb_mode(cfg.log.wandb)
         if mode != "disabled":
@@ -166,16 +212,29 @@ class MetricsLogger:
             if mode == "offline":
                 log.info("wandb: upload later with `wandb sync %s/wandb/offline-run-*`", run_dir)
 
+    def _append(self, record: dict[str, Any]) -> None:
+        """One JSONL record, all or nothing: a refused or short write is cut off again (a reader never sees half a
+        record) and raises WriteFailed."""
+        data = (json.dumps(record) + "\n").encode()
+        size = os.fstat(self._jsonl.fileno()).st_size
+        try:
+            if self._jsonl.write(data) != len(data):
+                raise OSError(errno.ENOSPC, "short write")
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._jsonl.fileno(), size)
+            raise write_failed(self.run_dir / "metrics.jsonl", err) from None
+
     def log_step(self, step: int, metrics: dict[str, Any]) -> None:
         record = _clean({"type": "step", "step": step, **metrics})
-        self._jsonl.write(json.dumps(record) + "\n")
+        self._append(record)
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in metrics.items() if v is not None}, step=step)
 
     def log_summary(self, summary: dict[str, Any]) -> None:
         record = _clean({"type": "summary", **summary})
-        self._jsonl.write(json.dumps(record) + "\n")
-        (self.run_dir / "summary.json").write_text(json.dumps(record, indent=2))
+        self._append(record)
+        _write_whole(self.run_dir / "summary.json", json.dumps(record, indent=2))
         if self._wandb is not None:
             for k, v in summary.items():
                 if v is not None:

@@ -8,6 +8,8 @@ intermittently did ("terminate called without an active exception", exit -6 afte
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import os
 import signal
@@ -69,3 +71,42 @@ def test_a_second_console_set_up_closes_the_first_run_s_console_log(tmp_path: Pa
     setup_console(None, is_main=True)
     assert first.stream is None  # closed: FileHandler.close drops its stream
     assert "first run" in (tmp_path / "a" / "console.log").read_text()
+
+
+class _FillingFile:
+    """A file whose third write fills the disk half-way through its data (ENOSPC)."""
+
+    def __init__(self, file):
+        self._file, self._writes = file, 0
+
+    def write(self, data):
+        self._writes += 1
+        if self._writes < 3:
+            return self._file.write(data)
+        self._file.write(data[:len(data) // 2])
+        self._file.flush()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name: str):
+        return getattr(self._file, name)
+
+
+def test_a_run_folder_that_fills_up_stops_in_one_line_with_whole_records(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """metrics.jsonl refused mid-record: exit 74 and one line naming it; every record left in it is whole."""
+    import train
+    from gpt2.observe import run_logging
+
+    def opened(path, *args, **kwargs):
+        file = open(path, *args, **kwargs)  # noqa: SIM115 (the run closes it)
+        return _FillingFile(file) if Path(path).name == "metrics.jsonl" else file
+
+    monkeypatch.setattr(run_logging, "open", opened, raising=False)
+    assert train.main(["--model", "gpt2-tiny", "--data", "synthetic", "--max-steps", "6", "--log-interval", "1",
+                       "--eval-batches", "0", "--out-dir", str(tmp_path), "--run-name", "full"]) == 74
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert len(lines) == 1 and f"no space left on device while writing {tmp_path / 'full' / 'metrics.jsonl'}" in (
+        lines[0]), err[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]

@@ -6,6 +6,7 @@ need the real GPT-2 tokenizer / WikiText-2 read ../shared/data and skip when it 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -473,6 +474,25 @@ def test_a_read_only_cache_dir_serves_hits_and_names_a_miss(tmp_path, tiny_token
     write(tmp_path / "corpus.txt", wiki_lines(6, seed=7))  # other text: a miss
     with pytest.raises(DataError, match=f"--cache-dir {tmp_path / 'cache'} is not writable and holds no token cache"):
         build(cfg)
+
+
+def test_a_full_disk_while_building_the_cache_leaves_nothing_behind(tmp_path, tiny_tokenizer, monkeypatch):
+    """The token array's write refused (ENOSPC, after part of it was written): one line naming the file (train.py
+    exits 74 on WriteFailed), and the cache dir is left as it was, no partial array or tokenised rows in it."""
+    from gpt2.observe.run_logging import WriteFailed
+
+    write(tmp_path / "corpus.txt", wiki_lines(5, seed=6))
+    cfg = DataConfig(data_path=str(tmp_path / "corpus.txt"), tokenizer=str(tiny_tokenizer),
+                     cache_dir=str(tmp_path / "cache"), num_proc=1)
+
+    def full_disk(path, *args, **kwargs):
+        Path(path).write_bytes(b"\0" * 64)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(gpt2.data.loader.np, "memmap", full_disk)
+    with pytest.raises(WriteFailed, match=r"no space left on device while writing .*train-\w+\.bin; free space"):
+        build(cfg)
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == []
 
 
 def test_tokenizer_larger_than_model_vocab(tmp_path, tiny_tokenizer):
