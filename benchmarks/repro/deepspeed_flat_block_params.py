@@ -5,7 +5,7 @@ DeepSpeed's ZeRO-3 host work is per parameter tensor (benchmarks/repro/deepspeed
 benchmarks/results/zero3/host_breakdown_cpu: fetch, release, gradient hooks, reduce-scatter and partition, the
 per-tensor norms), so fewer, larger tensors should cut it. This trains the harness's GPT (`gpt2.model.gpt`,
 gpt2-tiny widened to --n-layer blocks, batch 1 x 32 tokens, fp32: a step of mostly host work) under the harness's
-ZeRO-3 (`gpt2.engines.ds_config.build_ds_config` over ds_configs/zero3.json, each block a DeepSpeed leaf module as
+ZeRO-3 (`gpt2.config.deepspeed_file.build_ds_config` over its zero3.json, each block a DeepSpeed leaf module as
 `gpt2.runtime.parallelize` sets it, the engine's AdamW groups and its fp32-master sharing) in two variants:
 
     per_tensor  the model as the harness builds it: 12 tensors a block (GPT-2 Large: 436 in all)
@@ -32,7 +32,7 @@ What the real feature would need, beyond this prototype:
   flattening afterwards needs it whole. The flat Parameters would have to be created in the Block's constructor,
   each slice initialised there as its module does today (N(0, 0.02), the scaled residual projections, zero biases,
   LayerNorm ones; in the same RNG order, so a seed still draws today's weights), so zero.Init partitions them.
-- Mixed precision: under DeepSpeed's torch_autocast, `lower_precision_safe_modules` (gpt2.engines.ds_config) marks
+- Mixed precision: under DeepSpeed's torch_autocast, `lower_precision_safe_modules` (gpt2.config.deepspeed_file) marks
   the parameters *of Linear modules* to be gathered and reduced in bf16; flat tensors owned by the block are not
   marked, so they would travel in fp32 (twice the bytes). The split would be 3 per block (Linear weights: decay,
   bf16; Linear biases: no decay, bf16; LayerNorms: no decay, fp32), with the flat tensors marked by hand.
@@ -70,9 +70,9 @@ from torch.func import functional_call  # noqa: E402
 
 from benchmarks.measure import report_table  # noqa: E402
 from gpt2.config.cli import parse_args as parse_train_args  # noqa: E402
+from gpt2.config.deepspeed_file import build_ds_config  # noqa: E402
 from gpt2.config.layout import RunLayout  # noqa: E402
 from gpt2.engines.deepspeed_engine import import_deepspeed, zero3_master_shares_fp32_weights  # noqa: E402
-from gpt2.engines.ds_config import build_ds_config  # noqa: E402
 from gpt2.model.gpt import GPT, Block  # noqa: E402
 from gpt2.runtime.distributed import DistContext, init_distributed, launched_by_launcher, run_as_process  # noqa: E402
 from gpt2.runtime.parallelize import build_model, parallelize, param_groups  # noqa: E402

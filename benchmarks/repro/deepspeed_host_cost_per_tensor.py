@@ -1,15 +1,15 @@
 """Standalone repro: DeepSpeed's ZeRO step costs host time per parameter tensor, with nobody to talk to.
 
 Trains a stack of L tiny Linear layers (2L parameter tensors, almost no arithmetic) at world size 1 for each
-engine: plain torch (AdamW), torch DDP, and DeepSpeed ZeRO-1/2/3 with the harness's ds_configs/zero{1,2,3}.json.
+engine: plain torch (AdamW), torch DDP, and DeepSpeed ZeRO-1/2/3 with the harness's zero{1,2,3}.json.
 The fastest step time of --steps (another process on the host only ever adds time; results before `0a80300` took
 the median) against the number of parameter tensors is close to a line; its slope is the host time each engine
 spends per parameter tensor per step. GPT-2 Large has 436 parameter tensors, so slope x 436 is the host
 time per step that engine's per-tensor work costs at GPT-2 Large (torch's own included; on a GPU, the device's work
 can overlap it, so the wall time added depends on the batch). For ZeRO-3 this is the per-parameter Python path that
 the ZeRO-3 profiles name (gradient bucketing, partition and free, gathers, per-parameter norms): the persistence
-threshold is 0, as the harness sets it (gpt2/engines/ds_config.py), so every tensor is partitioned and gathered although
-these are tiny.
+threshold is 0, as the harness sets it (gpt2/config/deepspeed_file.py), so every tensor is partitioned and gathered
+although these are tiny.
 
     python -m benchmarks.repro.deepspeed_host_cost_per_tensor                   # GPU if present, else CPU (gloo)
     python -m benchmarks.repro.deepspeed_host_cost_per_tensor --layers 8 32 --steps 6 --out /tmp/hc
@@ -36,11 +36,11 @@ import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.measure import report_table, time_ms  # noqa: E402
-from gpt2.config.deepspeed_file import persistence_threshold_default  # noqa: E402
+from gpt2.config.deepspeed_file import DS_CONFIG_DIR, persistence_threshold_default  # noqa: E402
 from gpt2.config.schema import ParallelConfig  # noqa: E402
 from gpt2.engines.deepspeed_engine import import_deepspeed  # noqa: E402
 from gpt2.runtime.distributed import run_as_process  # noqa: E402
-from tools.common import ROOT, free_port  # noqa: E402
+from tools.common import free_port  # noqa: E402
 
 ENGINES = ("torch", "ddp", "zero1", "zero2", "zero3")
 GPT2_LARGE_TENSORS = 436  # 36 blocks x 12 (4 Linear weights + 4 biases, 2 LayerNorms x 2) + wte, wpe, ln_f x 2
@@ -59,8 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def ds_config(stage: int) -> dict:
-    """ds_configs/zero{stage}.json as the 4-GPU runs use it, fp32 (its fp16 section tunes a recipe not used here)."""
-    cfg = json.loads((ROOT / "ds_configs" / f"zero{stage}.json").read_text())
+    """The harness's zero{stage}.json as the 4-GPU runs use it, fp32 (its fp16 section tunes a recipe not used here)."""
+    cfg = json.loads((DS_CONFIG_DIR / f"zero{stage}.json").read_text())
     cfg.pop("fp16", None)
     if stage == 3:  # the harness's default (per-block gathers: 0): no parameter stays whole, however small
         cfg["zero_optimization"].setdefault("stage3_param_persistence_threshold",

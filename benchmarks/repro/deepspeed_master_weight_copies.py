@@ -1,7 +1,7 @@
 """Standalone repro: with fp32 weights (torch_autocast, or fp32 training), DeepSpeed ZeRO keeps a second fp32 copy.
 
 Trains a stack of Linear layers at world size 1 for each engine (plain torch AdamW, and DeepSpeed ZeRO-1/2/3 with
-the harness's ds_configs/zero{1,2,3}.json plus DeepSpeed's `torch_autocast` section, as `--zero-precision autocast`
+the harness's zero{1,2,3}.json plus DeepSpeed's `torch_autocast` section, as `--zero-precision autocast`
 runs them), then lists the tensor storages the engine made that are alive between steps, named by the attribute that
 holds them, in units of the model's fp32 size. (Python's garbage collector lists them, so tensors that only C++ holds
 are not seen: DDP's gradient buckets, for one, which is why DDP is not an engine here.)
@@ -63,8 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def ds_config(stage: int) -> dict[str, Any]:
-    """The host-cost repro's config (ds_configs/zero{stage}.json as the 4-GPU runs use it) with DeepSpeed's
-    torch_autocast (fp32 weights), as gpt2.engines.ds_config writes it for `--zero-precision autocast`."""
+    """The host-cost repro's config (the harness's zero{stage}.json as the 4-GPU runs use it) with DeepSpeed's
+    torch_autocast (fp32 weights), as gpt2.config.deepspeed_file writes it for `--zero-precision autocast`."""
     return {**host_cost_ds_config(stage), "torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
 
 

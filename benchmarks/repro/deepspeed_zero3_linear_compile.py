@@ -5,7 +5,7 @@
 on ordinary tensors, eagerly and under `torch.compile` with each backend, and compares the weight and bias
 gradients. Seen on one H100, torch 2.11.0+cu130, DeepSpeed 0.19.8: every compiled backend (eager, aot_eager,
 inductor), with and without bf16 autocast, gives a relative gradient error of 1.0; torch 2.13 on CPU is exact.
-The harness sets memory_efficient_linear to false (gpt2/engines/ds_config.py: build_ds_config).
+The harness sets memory_efficient_linear to false (gpt2/config/deepspeed_file.py: build_ds_config).
 
     python benchmarks/repro/deepspeed_zero3_linear_compile.py     # exit 1 while the bug is present
 """

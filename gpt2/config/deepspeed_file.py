@@ -1,26 +1,34 @@
-"""The DeepSpeed JSON of a `--mode hybrid` run as our flags see it: which file, the keys our flags own, and the
-checks that the file agrees with them.
+"""The DeepSpeed config of a `--mode hybrid` run, in one module: which JSON file, the keys our flags own, the checks
+that the file agrees with them, and the config built from it.
 
 Our CLI stays the single source of truth: batch size, gradient accumulation, clipping, precision and ZeRO stage
 (and the two checks the non-finite guard relies on) are ours, and a file that sets one of them to another value is
 an error naming both. `RunLayout.resolve` reads and checks the file once (so train.py, `--plan` and
-slurm/preflight.py all refuse a broken one before any work); `gpt2.engines.ds_config` builds DeepSpeed's config from
-what it read, and the planner reads its ZeRO settings. Needs no DeepSpeed import.
+slurm/preflight.py all refuse a broken one before any work); `build_ds_config` builds DeepSpeed's config from what
+it read (the engine's only call), and the planner reads its ZeRO settings. Needs no DeepSpeed import. The default
+files are package data (ds_configs/ beside this module), so an installed harness finds them too.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from gpt2.config.schema import ConfigError, ParallelConfig, RunConfig
 
-DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
+DS_CONFIG_DIR = Path(__file__).resolve().with_name("ds_configs")
+# DeepSpeed's `lower_precision_safe_modules` under torch_autocast: every matmul module (gpt2.runtime.flat_blocks's
+# MATMUL_TYPES) and the holder of their flat tensors under --zero3-fetch flat. Names, as DeepSpeed takes them: this
+# package sits below the model's (tests/unit/test_flat_blocks.py checks them against the classes).
+LOWER_PRECISION_MODULES = ("gpt2.model.gpt.Linear", "parallel.layers.ColumnParallelLinear",
+                           "parallel.layers.RowParallelLinear", "gpt2.runtime.flat_blocks.MatmulFlatParams")
 
 
 def ds_config_file(p: ParallelConfig) -> Path:
-    """The DeepSpeed JSON a hybrid run reads: --ds-config, else ds_configs/zero{--zero-stage}.json."""
+    """The DeepSpeed JSON a hybrid run reads: --ds-config, else the package's ds_configs/zero{--zero-stage}.json."""
     return Path(p.ds_config) if p.ds_config else DS_CONFIG_DIR / f"zero{p.zero_stage}.json"
 
 
@@ -133,4 +141,40 @@ def read_ds_file(cfg: RunConfig, grad_accum: int, dp_size: int, deepcompile: boo
         raise ConfigError(f"{path} sets zero_optimization.memory_efficient_linear=true, which trains the wrong "
                           "function under --compile (DeepSpeed's linear loses its weight gradients in the "
                           "compiled graph); drop the key or set it to false")
+    return ds
+
+
+class DeepSpeedLayout(Protocol):
+    """What `build_ds_config` reads of a run's `gpt2.config.layout.RunLayout` (which imports this module)."""
+
+    cfg: RunConfig
+    ds_file: Mapping[str, Any] | None
+    grad_accum: int
+    dp_size: int
+    deepcompile: bool
+    zero_stage: int | None
+    precision: str
+
+
+def build_ds_config(layout: DeepSpeedLayout) -> dict[str, Any]:
+    """The DeepSpeed config: the run's file + our CLI values (which the layout checked it agrees with), ZeRO-3's and
+    the throughput timer's defaults where the file leaves them out, and the precision that runs (CPU runs are fp32
+    whatever --precision says)."""
+    assert layout.ds_file is not None, "a hybrid run's layout carries its DeepSpeed file"
+    cfg = layout.cfg
+    ds = copy.deepcopy(dict(layout.ds_file))
+    for keys, ours, _ in harness_values(cfg, layout.grad_accum, layout.dp_size, layout.deepcompile):
+        node = ds
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = ours
+    if layout.zero_stage == 3:
+        ds["zero_optimization"] = {**zero3_defaults(cfg.parallel.zero3_fetch), **ds["zero_optimization"]}
+    ds.setdefault("timers", {}).setdefault("throughput", throughput_timer_defaults())
+    # the precision that runs (the layout's: CPU runs are fp32 whatever --precision says)
+    for (section, key), value in precision_values(layout.precision, cfg.parallel.zero_precision).items():
+        ds.setdefault(section, {})[key] = value
+    if ds["torch_autocast"]["enabled"]:
+        ds["torch_autocast"].setdefault("lower_precision_safe_modules", list(LOWER_PRECISION_MODULES))
+    ds["zero_allow_untested_optimizer"] = True  # torch AdamW: DeepSpeed only "tests" its own optimizers
     return ds

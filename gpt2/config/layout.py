@@ -141,8 +141,8 @@ class RunLayout:
     device_type: str  # "cuda" or "cpu": decides the precision that runs
     grad_accum: int
     # --mode hybrid under DeepSpeed: the DeepSpeed file, read and checked against the flags once
-    # (gpt2.config.deepspeed_file); gpt2.engines.ds_config builds from it, the planner reads its ZeRO settings. None
-    # for other modes and for --zero-engine fsdp2.
+    # (gpt2.config.deepspeed_file, which also builds DeepSpeed's config from it); the planner reads its ZeRO
+    # settings. None for other modes and for --zero-engine fsdp2.
     ds_file: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
     @classmethod

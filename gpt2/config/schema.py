@@ -212,7 +212,7 @@ class ParallelConfig:
                     "deepspeed = DeepSpeed's bf16/fp16 section: a 16-bit model with fp32 master weights, less "
                     "memory, but a different function (it fails the loss-parity check)", PARALLEL, given_only=True)
     ds_config: str | None = option(None, "DeepSpeed JSON config (hybrid mode)", PARALLEL,
-                                   default_text="ds_configs/zero{--zero-stage}.json")
+                                   default_text="gpt2/config/ds_configs/zero{--zero-stage}.json")
     comm_log: bool = option(False, "hybrid mode: enable DeepSpeed's comms logger and put the measured ZeRO bytes per "
                                    "step next to the planner's prediction in the summary; it synchronises after every "
                                    "collective, which removes communication/compute overlap: not for throughput runs",

@@ -1,7 +1,7 @@
 """`--mode hybrid`: DeepSpeed ZeRO (stage 3 by default; 1 and 2 for comparison) behind the engine interface.
 
-    deepspeed --num_gpus=4 train.py --mode hybrid --model gpt2-large             # ZeRO-3, ds_configs/zero3.json
-    torchrun --nproc_per_node=4 train.py --mode hybrid --zero-stage 2            # ds_configs/zero2.json
+    deepspeed --num_gpus=4 train.py --mode hybrid --model gpt2-large   # ZeRO-3, gpt2/config/ds_configs/zero3.json
+    torchrun --nproc_per_node=4 train.py --mode hybrid --zero-stage 2  # gpt2/config/ds_configs/zero2.json
     torchrun --nproc_per_node=4 train.py --mode hybrid --ds-config my.json --zero-stage 3
 
 Same interface as `gpt2.engines.torch_engine.TorchEngine` (forward_backward / optimizer_step / evaluate / lr / module),
@@ -54,7 +54,8 @@ Its evaluation graphs compile under `gpt2.runtime.compiling.deepcompile_eval_set
 Non-finite guard (`gpt2.engines.guard`): the loss passes through `guard.gate` before `engine.backward`, so a non-finite
 loss
 makes the gradients NaN, and DeepSpeed's own check skips every step whose global gradient norm is not finite
-(ZeRO-1/2/3; `gpt2.engines.ds_config` keeps `bf16.check_grad_overflow` and `zero_optimization.compute_grad_norm` on).
+(ZeRO-1/2/3; `gpt2.config.deepspeed_file` keeps `bf16.check_grad_overflow` and `zero_optimization.compute_grad_norm`
+on).
 DeepSpeed
 then leaves the LR schedule where it is; we step it, so that a skipped update uses up its step of the schedule as in
 TorchEngine. DeepSpeed reads its decision on the host inside `engine.step()`; asking it afterwards costs nothing.
@@ -77,10 +78,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gpt2.config.deepspeed_file import build_ds_config
 from gpt2.config.layout import RunLayout
 from gpt2.config.schema import ConfigError
 from gpt2.engines.base import CHECKPOINT_TAG, evaluate_batches, lr_at, resync_lr
-from gpt2.engines.ds_config import build_ds_config
 from gpt2.engines.guard import NonFiniteGuard
 from gpt2.model.gpt import GPT
 from gpt2.observe.run_logging import log

@@ -5,8 +5,8 @@ per step.
 One rule decides every skip, in every engine and on every rank: **a step whose global gradient norm is not finite
 updates nothing** (parameters, optimizer moments and step counts stay as they were). TorchEngine hands the flag to
 the fused AdamW as GradScaler's `found_inf` (read on the device); DeepSpeed ZeRO-1/2/3 skips such a step itself
-(its overflow check; `gpt2.engines.ds_config` keeps it on). A non-finite loss is folded into that rule by `gate`: before
-each backward the loss is multiplied by 1 (bit-identical), or by NaN when it is not finite, so every gradient and
+(its overflow check; `gpt2.config.deepspeed_file` keeps it on). A non-finite loss is folded into that rule by `gate`:
+before each backward the loss is multiplied by 1 (bit-identical), or by NaN when it is not finite, so every gradient and
 therefore the global norm turn NaN; the data-parallel gradient reduction carries that to every rank, so all ranks
 skip the same steps without an extra collective.
 

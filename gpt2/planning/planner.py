@@ -31,7 +31,7 @@ runs behind each term: docs/decisions.md):
   parameter; also under torch.compile in the same CPU measurement); with activation checkpointing only
   one block's copies and the tied embedding's are alive. ZeRO-3 keeps gathered 16-bit weights alive from
   their forward to their backward when DeepSpeed's trace says they are reused within
-  `stage3_max_reuse_distance` parameters (ds_configs/zero3.json: 1e9, i.e. most of GPT-2 Large's later
+  `stage3_max_reuse_distance` parameters (gpt2/config/ds_configs/zero3.json: 1e9, i.e. most of GPT-2 Large's later
   blocks and the tied embedding); this is simulated on the module order. With our blocks as DeepSpeed's leaf
   modules it keeps every gathered weight to backward at any reuse distance (its comms log shows it), so the
   backward re-gathers this model predicts do not happen; the memory term is kept until a GPU run tells the two
@@ -254,7 +254,7 @@ def zero3_persistent_params(layout: RunLayout) -> float:
 
 def zero3_fp32_params(layout: RunLayout) -> tuple[float, float]:
     """Elements DeepSpeed's torch_autocast keeps in fp32 through ZeRO-3's collectives: every parameter outside its
-    lower-precision modules (gpt2.engines.ds_config's: the Linears, biases included), i.e. the word and position
+    lower-precision modules (gpt2.config.deepspeed_file's: the Linears, biases included), i.e. the word and position
     embeddings and the LayerNorms. As (gathered, persistent): a persistent tensor (`persists`) is never gathered,
     only refreshed after the step. Their gradients are all reduce-scattered."""
     cfg, t, threshold = layout.cfg.model, layout.tp_size, DeepSpeedSettings.of(layout).param_persistence_threshold

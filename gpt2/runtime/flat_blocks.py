@@ -8,7 +8,8 @@ benchmarks/repro/deepspeed_flat_block_params.py; docs/decisions.md).
 
     FlatBlock(block)          # the block's 12 Parameters -> one flat Parameter per FlatGroup, views in forward
       .matmul.<group>         # the MATMUL_TYPES' weights / biases: a MatmulFlatParams, which DeepSpeed gathers
-                              #   and reduces in the autocast dtype (gpt2.engines.ds_config.lower_precision_modules),
+                              #   and reduces in the autocast dtype (LOWER_PRECISION_MODULES of
+                              #   gpt2.config.deepspeed_file),
                               #   as it does a Linear's own parameters
       .other.<group>          # LayerNorm gains and biases: fp32, as before
       .block                  # the original Block, its Parameters removed; run through functional_call on views

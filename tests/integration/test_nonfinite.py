@@ -31,12 +31,12 @@ import pytest
 import torch
 
 from gpt2.config.cli import parse_args
+from gpt2.config.deepspeed_file import build_ds_config
 from gpt2.config.layout import RunLayout
 from gpt2.config.schema import ConfigError
 from gpt2.data.loader import build_data
 from gpt2.engines.base import lr_at
 from gpt2.engines.build import build_engine
-from gpt2.engines.ds_config import build_ds_config
 from gpt2.engines.guard import (
     EXIT_NONFINITE,
     FAULT_ENV,

@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from gpt2.config.cli import parse_args
+from gpt2.config.deepspeed_file import build_ds_config as build_layout_ds_config
 from gpt2.config.layout import RunLayout
 from gpt2.config.schema import ConfigError, RunConfig
-from gpt2.engines.ds_config import build_ds_config as build_layout_ds_config
 from tests.train_runs import (
     REFERENCE_STEPS,
     TINY_ARGS,
@@ -263,7 +263,7 @@ def test_ds_config_takes_cli_values_and_rejects_disagreement(tmp_path: Path) -> 
     ds16 = build_ds_config(cfg, dp_size=4, device=torch.device("cuda"))
     assert ds16["bf16"]["enabled"] and not ds16["fp16"]["enabled"] and not ds16["torch_autocast"]["enabled"]
     cfg.parallel.zero_precision = "autocast"
-    assert ds["zero_optimization"]["overlap_comm"]  # from ds_configs/zero3.json
+    assert ds["zero_optimization"]["overlap_comm"]  # from gpt2/config/ds_configs/zero3.json
     assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 0  # per-block gathers (the default)
     cfg.parallel.zero3_fetch = "module"
     module_ds = build_ds_config(cfg, 4, torch.device("cuda"))

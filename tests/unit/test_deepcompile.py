@@ -19,9 +19,9 @@ import torch
 
 import train
 from gpt2.config.cli import parse_args
+from gpt2.config.deepspeed_file import build_ds_config
 from gpt2.config.layout import RunLayout, check_deepcompile_runs_here
 from gpt2.config.schema import ConfigError
-from gpt2.engines.ds_config import build_ds_config
 from gpt2.observe.run_logging import wandb_identity
 from tools.parity_matrix import matrix, plan
 from tools.parity_verdict import config_key

@@ -12,8 +12,8 @@ from deepspeed.utils.config import get_timers_config
 from deepspeed.utils.timer import ThroughputTimer
 
 from gpt2.config.cli import parse_args
+from gpt2.config.deepspeed_file import build_ds_config
 from gpt2.config.layout import RunLayout
-from gpt2.engines.ds_config import build_ds_config
 
 STEPS = 2
 

@@ -10,11 +10,11 @@ import copy
 import pytest
 import torch
 
+from gpt2.config.deepspeed_file import LOWER_PRECISION_MODULES
 from gpt2.config.schema import ModelConfig
-from gpt2.engines.ds_config import lower_precision_modules
 from gpt2.model.gpt import GPT
 from gpt2.runtime.block_units import group_blocks, ungroup_state_dict
-from gpt2.runtime.flat_blocks import MatmulFlatParams, flatten_blocks, unflatten_state_dict
+from gpt2.runtime.flat_blocks import MATMUL_TYPES, MatmulFlatParams, flatten_blocks, unflatten_state_dict
 from gpt2.runtime.parallelize import param_groups
 
 CFG = ModelConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=64, n_positions=8)
@@ -85,9 +85,8 @@ def test_flat_groups_are_what_zero_treats_alike() -> None:
     assert members["other.no_decay"] == ["ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias"]
     # the Linear holder is in DeepSpeed's lower-precision list (gathered in bf16 under autocast), the other not
     assert isinstance(block.matmul, MatmulFlatParams) and not isinstance(block.other, MatmulFlatParams)
-    holders = lower_precision_modules()
-    assert f"{MatmulFlatParams.__module__}.{MatmulFlatParams.__qualname__}" in holders
-    assert not any(name.endswith(".FlatParams") for name in holders)
+    names = tuple(f"{cls.__module__}.{cls.__qualname__}" for cls in (*MATMUL_TYPES, MatmulFlatParams))
+    assert names == LOWER_PRECISION_MODULES
     # AdamW: the same numbers of decayed and undecayed values as the per-tensor model
     for ours, theirs in zip(param_groups(flat, 0.1), param_groups(plain, 0.1)):
         assert sum(p.numel() for p in ours["params"]) == sum(p.numel() for p in theirs["params"])

@@ -346,7 +346,7 @@ def test_search_ranks_fitting_layouts_by_step_time(capsys):
     times = [c.step_s for c in ranked]
     assert times == sorted(times)
     best = ranked[0].plan.layout
-    # ZeRO-3 ties with 1/2 on time (ds_configs/zero3.json keeps gathered weights to backward, so its DP
+    # ZeRO-3 ties with 1/2 on time (gpt2/config/ds_configs/zero3.json keeps gathered weights to backward, so its DP
     # traffic hides under compute too) and wins on memory
     assert best.tp_size == 4 and best.mode == "hybrid"
     # compute time by hand: (6 N + 12 L d T) FLOPs/token, N = 12 x (12 d^2 + 13 d) + 2 d + 50257 d (unpadded)
