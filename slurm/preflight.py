@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpt2.config.cli import parse_args
 from gpt2.config.layout import RunLayout  # noqa: E402
-from gpt2.config.schema import ConfigError
+from gpt2.config.schema import ConfigError, positive_int
 
 
 def check(nodes: int, nproc_per_node: int, train_argv: list[str], visible_gpus: int | None) -> str:
@@ -50,8 +50,8 @@ def _visible_gpus(train_argv: list[str]) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="preflight.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--nproc-per-node", type=int, required=True)
+    p.add_argument("--nodes", type=positive_int, required=True)
+    p.add_argument("--nproc-per-node", type=positive_int, required=True)
     p.add_argument("train_argv", nargs=argparse.REMAINDER, help="-- then the train.py flags")
     args = p.parse_args(argv)
     train_argv = args.train_argv[1:] if args.train_argv[:1] == ["--"] else args.train_argv

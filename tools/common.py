@@ -26,7 +26,8 @@ import torch
 from gpt2.observe.metrics import host_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
-ERROR_LINE = re.compile(r"\b(\w+(?:Error|Exception)): (.+)$")
+# an exception's line, or a refusal in argparse's form (`train.py: error: ...`), whose reason a failed row shows
+ERROR_LINE = re.compile(r"\b(\w+(?:Error|Exception)|[\w.]+: error): (.+)$")
 # torchrun's "Root Cause" block names the first rank that failed; a rank killed by a signal prints no error line
 ROOT_CAUSE_FIELD = re.compile(r"^\s*(rank|exitcode|traceback)\s*: (.+?)\s*$")
 NATIVE_CRASH_LINE = re.compile(r"terminate called|Fatal Python error")

@@ -25,10 +25,12 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from gpt2.config.cli import check_folder_creatable  # noqa: E402
+from gpt2.config.schema import ConfigError  # noqa: E402
 from gpt2.observe.run_logging import run_label  # noqa: E402
 from tools.common import markdown_table  # noqa: E402
 
-COLUMNS = ["Configuration", "GPUs", "Batch/GPU", "Tokens/s", "MFU", "Peak memory (GiB)", "Training time (s)",
+COLUMNS = ["Configuration", "Run", "GPUs", "Batch/GPU", "Tokens/s", "MFU", "Peak memory (GiB)", "Training time (s)",
            "Final loss", "Accuracy", "Val loss"]
 PLAN_COLUMNS = ["Configuration", "Batch/GPU", "Predicted peak at run time (GiB)", "Measured peak (GiB)", "Error",
                 "TP bytes/step predicted", "TP bytes/step measured"]
@@ -121,7 +123,8 @@ def _fmt(value: float | None, spec: str, scale: float = 1.0, suffix: str = "") -
 def table_row(run: Run) -> dict[str, str]:
     s = run.summary
     return {
-        "Configuration": run.label, "GPUs": str(s["world_size"]), "Batch/GPU": str(s["batch_size_per_gpu"]),
+        "Configuration": run.label, "Run": run.path.name, "GPUs": str(s["world_size"]),
+        "Batch/GPU": str(s["batch_size_per_gpu"]),
         "Tokens/s": _fmt(s.get("tokens_per_s"), ",.0f"), "MFU": _fmt(s.get("mfu"), ".1f", 100, "%"),
         "Peak memory (GiB)": _fmt(s.get("mem/peak_allocated_gib"), ".2f"),
         "Training time (s)": _fmt(s.get("train_time_s"), ".1f"), "Final loss": _fmt(s.get("final_loss"), ".4f"),
@@ -208,8 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", help="run folders, or folders of run folders")
     parser.add_argument("--out", default="report", help="folder for report.md and the PNGs")
     args = parser.parse_args(argv)
+    try:  # before reading any run: a file in the way failed only at the end
+        check_folder_creatable("--out", Path(args.out))
+    except ConfigError as err:
+        parser.error(str(err))
     runs = []
-    for folder in find_runs(args.runs):  # one bad folder is named and skipped; the others still make the report
+    # a run named twice is one row; one bad folder is named and skipped, the others still make the report
+    for folder in dict.fromkeys(p.resolve() for p in find_runs(args.runs)):
         try:
             run = load_run(folder)
         except UnreadableRun as why:

@@ -54,9 +54,16 @@ from torch.numa.binding import AffinityMode
 
 from gpt2.config.cli import parse_args as parse_train_args
 from gpt2.config.layout import RunLayout
-from gpt2.config.schema import PROFILED_STEPS, ZERO3_UNIT_BLOCKS, ConfigError
+from gpt2.config.schema import (
+    MODEL_PRESETS,
+    PROFILED_STEPS,
+    ZERO3_UNIT_BLOCKS,
+    ConfigError,
+    non_negative_int,
+    positive_int,
+)
 from gpt2.planning import planner
-from tools import report
+from tools import report, results_store
 from tools.common import (
     ROOT,
     free_run_name,
@@ -120,15 +127,15 @@ MIN_RUN_S = 60.0  # under --budget-s, a run with less time left than this could 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", type=int, default=4, help="processes per run (--nproc_per_node)")
+    p.add_argument("--gpus", type=positive_int, default=4, help="processes per run (--nproc_per_node)")
     p.add_argument("--numa-binding", choices=[mode.value for mode in AffinityMode],
                    help="torchrun's --numa-binding for every run (torch >= 2.9, GPU hosts): each rank's CPUs near its "
                         "GPU; the cores a run could use are in its host_cpu column")
-    p.add_argument("--model", default="gpt2-large")
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (--max-steps)")
-    p.add_argument("--warmup", type=int, default=10, help="steps excluded from tokens/s and MFU")
-    p.add_argument("--log-interval", type=int, default=5)
+    p.add_argument("--model", default="gpt2-large", choices=list(MODEL_PRESETS))
+    p.add_argument("--seq-len", type=positive_int, default=1024)
+    p.add_argument("--steps", type=positive_int, default=30, help="optimizer steps per run (--max-steps)")
+    p.add_argument("--warmup", type=non_negative_int, default=10, help="steps excluded from tokens/s and MFU")
+    p.add_argument("--log-interval", type=positive_int, default=5)
     p.add_argument("--modes", nargs="+", default=["baseline", "hybrid", "hybrid-tp2", "hf-ddp", "hf-zero3"],
                    choices=list(MODES))
     p.add_argument("--fused", nargs="+", default=["none", "triton"], choices=["none", "triton", "cuda"])
@@ -150,6 +157,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="parity.csv files of tools.parity: every row gets the verdict of its configuration, and "
                         "report.md and its plots keep only the runs that pass")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    results_store.add_store_arguments(p)
     args = p.parse_args(argv)
     for b in args.batches:
         if b != "max" and not (b.isdigit() and int(b) > 0):
@@ -421,6 +429,29 @@ def write_outputs(sweep: Sweep) -> list[dict[str, Any]]:
     return shown
 
 
+def store_rows(sweep: Sweep) -> list[int]:
+    """Append every finished run to the results store, with its configuration's verdict and parity file."""
+    args = sweep.args
+    verdicts = read_verdicts(args.parity) if args.parity else None
+    rows = []
+    for r in sweep.results:
+        if r.status != "ok" or r.batch_choice == "max" and any(x is not r and x.name == r.name for x in sweep.results):
+            continue
+        run_dir = sweep.out / "runs" / r.name
+        verdict = verdict_of(run_dir, verdicts) if verdicts is not None else "none"
+        reference = r.mode.startswith("hf")
+        summary = {**r.summary, "engine": "hf"} if reference else r.summary
+        config_path = run_dir / "config.json"
+        if config_path.is_file():  # the ZeRO stage is in the resolved configuration, not the summary
+            parallel = json.loads(config_path.read_text()).get("parallel", {})
+            summary = {**summary, "zero_stage": parallel.get("zero_stage")}
+        rows.append(results_store.row_from_summary(
+            summary, call=args.call, raw=sweep.out / "sweep.csv",
+            parity=verdict, parity_file=args.parity[0] if args.parity and verdict == "pass" else None,
+            kind="reference" if reference else "throughput", variant=args.extra_args.strip()))
+    return results_store.append_rows(rows, args.store)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     stop_launches_on_signal()
@@ -437,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
         sweep.run_point(mode, fused, batch_spec)
         write_outputs(sweep)
     shown = write_outputs(sweep)
+    if args.store:
+        store_rows(sweep)
     if shown:
         print((sweep.out / "sweep.md").read_text())
     print(f"wrote {sweep.out}/sweep.csv, sweep.md, report.md and {', '.join(report.PLOTS)}")

@@ -55,8 +55,9 @@ def test_report_table_and_plots(tmp_path, capsys):
     text = (out / "report.md").read_text()
     assert text == capsys.readouterr().out.rstrip("\n") + "\n"
     rows = [line for line in text.splitlines() if line.startswith("| ddp") or line.startswith("| zero3")]
-    assert rows[0] == "| ddp | 4 | 8 | 123,457 | 45.7% | 26.76 | 95.2 | 6.5432 | 0.1235 | 6.6000 |"
-    assert rows[1] == "| zero3-tp2-sp triton | 4 | 8 | n/a | n/a | 12.50 | 80.0 | 6.7000 | 0.1100 | n/a |"
+    assert rows[0] == "| ddp | ddp-b8 | 4 | 8 | 123,457 | 45.7% | 26.76 | 95.2 | 6.5432 | 0.1235 | 6.6000 |"
+    assert rows[1] == ("| zero3-tp2-sp triton | zero3-tp2-b8 | 4 | 8 | n/a | n/a | 12.50 | 80.0 | 6.7000 | 0.1100 "
+                       "| n/a |")
     # planner table: only the run that carries plan/* keys
     assert rows[2] == "| ddp | 8 | 26.50 | 26.76 | -1.0% | n/a | n/a |"
     assert len(rows) == 3
@@ -104,3 +105,19 @@ def test_a_path_that_gives_no_run_folder_is_named(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"skipped {tmp_path / 'typo'}: no such folder" in err
     assert f"skipped {tmp_path / 'empty'}: no run folder in it" in err
+
+
+def test_report_checks_out_and_lists_a_run_once(tmp_path, capsys):
+    """--out a file: argparse's one line before any run is read (was a traceback at the end); a run named twice
+    (and through its parent folder) is one row, and the Run column tells apart runs of one configuration."""
+    import pytest
+
+    ddp, _ = make_runs(tmp_path / "runs")
+    (tmp_path / "file").write_text("a user's file")
+    with pytest.raises(SystemExit) as refused:
+        main([str(ddp), "--out", str(tmp_path / "file")])
+    assert refused.value.code == 2 and "--out " in capsys.readouterr().err
+    again = write_run(tmp_path / "more", "ddp-b8-2", summary("baseline"), [{"step": 1, "loss": 11.0}])
+    assert main([str(ddp), str(ddp), str(tmp_path / "runs"), str(again), "--out", str(tmp_path / "report")]) == 0
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert text.count("| ddp | ddp-b8 |") == 1 and text.count("| ddp | ddp-b8-2 |") == 1, text
