@@ -37,6 +37,7 @@ from gpt2.model.flops import flops_per_token, model_params_for_flops
 from gpt2.observe.metrics import LapTimer, MemoryStats, PeakMemory, ThroughputMeter, device_peak_tflops, host_cpu
 from gpt2.observe.run_logging import MetricsLogger, log, make_run_dir, setup_console
 from gpt2.runtime.distributed import run_as_process, shutdown_distributed
+from tools import results_store
 
 StepFn = Callable[[torch.Tensor], torch.Tensor]  # input ids [B, T] -> detached loss
 
@@ -59,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-name", default=None)
     p.add_argument("--wandb", choices=["online", "offline", "disabled"], default=None)
     p.add_argument("--wandb-group", default=None)
+    results_store.add_store_arguments(p)
     return p.parse_args(argv)
 
 
@@ -267,7 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         log.info("model: HF GPT2LMHeadModel %s (%s), %.1fM parameters (FLOPs count), world %d", args.model,
                  args.mode, model_params_for_flops(cfg.model) / 1e6, dist.get_world_size())
         logger = MetricsLogger(cfg, run_dir) if is_main else None
-        train(cfg, device, step_fn, attn, logger)
+        summary = train(cfg, device, step_fn, attn, logger)
+        if is_main and args.store:
+            results_store.append_rows([results_store.row_from_summary(
+                {**summary, "engine": "hf"}, call=args.call, raw=run_dir / "summary.json", kind="reference",
+                variant=args.mode)], args.store)
         finished = True
     finally:
         if logger:

@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gpt2.config.schema import MODEL_PRESETS, ModelConfig
 from gpt2.model.flops import flops_per_token
 from gpt2.observe.metrics import device_peak_tflops
+from tools import results_store
 
 
 class Block(nn.Module):
@@ -69,6 +70,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the timing (compilation included)")
+    results_store.add_store_arguments(p)
     args = p.parse_args()
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank)
@@ -99,6 +101,13 @@ def main() -> None:
         print(f"nanogpt-reference {args.model} batch {args.batch_size} x {args.seq_len} on {dist.get_world_size()} "
               f"GPUs: {tokens_per_s:,.0f} tok/s, MFU {mfu:.1%}, peak {torch.cuda.max_memory_allocated() / 2**30:.2f} "
               f"GiB, loss {loss.item():.4f}")
+        if args.store:
+            results_store.append_rows([results_store.row_from_summary(
+                {"mode": "baseline", "engine": "nanogpt", "model": args.model, "world_size": dist.get_world_size(),
+                 "batch_size_per_gpu": args.batch_size, "seq_len": args.seq_len, "compile": "model",
+                 "device": torch.cuda.get_device_name(device), "tokens_per_s": tokens_per_s, "mfu": mfu,
+                 "mem/peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30},
+                call=args.call, raw="(console output)", kind="reference")], args.store)
     dist.destroy_process_group()
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 import shlex
 import sys
@@ -42,7 +43,7 @@ import torch
 from gpt2.config.cli import parse_args as parse_train_args
 from gpt2.config.schema import MODEL_PRESETS, ConfigError, DataConfig, positive_int
 from gpt2.runtime.distributed import LAUNCHER_VARS
-from tools import parity_report
+from tools import parity_report, results_store
 from tools.common import ROOT, device_tag, error_excerpt, free_run_name, last_error, launch, stop_launches_on_signal
 from tools.parity_matrix import NOISE, REFERENCE, Job, extra_row, matrix, plan, select
 from tools.parity_report import RowResult, Tolerance
@@ -97,6 +98,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p = argparse.ArgumentParser(prog="python -m tools.parity", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="folder for parity.csv/.md/.png, runs/ and logs/")
+    results_store.add_store_arguments(p)
     p.add_argument("--models", nargs="+", default=["gpt2", "gpt2-large"], choices=sorted(MODEL_PRESETS))
     p.add_argument("--rows", nargs="+", metavar="NAME", help="row names or globs (default: all); single and noise "
                    "always run")
@@ -351,6 +353,22 @@ def judge(jobs: list[Job], outcomes: dict[Job, Outcome], args: argparse.Namespac
     return results, tol
 
 
+def store_verdicts(results: list[parity_report.RowResult], out: Path, args: argparse.Namespace) -> list[int]:
+    """One results-store row per judged configuration (kind parity): its key, verdict and parity.csv."""
+    rows = []
+    for r in results:
+        if r.verdict not in ("pass", "fail"):
+            continue
+        summary_path = Path(r.run_dir) / "summary.json"
+        summary = json.loads(summary_path.read_text()) if r.run_dir and summary_path.is_file() else {}
+        c = r.comparison
+        note = f"max |dloss| {c.max_abs_dloss:.2e}, tolerance {c.tolerance:.2e}" if c else ""
+        rows.append({**results_store.row_from_summary(
+            summary, call=args.call, raw=out / "parity.csv", parity=r.verdict, parity_file=out / "parity.csv",
+            kind="parity", variant=r.config, note=note), "tokens_per_s": None, "mfu": None, "model": r.model})
+    return results_store.append_rows(rows, args.store)
+
+
 def main(argv: list[str] | None = None) -> int:
     p, args = parse_args(argv)
     stop_launches_on_signal()
@@ -449,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         delta = f"max |dloss| {c.max_abs_dloss:.2e}, dval {c.val_dloss:+.2e}, tol {c.tolerance:.2e}" if c else ""
         print(f"{r.model:12s} {r.config:22s} {r.verdict:9s} {delta} {r.note}")
     print(f"wrote {out}/parity.csv, parity.md and parity_<model>.png")
+    if args.store:
+        store_verdicts(results, out, args)
     return 1 if any(r.verdict in ("fail", "error") for r in results) else 0
 
 

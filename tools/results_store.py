@@ -56,6 +56,13 @@ COLUMNS = tuple(name for name, _ in SCHEMA)
 VERDICTS = ("pass", "fail", "none")
 
 
+def add_store_arguments(parser: Any) -> None:
+    """--store / --call, the same on every tool that makes runs."""
+    parser.add_argument("--store", type=Path, nargs="?", const=STORE, default=None,
+                        help=f"append the runs to the results store (default file: {STORE.relative_to(ROOT)})")
+    parser.add_argument("--call", default="", help="the device call's name for --store rows (ratios stay within one)")
+
+
 def read_rows(path: Path = STORE) -> list[dict[str, str]]:
     if not path.is_file():
         return []

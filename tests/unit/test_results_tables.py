@@ -89,3 +89,21 @@ def test_append_rows_assigns_ids_and_refuses_unknown_columns(tmp_path: Path) -> 
 
 def test_readme_is_at_most_1200_words() -> None:
     assert len((ROOT / "README.md").read_text().split()) <= 1200
+
+
+def test_train_sweep_appends_its_finished_runs(tmp_path: Path) -> None:
+    from tools import train_sweep
+
+    store = tmp_path / "runs.csv"
+    args = train_sweep.parse_args(["--out", str(tmp_path / "sweep"), "--store", str(store), "--call", "Z"])
+    sweep = train_sweep.Sweep(args)
+    summary = {"mode": "hybrid", "model": "gpt2-tiny", "world_size": 2, "tp_size": 1, "batch_size_per_gpu": 4,
+               "seq_len": 64, "compile": "off", "fused_kernels": "none", "zero3_fetch": "flat",
+               "zero3_unit_blocks": 2, "tokens_per_s": 1234.5, "mfu": None, "device": "cpu"}
+    sweep.results = [train_sweep.RunResult("hybrid", "none", 4, "fixed", "hybrid-none-b4", "ok", summary=summary),
+                     train_sweep.RunResult("baseline", "none", 4, "fixed", "baseline-none-b4", "oom")]
+    assert train_sweep.store_rows(sweep) == [1]
+    (r,) = read_rows(store)
+    assert (r["call"], r["engine"], r["zero3_fetch"], r["zero3_unit"], r["compile"], r["parity"]) == (
+        "Z", "deepspeed", "flat", "2", "eager", "none")
+    assert r["raw"].endswith("sweep/sweep.csv") and r["tokens_per_s"] == "1234.5"
