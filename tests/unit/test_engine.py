@@ -42,7 +42,7 @@ def test_clipping_inside_the_fused_adamw_is_torchs_clip_then_step(scale: float) 
     ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     groups = lambda ps: [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}]  # noqa: E731
     opt, ref_opt = (torch.optim.AdamW(groups(ps), lr=0.01, fused=True) for ps in (ours, ref))
-    for step in range(3):
+    for _ in range(3):
         grads = [torch.randn(s) * scale for s in shapes]
         for p, q, g in zip(ours, ref, grads):
             p.grad, q.grad = g.clone(), g.clone()
