@@ -17,6 +17,7 @@ from gpt2.config.layout import RunLayout
 from gpt2.config.schema import ConfigError, RunConfig
 from gpt2.runtime.rendezvous import check_launcher_values
 from parallel.dims import ParallelDims
+from parallel.simulated import is_simulated
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # Collective timeout (GPT2_COLLECTIVE_TIMEOUT_MIN, minutes). Rank 0 tokenises a missing token cache while the others
@@ -32,10 +33,13 @@ class DistContext:
     world_size: int
     device: torch.device
     dims: ParallelDims
+    simulated: bool = False  # one rank run alone through parallel.simulated: its peers and collectives are not real
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        """The rank that logs, writes the run folder and builds a missing token cache: rank 0, or a simulated rank
+        (the only process of its layout)."""
+        return self.rank == 0 or self.simulated
 
     @property
     def distributed(self) -> bool:
@@ -95,7 +99,8 @@ def init_distributed(cfg: RunConfig) -> tuple[RunLayout, DistContext]:
         missing = ", ".join(v for v in LAUNCHER_VARS if v not in os.environ)
         raise ConfigError(f"the environment has {given} but no {missing}: left over from another launch (a launcher "
                           "sets them all)? unset them for one process, or launch with torchrun")
-    check_launcher_values(world_size, rank, local_rank)  # before the rendezvous, which would wait for them
+    if not dist.is_initialized():  # a group made by the caller (tools.simulate_rank) had no rendezvous
+        check_launcher_values(world_size, rank, local_rank)  # before the rendezvous, which would wait for them
     timeout = timedelta(minutes=env_int(TIMEOUT_ENV, COLLECTIVE_TIMEOUT_MIN, minimum=1))
     device = pick_device(cfg.train.device, local_rank)
     layout = RunLayout.resolve(cfg, world_size, device)
@@ -107,11 +112,22 @@ def init_distributed(cfg: RunConfig) -> tuple[RunLayout, DistContext]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if layout.mode != "single":
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=timeout,
-                                device_id=device if device.type == "cuda" else None)
+        if dist.is_initialized():  # made by the caller (tools.simulate_rank): used as it is
+            check_given_group(world_size, rank)
+        else:
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend=backend, timeout=timeout,
+                                    device_id=device if device.type == "cuda" else None)
         dims.build_groups()
-    return layout, DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device, dims=dims)
+    return layout, DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device, dims=dims,
+                               simulated=is_simulated())
+
+
+def check_given_group(world_size: int, rank: int) -> None:
+    """A process group that exists before the launch is read must be the launch's."""
+    if (dist.get_world_size(), dist.get_rank()) != (world_size, rank):
+        raise ConfigError(f"a process group of world size {dist.get_world_size()} (rank {dist.get_rank()}) exists, "
+                          f"but WORLD_SIZE={world_size} RANK={rank}: set the launcher variables to the group's")
 
 
 def shutdown_distributed(all_ranks_finished: bool) -> None:

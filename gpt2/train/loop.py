@@ -199,6 +199,10 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
         hw_flops_per_token=hardware_flops_per_token(cfg.model, t.seq_len, t.activation_checkpointing),
         n_devices=ctx.world_size, peak_tflops=peak, warmup_steps=start_step + t.untimed_steps)
     memory = PeakMemory(ctx.device)
+    if ctx.simulated:
+        log.warning("%sthe collectives move nothing and return stand-in values: this rank's memory, compute and "
+                    "host path are the layout's, its throughput and losses are not (no parity verdict)",
+                    simulated_label(ctx))
     log.info("tokens/step %d (dp %d x batch %d x accum %d x seq %d); FLOPs/token %.3e; peak %s TFLOP/s",
              layout.tokens_per_step, layout.dp_size, t.batch_size, layout.grad_accum, t.seq_len,
              meter.flops_per_token, peak)
@@ -281,8 +285,9 @@ def run_training(layout: RunLayout, ctx: DistContext, engine: Engine, data: Data
     recorder.log_summary(summary)
     mfu = summary["mfu"]
     tok_s = summary["tokens_per_s"]
-    log.info("summary: %s %s | %s tok/s | MFU %s | peak mem %.2f GiB | final loss %.4f | val loss %s",
-             t.mode, t.model, f"{tok_s:,.0f}" if tok_s else "n/a", f"{100 * mfu:.1f}%" if mfu else "n/a",
+    log.info("summary: %s%s %s | %s tok/s | MFU %s | peak mem %.2f GiB | final loss %.4f | val loss %s",
+             simulated_label(ctx), t.mode, t.model, f"{tok_s:,.0f}" if tok_s else "n/a",
+             f"{100 * mfu:.1f}%" if mfu else "n/a",
              summary["mem/peak_allocated_gib"], summary["final_loss"], summary.get("val_loss", "n/a"))
     return summary
 
@@ -301,6 +306,7 @@ def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, m
         "mode": t.mode, "zero_engine": layout.zero_engine, "model": t.model,
         "n_params": model_params_for_flops(cfg.model),
         "world_size": layout.world_size, "tp_size": layout.tp_size, "dp_size": layout.dp_size,
+        "sequence_parallel": cfg.parallel.sequence_parallel,
         "batch_size_per_gpu": t.batch_size, "grad_accum": layout.grad_accum, "seq_len": t.seq_len,
         "tokens_per_step": layout.tokens_per_step, "precision": layout.precision,
         "fused_kernels": t.fused_kernels, "whole_mlp_op": whole_mlp_op, "attn": t.attn,
@@ -323,7 +329,13 @@ def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, m
         "mem/allocated_after_step_gib": last.get("mem/allocated_after_step_gib"),  # the last logged step's
         "final_loss": last.get("loss"), "final_accuracy": last.get("accuracy"), **val,
         "torch_version": torch.__version__, "profiled": bool(profile), **(profile or {}),
+        **({"simulated": True, "simulated_rank": ctx.rank} if ctx.simulated else {}),
     }
+
+
+def simulated_label(ctx: DistContext) -> str:
+    """The console's prefix for a simulated rank's lines (empty for a real run)."""
+    return f"SIMULATED rank {ctx.rank} of {ctx.world_size}: " if ctx.simulated else ""
 
 
 def _evaluate(cfg: RunConfig, engine: Engine, data: DataBundle, recorder: NullRecorder,
