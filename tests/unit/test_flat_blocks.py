@@ -165,9 +165,18 @@ def test_a_checkpoint_from_before_the_flat_default_names_its_flags() -> None:
     pinned = parse_args(["--mode", "hybrid", "--model", "gpt2", "--device", "cpu", "--zero3-fetch", "block",
                          "--zero3-unit-blocks", "1"])
     check_compatible(old, RunLayout.resolve(pinned, 2, "cpu"), Path("ck"))  # with them it resumes
-    # a run without ZeRO-3's gather hooks (FSDP2 here) refuses both flags: the refusal names no such fix
+    # a DeepSpeed run without ZeRO-3's gather hooks (DeepCompile) refuses both flags: the refusal names no such fix
+    deepcompile = RunLayout.resolve(parse_args(["--mode", "hybrid", "--model", "gpt2", "--compile", "--compiler",
+                                                "deepcompile"]), 2, "cuda")  # resolves anywhere; runs on CUDA only
+    assert deepcompile.zero3_fetch is None
+    with pytest.raises(CheckpointError, match="zero3_flat: checkpoint True") as refused:
+        check_compatible(build_meta(default, step=5), deepcompile, Path("ck"))
+    assert "resume it with --zero3" not in str(refused.value), refused.value
+    # under another engine (FSDP2) the engine is the difference: an old checkpoint (no zero_engine key) counts as
+    # DeepSpeed's, and DeepSpeed's fetch flags are no advice (tests/integration/test_checkpoint.py)
     fsdp2 = RunLayout.resolve(parse_args(["--mode", "hybrid", "--model", "gpt2", "--device", "cpu", "--zero-engine",
                                           "fsdp2"]), 2, "cpu")
-    with pytest.raises(CheckpointError, match="zero_engine: checkpoint 'deepspeed'") as refused:
-        check_compatible(build_meta(default, step=5), fsdp2, Path("ck"))
-    assert "zero3_flat: checkpoint True" in str(refused.value) and "resume it with --zero3" not in str(refused.value)
+    for meta in (old, build_meta(default, step=5)):
+        with pytest.raises(CheckpointError, match="zero_engine: checkpoint 'deepspeed', this run 'fsdp2'") as refused:
+            check_compatible(meta, fsdp2, Path("ck"))
+        assert "zero3" not in str(refused.value), refused.value
