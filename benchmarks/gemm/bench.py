@@ -9,6 +9,8 @@ until the time budget is spent (--shapes picks groups of them, --kernels a subse
 extensions those kernels need are built). On a Hopper GPU (compute capability 9.0) the ladder gains `wgmma`
 (gemm_wgmma.cu: wgmma.mma_async + TMA) and `wgmma_persistent` (gemm_wgmma_persistent.cu: the same mainloop,
 persistent CTAs, epilogue through shared memory and TMA stores), built as a second extension for sm_90a only.
+Those two, the binding and the header are the library's sources (fused_kernels/cuda/: training's fused MLP runs
+on them); this folder keeps the ladder's steps 1-5 (gemm_kernels.cu).
 --bias-gelu adds the MLP up-projection with bias + GELU(tanh) fused into wgmma_persistent's epilogue against
 cuBLAS + a separate bias-GELU (gemm_bias_gelu.csv), and its training step, forward + backward, fused (pre-activation
 written by the forward epilogue, GELU backward + bias gradient in the dgrad's) against eager (gemm_mlp_fwd_bwd.csv).
@@ -36,12 +38,14 @@ from pathlib import Path
 import torch
 
 from benchmarks.measure import median_ms, time_ms
+from fused_kernels.cuda.mlp import SOURCE_DIR as CUDA_DIR
 from fused_kernels.cuda.mlp import hopper, load_wgmma_extension
 from tools.common import device_tag, markdown_table, tag_line, write_csv
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent  # the ladder's steps 1-5 (gemm_kernels.cu); the wgmma kernels, the binding and
+# the header are the library's (fused_kernels/cuda/, CUDA_DIR), which training builds from too
 CUDA_KERNELS = ["naive", "smem", "regblock", "wmma", "mma_128x128", "mma_128x256"]
-HOPPER_KERNELS = ["wgmma", "wgmma_persistent"]  # sm_90a only: gemm_wgmma*.cu, their own extension
+HOPPER_KERNELS = ["wgmma", "wgmma_persistent"]  # sm_90a only: fused_kernels/cuda/gemm_wgmma*.cu, own extension
 PERSISTENT_KERNELS = {"wgmma_persistent"}  # probed on a shape with more tiles than SMs
 # wgmma_persistent with fused epilogues (same extension): MLP up-projection forward, forward + AUX, backward
 FUSED_EPILOGUES = ["wgmma_persistent_bias_gelu", "wgmma_persistent_bias_gelu_aux", "wgmma_persistent_dgelu"]
@@ -110,17 +114,18 @@ def build_extension(verbose: bool = False, kernels: list[str] | None = None) -> 
     an extension is only built if one of its kernels is wanted. gemm_wgmma*.cu are a second extension:
     load() applies one flag set to every source, and gemm_kernels.cu must keep its sm_80 build while the
     wgmma kernels must be sm_90a only (an 'arch' flag in extra_cuda_cflags replaces torch's own -gencode
-    flags). Both bind through gemm_binding.cpp; -DGEMM_WGMMA selects the wgmma binding, which also exports
-    FUSED_EPILOGUES: wgmma_persistent_bias_gelu (A, B, bias, C), wgmma_persistent_bias_gelu_aux (A, B, bias, C,
-    AUX) and wgmma_persistent_dgelu (A, B, AUX, C, DBIAS)."""
+    flags). Both bind through fused_kernels/cuda/gemm_binding.cpp; -DGEMM_WGMMA selects the wgmma binding, which
+    also exports FUSED_EPILOGUES: wgmma_persistent_bias_gelu (A, B, bias, C), wgmma_persistent_bias_gelu_aux (A, B,
+    bias, C, AUX) and wgmma_persistent_dgelu (A, B, AUX, C, DBIAS)."""
     from torch.utils.cpp_extension import load
 
     wanted = set(cuda_kernels() if kernels is None else kernels) & set(cuda_kernels())
     cuda_flags = ["-O3", "-std=c++17", "-lineinfo"]
     fns: dict[str, Gemm] = {}
     if wanted & set(CUDA_KERNELS):
-        ladder = load(name="gemm_ladder", sources=[str(HERE / "gemm_kernels.cu"), str(HERE / "gemm_binding.cpp")],
-                      extra_cuda_cflags=cuda_flags, extra_cflags=["-O3"], verbose=verbose)
+        ladder = load(name="gemm_ladder", sources=[str(HERE / "gemm_kernels.cu"), str(CUDA_DIR / "gemm_binding.cpp")],
+                      extra_cuda_cflags=cuda_flags, extra_cflags=["-O3"], extra_include_paths=[str(CUDA_DIR)],
+                      verbose=verbose)
         fns.update({k: getattr(ladder, k) for k in CUDA_KERNELS})
     if wanted & set(HOPPER_KERNELS):  # the build training's fused MLP loads too (one recipe)
         wgmma = load_wgmma_extension(verbose)

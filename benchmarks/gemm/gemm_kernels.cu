@@ -8,7 +8,7 @@
 //                    XOR-swizzled shared memory (no bank conflicts for ldmatrix), grouped tile order for L2
 // Launchers take raw pointers and a stream and return nullptr or an error message (the binding raises it).
 // Builds for sm_80 and sm_90; no Hopper-only (wgmma/TMA) instructions: step 6 (wgmma + TMA, sm_90a) is
-// gemm_wgmma.cu.
+// fused_kernels/cuda/gemm_wgmma.cu. gemm_kernels.h lives there too (build with -I fused_kernels/cuda).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -1,4 +1,5 @@
-"""GPT-2's whole MLP as one custom op on Hopper, on the GEMM study's wgmma kernel (`benchmarks/gemm/`).
+"""GPT-2's whole MLP as one custom op on Hopper, on the GEMM study's wgmma kernel (gemm_wgmma_persistent.cu here;
+the study itself is `benchmarks/gemm/`).
 
 y = (GELU_tanh(x W_fc^T + b_fc)) W_proj^T + b_proj, as `torch.ops.gpt2_fused.cuda_mlp`. The forward's up-projection
 epilogue writes h = GELU(pre) and the pre-activation pre (`wgmma_persistent_bias_gelu_aux`). The backward's
@@ -23,8 +24,10 @@ import torch
 from fused_kernels import KernelUnavailableError
 from fused_kernels.custom_ops import kernel_op
 
-GEMM_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "gemm"
-WGMMA_SOURCES = [GEMM_DIR / f for f in ("gemm_wgmma.cu", "gemm_wgmma_persistent.cu", "gemm_binding.cpp")]
+# the sources live in this package (package data: an installed wheel builds from them); the GEMM study in
+# benchmarks/gemm/ builds its ladder with gemm_binding.cpp and gemm_kernels.h from here too
+SOURCE_DIR = Path(__file__).resolve().parent
+WGMMA_SOURCES = [SOURCE_DIR / f for f in ("gemm_wgmma.cu", "gemm_wgmma_persistent.cu", "gemm_binding.cpp")]
 # sm_90a only: an arch flag in extra_cuda_cflags replaces torch's own -gencode list; -DGEMM_WGMMA selects the binding
 WGMMA_CUDA_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "-gencode=arch=compute_90a,code=sm_90a"]
 

@@ -10,6 +10,7 @@ wheel.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import site
 import subprocess
@@ -42,6 +43,10 @@ assert Path(metadata.distribution("gpt2-hybrid-parallel").locate_file("gpt2")).r
 assert str(supported_torch())  # the torch range from the installed metadata: no pyproject.toml beside the package
 layout = RunLayout.resolve(parse_args(["--mode", "hybrid", "--device", "cpu"]), 1, "cpu")  # reads zero3.json
 assert layout.ds_file["zero_optimization"]["stage"] == 3
+from fused_kernels.cuda import SOURCES
+from fused_kernels.cuda.mlp import WGMMA_SOURCES
+for source in (*SOURCES, *WGMMA_SOURCES):  # what load() compiles: inside the installed package
+    assert source.is_file() and source.is_relative_to(Path(target).resolve()), source
 """
 
 
@@ -64,7 +69,13 @@ def test_the_wheel_holds_the_library_and_train_py_runs_on_it(tmp_path: Path) -> 
     assert top_level == LIBRARY
     assert sorted(p.name for p in (target / "gpt2/config/ds_configs").glob("*.json")) == [
         "zero1.json", "zero2.json", "zero3.json"]
-    assert (target / "fused_kernels/cuda/bias_gelu.cu").is_file()
+    # the CUDA sources the library builds from (fused_kernels.cuda and .mlp), each with the headers it includes
+    cuda = target / "fused_kernels/cuda"
+    built = ["bias_gelu.cu", "bias_gelu.cpp", "gemm_wgmma.cu", "gemm_wgmma_persistent.cu", "gemm_binding.cpp"]
+    for name in built:
+        assert (cuda / name).is_file(), name
+        for header in re.findall(r'^#include "([^"]+)"', (cuda / name).read_text(), flags=re.MULTILINE):
+            assert (cuda / header).is_file(), (name, header)
 
     work.mkdir()
     shutil.copy2(ROOT / "train.py", work / "train.py")

@@ -1,4 +1,4 @@
-// Step 6 of the GEMM ladder (gemm_kernels.cu has steps 1-5): Hopper wgmma fed by TMA, sm_90a only
+// Step 6 of the GEMM ladder (benchmarks/gemm/gemm_kernels.cu has steps 1-5): Hopper wgmma fed by TMA, sm_90a only
 // (build with -gencode=arch=compute_90a,code=sm_90a; wgmma and setmaxnreg do not exist on plain sm_90).
 // C[M,N] = A[M,K] @ B[K,N], row-major bf16 in and out, fp32 accumulation.
 //

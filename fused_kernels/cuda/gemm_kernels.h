@@ -1,4 +1,4 @@
-// Launchers of the GEMM ladder (gemm_kernels.cu; gemm_wgmma*.cu for the wgmma kernels): C[M,N] = A[M,K] @ B[K,N],
+// Launchers of the GEMM ladder (benchmarks/gemm/gemm_kernels.cu; gemm_wgmma*.cu here for the wgmma kernels): C[M,N] = A[M,K] @ B[K,N],
 // row-major bf16, fp32 accumulation.
 // Each returns nullptr on a successful launch, else an error message.
 #pragma once
@@ -11,7 +11,7 @@ GEMM_LAUNCHER(gemm_regblock);
 GEMM_LAUNCHER(gemm_wmma);
 GEMM_LAUNCHER(gemm_mma_128x128);
 GEMM_LAUNCHER(gemm_mma_128x256);
-GEMM_LAUNCHER(gemm_wgmma);  // sm_90a only: its own extension (bench.py), built on Hopper
+GEMM_LAUNCHER(gemm_wgmma);  // sm_90a only: its own extension (mlp.py), built on Hopper
 GEMM_LAUNCHER(gemm_wgmma_persistent);  // sm_90a only (gemm_wgmma_persistent.cu), same extension
 // C = GELU_tanh(A @ B + bias), bias[N] bf16: the MLP up-projection with its epilogue fused (sm_90a only)
 const char* gemm_wgmma_persistent_bias_gelu(const void* A, const void* B, const void* bias, void* C, int M, int N,

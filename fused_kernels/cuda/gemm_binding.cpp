@@ -87,7 +87,7 @@ void run_dgelu(const torch::Tensor& A, const torch::Tensor& B, const torch::Tens
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-#ifdef GEMM_WGMMA  // the second, sm_90a-only extension (gemm_wgmma.cu), see bench.py
+#ifdef GEMM_WGMMA  // the second, sm_90a-only extension (gemm_wgmma.cu), see mlp.py and benchmarks/gemm/bench.py
   m.def("wgmma", &run<gemm_wgmma>, "wgmma.mma_async + TMA + mbarrier pipeline, 128x256 tile (sm_90a)");
   m.def("wgmma_persistent", &run<gemm_wgmma_persistent>,
         "persistent wgmma + TMA, 128x256 tile, shared-memory + TMA-store epilogue (sm_90a)");
