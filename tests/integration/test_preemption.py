@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -175,11 +176,21 @@ def test_a_second_ctrl_c_in_train_main_is_one_line(tmp_path: Path, monkeypatch: 
             in capsys.readouterr().err)
 
 
+def test_the_entry_installs_its_watcher_before_torch_loads() -> None:
+    """`gpt2-train` and train.py import gpt2.train.main, then call its `cli`, which installs the watcher first: the
+    module (and the shim) must load no torch, or a SIGTERM during that import would still be a bare exit 143."""
+    code = "import sys, train, gpt2.train.main; assert 'torch' not in sys.modules, 'torch'"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=train_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
 def test_a_preemption_during_start_up_checkpoints_after_the_first_step(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """SIGTERM while train.py parses its flags (before torch loads, the model or the data exist) is a preemption like
     a later one: step 1's checkpoint, exit 75; the process's handler before and after is the test's own."""
     import train
+    from gpt2.train import main as entry
 
     def unexpected(signum: int, frame: object) -> None:
         pytest.fail("SIGTERM reached the handler train.main found: none of its own was installed yet")
@@ -192,7 +203,7 @@ def test_a_preemption_during_start_up_checkpoints_after_the_first_step(
 
     previous = signal.signal(signal.SIGTERM, unexpected)
     try:
-        monkeypatch.setattr(train, "parse_args", parse_when_preempted)
+        monkeypatch.setattr(entry, "parse_args", parse_when_preempted)  # train.main's body reads it there
         ck = tmp_path / "ck"
         assert train.main(PREEMPT_ARGS + ["--max-steps", "3", "--out-dir", str(tmp_path / "runs"),
                                           "--save-dir", str(ck)]) == EXIT_PREEMPTED

@@ -1,4 +1,5 @@
-"""The installed distribution is the library alone, and train.py runs on it from outside the checkout.
+"""The installed distribution is the library alone with its console script, `gpt2-train`, which trains from outside
+the checkout (and so does the checkout's train.py shim, copied out).
 
 The wheel is built from a copy of the sources (the checkout gets no build/ or .egg-info) and installed with
 `pip install --target` into a temporary folder. Python then runs with `-S`: no site-packages processing, so neither
@@ -50,7 +51,7 @@ for source in (*SOURCES, *WGMMA_SOURCES):  # what load() compiles: inside the in
 """
 
 
-def test_the_wheel_holds_the_library_and_train_py_runs_on_it(tmp_path: Path) -> None:
+def test_the_wheel_holds_the_library_and_gpt2_train_runs_on_it(tmp_path: Path) -> None:
     src, dist, target, work = (tmp_path / name for name in ("src", "dist", "target", "work"))
     src.mkdir()
     for name in SOURCES:
@@ -65,8 +66,10 @@ def test_the_wheel_holds_the_library_and_train_py_runs_on_it(tmp_path: Path) -> 
     subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)], check=True,
                    capture_output=True, timeout=300)
 
-    top_level = {p.name for p in target.iterdir() if not p.name.endswith(".dist-info")}
+    top_level = {p.name for p in target.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin"}
     assert top_level == LIBRARY
+    script = target / "bin" / "gpt2-train"  # pip's wrapper of [project.scripts]: imports gpt2.train.main, calls cli
+    assert "from gpt2.train.main import cli" in script.read_text()
     assert sorted(p.name for p in (target / "gpt2/config/ds_configs").glob("*.json")) == [
         "zero1.json", "zero2.json", "zero3.json"]
     # the CUDA sources the library builds from (fused_kernels.cuda and .mlp), each with the headers it includes
@@ -86,7 +89,11 @@ def test_the_wheel_holds_the_library_and_train_py_runs_on_it(tmp_path: Path) -> 
     check = subprocess.run([*python, "-c", CHECK, str(target), str(ROOT)], cwd=work, env=env, capture_output=True,
                            text=True, timeout=300)
     assert check.returncode == 0, check.stderr
-    run = subprocess.run([*python, "train.py", *TINY_ARGS, "--data", "synthetic", "--max-steps", "2",
+    shim = subprocess.run([*python, "train.py", "--help"], cwd=work, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert shim.returncode == 0 and "--mode" in shim.stdout, shim.stderr
+    # the installed entry, under the same -S interpreter (its shebang's would process this environment's .pth files)
+    run = subprocess.run([*python, str(script), *TINY_ARGS, "--data", "synthetic", "--max-steps", "2",
                           "--eval-batches", "0", "--out-dir", str(work / "runs")], cwd=work, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

@@ -1,6 +1,7 @@
 """The import graph of the library packages (gpt2, parallel, fused_kernels): no circles between modules or between
 gpt2's sub-packages, and the one-way rules of docs/design.md (parallel and fused_kernels know nothing of gpt2; the
-training loop and everything under it never import the planner; tools/ never imports benchmarks/).
+training loop and everything under it never import the planner, only the entry gpt2.train.main does; tools/ never
+imports benchmarks/).
 
 Read from the source (every import statement, function-level and TYPE_CHECKING ones included: a circle hidden in a
 function is still a circle in the design), so it needs no imports of its own and runs in milliseconds.
@@ -103,11 +104,18 @@ def test_lower_layers_know_nothing_of_gpt2():
             assert not [d for d in deps if d.startswith("parallel")], module
 
 
+ENTRY = "gpt2.train.main"  # train.py's body, the `gpt2-train` script: the composition root
+
+
 def test_only_the_planning_package_imports_the_planner():
-    """train.py makes the plan and hands the loop a comparison function; no library module reaches the planner."""
-    for module, deps in import_graph().items():
-        if not module.startswith("gpt2.planning"):
+    """The entry (gpt2.train.main) makes the plan and hands the loop a comparison function; no other library module
+    reaches the planner, and no library module imports the entry back."""
+    graph = import_graph()
+    assert ENTRY in graph
+    for module, deps in graph.items():
+        if not module.startswith("gpt2.planning") and module != ENTRY:
             assert not [d for d in deps if d.startswith("gpt2.planning")], module
+        assert ENTRY not in deps, module
 
 
 def test_tools_never_import_the_studies():
