@@ -195,10 +195,26 @@ def _create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> Simu
     return group
 
 
+def _traced_as_a_process_group() -> None:
+    """torch 2.11's Dynamo knows a process group by its exact type: a collective on a subclass would break the
+    compiled graph where NCCL's group does not (2.13 traces the subclass as it is)."""
+    try:
+        from torch._dynamo.variables.distributed import ProcessGroupVariable
+    except ImportError:
+        return
+    exact_type = ProcessGroupVariable.is_process_group
+
+    def is_process_group(value: object) -> bool:
+        return isinstance(value, SimulatedProcessGroup) or exact_type(value)
+
+    ProcessGroupVariable.is_process_group = staticmethod(is_process_group)
+
+
 def register() -> None:
     """Make `simulated` a torch.distributed backend (once per process)."""
     if BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create, devices=list(DEVICES))
+        _traced_as_a_process_group()
 
 
 def init_simulated(rank: int, world_size: int) -> None:
