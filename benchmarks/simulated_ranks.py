@@ -61,11 +61,11 @@ def row(run_dir: Path) -> dict[str, Any]:
     }
 
 
-def markdown(rows: list[dict[str, Any]], command: str, device: str, commit: str) -> str:
+def markdown(rows: list[dict[str, Any]], command: str, device: str, commit: str, call: str) -> str:
     shown = [{c: ("" if r[c] is None else r[c]) for c in COLUMNS} for r in rows]
     return "\n".join([
         "# Simulated ranks beside real one-device runs", "",
-        f"Device: {device}. Commit: {commit}. Command: `{command}`.", "",
+        f"Device: {device}. Commit: {commit}. Call: {call or 'not named'}. Command: `{command}`.", "",
         "A simulated rank (`simulated: yes`) is one rank of a multi-GPU layout run alone through "
         "parallel/simulated.py: its collectives move nothing. Its memory, device work, host time, kernels and "
         "collective calls are that rank's; its tokens/s and MFU assume free communication and are not the "
@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         writer.writerows(rows)
     tag = device_tag()
     device = f"{tag['device']} (torch {tag['torch']}, CUDA {tag['cuda']}), {tag['date']}"
-    (args.out / "simulated_ranks.md").write_text(markdown(rows, args.command, device, results_store.git_commit()))
+    (args.out / "simulated_ranks.md").write_text(markdown(rows, args.command, device, results_store.git_commit(),
+                                                               args.call))
     if args.store:
         summaries = [json.loads((r / "summary.json").read_text()) for r in args.runs]
         results_store.append_rows(
