@@ -5,25 +5,26 @@
 Reads each run folder's summary.json and, where the run was made with --profile, profile_breakdown.json, and writes
 DIR/simulated_ranks.csv and .md: per run whether it is simulated, its layout, batch, MFU (for a simulated rank:
 this rank's compute with free communication, not the layout's), step time, device busy, device work per kind,
-host op time, kernels and collective calls per step, and peak memory beside the planner's prediction. A real run's
-tokens/s sit in the table as the denominator of the comparison; the parity verdicts that publish them are the
-call's parity table. --store appends the simulated rows to the results store (marked simulated, no verdict).
+host op time, kernels and collective calls per step, and peak memory beside the planner's prediction. A real run sits
+in the table as the comparison; its parity column says that its verdict is not here (a call's parity table gives it,
+where the call ran one). --store appends the simulated rows to the results store (marked simulated, no verdict).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from tools import results_store
-from tools.common import device_tag, markdown_table
+from tools.common import markdown_table
 
 KINDS = ("gemm", "elementwise/other", "attention", "optimizer", "communication")
-COLUMNS = ["run", "simulated", "layout", "batch", "tokens_per_s", "mfu_pct", "step_ms", "device_busy_pct",
+COLUMNS = ["run", "simulated", "parity", "layout", "batch", "tokens_per_s", "mfu_pct", "step_ms", "device_busy_pct",
            *(f"{k}_ms" for k in KINDS), "host_op_ms", "kernels", "collective_calls", "peak_gib", "plan_peak_gib",
            "plan_error_pct"]
 
@@ -49,7 +50,10 @@ def row(run_dir: Path) -> dict[str, Any]:
     per_kind = profile.get("ms_per_step", {})
     error = s.get("plan/peak_error")
     return {
-        "run": run_dir.name, "simulated": "yes" if s.get("simulated") else "no", "layout": layout_of(s),
+        "run": run_dir.name, "simulated": "yes" if s.get("simulated") else "no",
+        # a simulated rank trains no function of its layout; a real run's verdict is the call's parity table's
+        "parity": "n/a (simulated)" if s.get("simulated") else "none in this table: see the call's parity table",
+        "layout": layout_of(s),
         "batch": s["batch_size_per_gpu"], "tokens_per_s": _round(s.get("tokens_per_s"), 0),
         "mfu_pct": _round(100 * s["mfu"]) if s.get("mfu") is not None else None,
         "step_ms": _round(profile.get("step_wall_ms")), "device_busy_pct": profile.get("device_busy_pct"),
@@ -59,6 +63,13 @@ def row(run_dir: Path) -> dict[str, Any]:
         "peak_gib": _round(s.get("mem/peak_allocated_gib"), 2), "plan_peak_gib": _round(s.get("plan/peak_gib"), 2),
         "plan_error_pct": _round(100 * error) if error is not None else None,
     }
+
+
+def made_on(run_dir: Path) -> str:
+    """The device, torch and date of a run, from its own files (the table may be written on another machine)."""
+    s = json.loads((run_dir / "summary.json").read_text())
+    written = datetime.datetime.fromtimestamp((run_dir / "summary.json").stat().st_mtime, datetime.timezone.utc)
+    return f"{s.get('device')} (torch {s.get('torch_version')}), {written:%Y-%m-%dT%H:%MZ}"
 
 
 def markdown(rows: list[dict[str, Any]], command: str, device: str, commit: str, call: str) -> str:
@@ -80,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs", nargs="+", type=Path, help="run folders (each with summary.json)")
     p.add_argument("--out", type=Path, required=True, help="folder for simulated_ranks.csv and .md")
     p.add_argument("--command", default="", help="the command that made the runs, for the table's header")
+    p.add_argument("--commit", default=None, help="the commit that made the runs (default: this checkout's HEAD)")
     results_store.add_store_arguments(p)
     args = p.parse_args(argv)
     missing = [str(r) for r in args.runs if not (r / "summary.json").is_file()]
@@ -91,10 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
-    tag = device_tag()
-    device = f"{tag['device']} (torch {tag['torch']}, CUDA {tag['cuda']}), {tag['date']}"
-    (args.out / "simulated_ranks.md").write_text(markdown(rows, args.command, device, results_store.git_commit(),
-                                                               args.call))
+    (args.out / "simulated_ranks.md").write_text(
+        markdown(rows, args.command, made_on(args.runs[0]), args.commit or results_store.git_commit(), args.call))
     if args.store:
         summaries = [json.loads((r / "summary.json").read_text()) for r in args.runs]
         results_store.append_rows(

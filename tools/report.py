@@ -34,6 +34,9 @@ COLUMNS = ["Configuration", "Run", "GPUs", "Batch/GPU", "Tokens/s", "MFU", "Peak
            "Final loss", "Accuracy", "Val loss"]
 PLAN_COLUMNS = ["Configuration", "Batch/GPU", "Predicted peak at run time (GiB)", "Measured peak (GiB)", "Error",
                 "TP bytes/step predicted", "TP bytes/step measured"]
+SIMULATED_NOTE = ("Rows marked SIMULATED are one rank of a multi-GPU layout run alone (tools.simulate_rank): their "
+                  "collectives move nothing, so their tokens/s and MFU are not the layout's and their losses carry "
+                  "no parity verdict; their memory, device work and host time are that rank's.")
 PLOTS = ["tokens_vs_memory.png", "mfu.png", "loss.png", "memory_timeline.png"]
 
 
@@ -53,6 +56,8 @@ class Run:
             name += f" {s['fused_kernels']}"
         if s.get("compile") not in ("off", False, None):
             name += f" compile-{s['compile']}"
+        if s.get("simulated"):  # one rank alone, collectives free: not the layout's throughput
+            name += f" [SIMULATED rank {s['simulated_rank']} of {s['world_size']}]"
         return name
 
     @property
@@ -151,6 +156,7 @@ def markdown(runs: list[Run]) -> str:
              f"(torch {first.get('torch_version')}); tokens/s and MFU exclude the throughput warm-up steps; "
              f"MFU = model FLOPs/s / (GPUs x {first.get('peak_tflops_per_gpu')} TFLOP/s); peak memory is the "
              "allocator's peak allocated, max over ranks.", "",
+             *([SIMULATED_NOTE, ""] if any(r.summary.get("simulated") for r in runs) else []),
              markdown_table([table_row(r) for r in runs], COLUMNS)]
     planned = [r for r in runs if "plan/peak_gib" in r.summary]
     if planned:

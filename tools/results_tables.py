@@ -123,6 +123,26 @@ def render(table: Table, rows: Mapping[int, Row], link_prefix: str = "../") -> s
     return "\n".join([*lines, *table.notes]) + "\n"
 
 
+SIMULATED_COLUMNS = ("row", "configuration", "GPUs simulated", "batch", "MFU, communication free", "device busy",
+                     "peak GiB", "raw", "call")
+
+
+def simulated(rows: Mapping[int, Row]) -> str:
+    """Every simulated row of the store in a table of its own: one rank's compute, memory and host path, whose
+    MFU assumes free communication (never a throughput beside real runs)."""
+    lines = ["| " + " | ".join(SIMULATED_COLUMNS) + " |", "|" + "---|" * len(SIMULATED_COLUMNS)]
+    for row in rows.values():
+        if row["simulated"] != "1" or row["kind"] != "throughput":
+            continue
+        c = {"row": row["id"], "configuration": configuration(row), "GPUs simulated": row["gpus"],
+             "batch": row["batch"], "MFU, communication free": f"{float(row['mfu']) * 100:.1f}%" if row["mfu"] else "",
+             "device busy": f"{float(row['device_busy_pct']):.1f}%" if row["device_busy_pct"] else "",
+             "peak GiB": f"{float(row['peak_gib']):.1f}" if row["peak_gib"] else "",
+             "raw": f"[table](../{row['raw'].replace('.csv', '.md')})", "call": f"{row['date']} {row['call']}"}
+        lines.append("| " + " | ".join(c[col] for col in SIMULATED_COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def by_id(rows: Iterable[Row]) -> dict[int, Row]:
     return {int(r["id"]): r for r in rows}
 
@@ -213,7 +233,7 @@ TABLES: dict[str, Table] = {
                               *pairs(23, 20, 22, 21, 19, vs=23)]),
 }
 PAGES = {ROOT / "README.md": ("headline",), ROOT / "docs" / "results.md": (*(t for t in TABLES if t != "headline"),
-                                                                             "targets", "span")}
+                                                                             "targets", "span", "simulated")}
 BLOCK = "<!-- generated:{0} -->\n(.*?)<!-- end generated:{0} -->"
 
 
@@ -222,6 +242,8 @@ def block(name: str, rows: Mapping[int, Row], page: Path) -> str:
         return targets(rows)
     if name == "span":
         return span(rows)
+    if name == "simulated":
+        return simulated(rows)
     prefix = "" if page.parent == ROOT else "../"
     return render(TABLES[name], rows, link_prefix=prefix)
 

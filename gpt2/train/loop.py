@@ -303,7 +303,7 @@ def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, m
     `profile`: `--profile`'s per-step figures (`profile/device_busy_pct`, ...; rank 0's, the rank that profiles)."""
     cfg, t = layout.cfg, layout.cfg.train
     return {
-        "mode": t.mode, "zero_engine": layout.zero_engine, "model": t.model,
+        "mode": t.mode, "zero_engine": layout.zero_engine, "zero_stage": layout.zero_stage, "model": t.model,
         "n_params": model_params_for_flops(cfg.model),
         "world_size": layout.world_size, "tp_size": layout.tp_size, "dp_size": layout.dp_size,
         "sequence_parallel": cfg.parallel.sequence_parallel,
