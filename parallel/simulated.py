@@ -67,40 +67,28 @@ class SimulatedProcessGroup(dist.ProcessGroup):
         return BACKEND
 
     # in place: the tensors already hold "the result"
-    @_recorded("allreduce_")
-    def allreduce(self, tensors: list[torch.Tensor], *opts: Any) -> list[torch.Tensor]:
+    def _untouched(self, tensors: list[torch.Tensor], *opts: Any) -> list[torch.Tensor]:
         return tensors
 
-    @_recorded("allreduce_coalesced_")
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], *opts: Any) -> list[torch.Tensor]:
-        return tensors
-
-    @_recorded("broadcast_")
-    def broadcast(self, tensors: list[torch.Tensor], *opts: Any) -> list[torch.Tensor]:
-        return tensors
-
-    @_recorded("reduce_")
-    def reduce(self, tensors: list[torch.Tensor], *opts: Any) -> list[torch.Tensor]:
-        return tensors
+    allreduce = _recorded("allreduce_")(_untouched)
+    allreduce_coalesced = _recorded("allreduce_coalesced_")(_untouched)
+    broadcast = _recorded("broadcast_")(_untouched)
+    reduce = _recorded("reduce_")(_untouched)
 
     @_recorded("barrier")
     def barrier(self, *opts: Any) -> list[torch.Tensor]:
         return []
 
-    # gathers: every slot holds the local input
-    @_recorded("allgather_")
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], *opts: Any
-                  ) -> list[torch.Tensor]:
-        for slots, local in zip(outputs, inputs, strict=True):
+    # gathers: every slot holds the local input (a non-root rank of a gather has no slots)
+    def _slots_filled(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], *opts: Any
+                      ) -> list[torch.Tensor]:
+        for slots, local in zip(outputs, inputs):
             _fill_with(slots, local)
         return [t for slots in outputs for t in slots]
 
-    @_recorded("allgather_coalesced_")
-    def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], *opts: Any
-                            ) -> list[torch.Tensor]:
-        for slots, local in zip(outputs, inputs, strict=True):
-            _fill_with(slots, local)
-        return [t for slots in outputs for t in slots]
+    allgather = _recorded("allgather_")(_slots_filled)
+    allgather_coalesced = _recorded("allgather_coalesced_")(_slots_filled)
+    gather = _recorded("gather_")(_slots_filled)
 
     @_recorded("_allgather_base_")
     def _allgather_base(self, output: torch.Tensor, local: torch.Tensor, *opts: Any) -> list[torch.Tensor]:
@@ -113,13 +101,6 @@ class SimulatedProcessGroup(dist.ProcessGroup):
         for output, local in zip(outputs, inputs, strict=True):
             _fill_with(output.chunk(self._size), local)
         return outputs
-
-    @_recorded("gather_")
-    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], *opts: Any
-               ) -> list[torch.Tensor]:
-        for slots, local in zip(outputs, inputs):  # outputs is empty on a rank that is not the root
-            _fill_with(slots, local)
-        return [t for slots in outputs for t in slots]
 
     # reduce-scatters and scatters: this rank's chunk of the local input
     @_recorded("reduce_scatter_")
