@@ -10,6 +10,8 @@ cd "$(dirname "$0")/.."
 # shellcheck source=scripts/python_env.sh
 source scripts/python_env.sh
 gpt2_python_env
+# shellcheck source=benchmarks/run_names.sh
+source benchmarks/run_names.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
 OUT=${OUT:?set OUT}
@@ -43,7 +45,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/versi
 done_runs=()
 for layout in $LAYOUTS; do
   launch=$(flags_of "$layout") || continue
-  name="$layout-b$BATCH"
+  name=$(free_run_name "$RUNS" "$RUNS" "$layout-b$BATCH")  # a rerun gets NAME-1.log and NAME-1/, never the old ones
   echo "=== $name: $launch ${COMMON[*]}"
   # shellcheck disable=SC2086 (the launch is words)
   if timeout "$RUN_TIMEOUT" $launch "${COMMON[@]}" --run-name "$name" >"$RUNS/$name.log" 2>&1; then
