@@ -5,6 +5,10 @@ tables and the README's headline table are generated from it (`python -m tools.r
 number came from stays addressable through the row's `raw` column. The tools that make runs append rows here
 (`tools.train_sweep --store`, `tools.parity --store`, `tools.hf_reference --store`,
 `tools.nanogpt_reference --store`).
+
+`benchmarks/results/store/microbench.csv` is the second store, for the numbers that are not training runs (kernels,
+attention backends, GEMMs, collectives, TP layers, per-op and profile breakdowns): one row per measured number,
+read from the committed raw file its `raw` column names (`python -m tools.microbench_import` writes it).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 STORE = ROOT / "benchmarks" / "results" / "store" / "runs.csv"
+MICROBENCH = ROOT / "benchmarks" / "results" / "store" / "microbench.csv"
 
 # the schema, once: (column, what it holds)
 SCHEMA: tuple[tuple[str, str], ...] = (
@@ -55,6 +60,27 @@ SCHEMA: tuple[tuple[str, str], ...] = (
 COLUMNS = tuple(name for name, _ in SCHEMA)
 VERDICTS = ("pass", "fail", "none")
 
+# the microbenchmark store's schema, once: one row per measured number
+MICROBENCH_SCHEMA: tuple[tuple[str, str], ...] = (
+    ("id", "row id, never reused"),
+    ("date", "YYYY-MM-DD the number was measured"),
+    ("commit", "the harness's commit (short hash), empty where the raw file does not name one in the repository"),
+    ("call", "the device call the number belongs to (the raw file's call, else its start time); ratios only within "
+             "one"),
+    ("device", "accelerator name"),
+    ("benchmark", "kernels | liger | attention | gemm | gemm-epilogue | gemm-mlp | gemm-ncu | collectives | tp-comm "
+                  "| tp-scaling | per-op | profile"),
+    ("op", "what was measured (kernel and pass, GEMM shape's role, collective, layer, profile category)"),
+    ("implementation", "whose code ran it (ours-triton, ours-cuda-..., eager, inductor, liger, cublas, nccl, ...)"),
+    ("shape", "tensor shape, message size and ranks, or empty"),
+    ("metric", "unit of value (ms, us, GB/s, TFLOP/s, MiB, pct, ...)"),
+    ("value", "the number, as the raw file has it"),
+    ("raw", "repository path of the raw CSV/MD/TXT/JSON the number was read from"),
+    ("superseded_by", "id of a newer row that replaces this measurement"),
+    ("note", "conditions worth knowing"),
+)
+MICROBENCH_COLUMNS = tuple(name for name, _ in MICROBENCH_SCHEMA)
+
 
 def add_store_arguments(parser: Any) -> None:
     """--store / --call, the same on every tool that makes runs."""
@@ -80,24 +106,28 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def append_rows(rows: Iterable[Mapping[str, Any]], path: Path = STORE) -> list[int]:
-    """Append rows (columns of SCHEMA; the id is assigned here) and return their ids."""
+def append_rows(rows: Iterable[Mapping[str, Any]], path: Path = STORE,
+                columns: tuple[str, ...] = COLUMNS) -> list[int]:
+    """Append rows (of `columns`: COLUMNS, or MICROBENCH_COLUMNS for the microbenchmark store; the id is assigned
+    here) and return their ids."""
     existing = read_rows(path)
     next_id = max((int(r["id"]) for r in existing), default=0) + 1
     ids, out = [], []
     for row in rows:
-        unknown = set(row) - set(COLUMNS)
+        unknown = set(row) - set(columns)
         if unknown:
             raise ValueError(f"results store: unknown columns {sorted(unknown)}")
-        if row.get("parity", "none") not in VERDICTS:
+        if "parity" in columns and row.get("parity", "none") not in VERDICTS:
             raise ValueError(f"results store: parity must be one of {VERDICTS}, not {row['parity']!r}")
-        out.append({**{c: _cell(row.get(c)) for c in COLUMNS}, "id": str(next_id)})
+        if "value" in columns and _cell(row.get("value")) == "":
+            raise ValueError("results store: a microbenchmark row needs a value")
+        out.append({**{c: _cell(row.get(c)) for c in columns}, "id": str(next_id)})
         ids.append(next_id)
         next_id += 1
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.is_file() or path.stat().st_size == 0
     with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
+        writer = csv.DictWriter(f, fieldnames=columns, lineterminator="\n")
         if new:
             writer.writeheader()
         writer.writerows(out)

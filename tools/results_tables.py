@@ -9,6 +9,10 @@ a ratio divides two rows of one call (the same date, device and call) or is refu
 verdict (and its parity file) is labelled "no verdict"; a row whose configuration a newer row replaces is
 labelled "superseded by #N"; a simulated row (one rank of a multi-GPU layout on one device) never enters a
 throughput table.
+
+docs/results.md's last section comes from the second store, benchmarks/results/store/microbench.csv (one row per
+measured number): MICRO_TABLES says which rows each block shows (one benchmark, its op x implementation grid) and
+which cell a ratio divides by; the same rule holds there: a ratio across calls is refused.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.results_store import ROOT, STORE, read_rows
+from tools.results_store import MICROBENCH, ROOT, STORE, read_rows
 
 Row = Mapping[str, str]
 
@@ -46,12 +50,12 @@ def verified(row: Row) -> bool:
     return row["parity"] == "pass" and bool(row["parity_file"])
 
 
-def ratio(row: Row, base: Row) -> float:
-    """row's tokens/s over base's, only within one call."""
+def ratio(row: Row, base: Row, column: str = "tokens_per_s") -> float:
+    """row's tokens/s (or a microbenchmark row's value) over base's, only within one call."""
     if call_of(row) != call_of(base):
         raise CrossCallRatio(f"row {row['id']} (call {' '.join(call_of(row))}) against row {base['id']} "
                              f"(call {' '.join(call_of(base))}): a ratio divides two rows of one call")
-    return float(row["tokens_per_s"]) / float(base["tokens_per_s"])
+    return float(row[column]) / float(base[column])
 
 
 def configuration(row: Row) -> str:
@@ -232,28 +236,154 @@ TABLES: dict[str, Table] = {
                               *pairs(30, 31, vs=30), *pairs(32, 33, vs=32), *pairs(34, 35, vs=34), (36, None),
                               *pairs(23, 20, 22, 21, 19, vs=23)]),
 }
+KEY = ("op", "implementation", "shape", "metric")  # a microbenchmark row's key within its call
+
+
+@dataclass(frozen=True)
+class MicroTable:
+    """One benchmark's grid from the microbenchmark store: a line per call and key (less `across`), a column per
+    value of `across` (in `columns`' order); a cell's ratio divides it by the row its key becomes under `base`."""
+    benchmark: str
+    columns: tuple[str, ...]
+    across: str = "implementation"
+    where: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    base: Mapping[str, str] = field(default_factory=dict)
+    ratio: str = ""  # "speedup": base / cell, "over": cell / base, "share": cell / base in %
+    ratio_metrics: tuple[str, ...] = ()  # the metrics that get a ratio (empty: all)
+
+
+RATIO_WORDS = {"speedup": "the base's value over the cell's", "over": "the cell's value over the base's",
+               "share": "the cell's value as a share of the base's"}
+
+
+def _num(value: str) -> str:
+    v = float(value)
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+
+
+def _device(row: Row) -> str:
+    return row["device"].replace("NVIDIA ", "").replace(" 80GB HBM3", "")
+
+
+def micro_base(row: Row, table: MicroTable, rows: Sequence[Row]) -> Row | None:
+    """The row a cell's ratio divides by: its key under table.base, in its own call if there is one; a base found
+    only in another call is returned so that ratio() refuses it."""
+    key = {**{f: row[f] for f in KEY}, **table.base}
+    found = [r for r in rows if r["benchmark"] == row["benchmark"] and all(r[f] == key[f] for f in KEY)]
+    return next((r for r in found if call_of(r) == call_of(row)), found[0] if found else None)
+
+
+def micro_cell(row: Row, table: MicroTable, rows: Sequence[Row]) -> str:
+    text = _num(row["value"])
+    base = micro_base(row, table, rows) if table.ratio else None
+    if base is not None and base is not row and (not table.ratio_metrics or row["metric"] in table.ratio_metrics):
+        x = ratio(row, base, "value")
+        text += {"speedup": f" ({1 / x:.2f}×)", "over": f" ({x:.2f}×)", "share": f" ({x * 100:.1f}%)"}[table.ratio]
+    if row["superseded_by"]:
+        text += f" **superseded by #{row['superseded_by']}**"
+    return text
+
+
+def render_micro(table: MicroTable, rows: Sequence[Row], link_prefix: str = "../") -> str:
+    """A Markdown grid of one benchmark's rows; the key fields every line shares go in a line below it."""
+    picked = [r for r in rows if r["benchmark"] == table.benchmark and r[table.across] in table.columns
+              and all(r[f] in allowed for f, allowed in table.where.items())]
+    fields = [f for f in KEY if f != table.across]
+    lines: dict[tuple, dict[str, Row]] = {}
+    for r in picked:
+        cells = lines.setdefault((call_of(r), *(r[f] for f in fields)), {})
+        if r[table.across] in cells:
+            raise ValueError(f"microbench rows {cells[r[table.across]]['id']} and {r['id']} share one cell")
+        cells[r[table.across]] = r
+    varying = [f for i, f in enumerate(fields) if len({k[1 + i] for k in lines}) > 1]
+    shared = [f"{f} {picked[0][f]}" for f in fields if f not in varying and picked[0][f]]
+    head = [*varying, *table.columns, "call", "raw"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for cells in lines.values():
+        first = next(iter(cells.values()))
+        raws = sorted({r["raw"] for r in cells.values()})
+        out.append("| " + " | ".join([
+            *(first[f] for f in varying),
+            *(micro_cell(cells[c], table, rows) if c in cells else "" for c in table.columns),
+            f"{first['date']} {first['call']}, {_device(first)}",
+            ", ".join(f"[{Path(r).name}]({link_prefix}{r})" for r in raws)]) + " |")
+    notes = [f"From the microbenchmark store's rows #{min(int(r['id']) for r in picked)} to "
+             f"#{max(int(r['id']) for r in picked)}" + (f"; {'; '.join(shared)}" if shared else "") + "."]
+    if table.ratio:
+        base = ", ".join(f"{k} {v}" for k, v in table.base.items() if v)
+        only = f" ({', '.join(table.ratio_metrics)} only)" if table.ratio_metrics else ""
+        notes.append(f"In brackets{only}: {RATIO_WORDS[table.ratio]}, the base being the same line's {base}, "
+                     "in the same call.")
+    return "\n".join([*out, "", " ".join(notes)]) + "\n"
+
+
+def sizes(ranks: Iterable[int], *names: str) -> tuple[str, ...]:
+    return tuple(f"{n} ranks, {s} float32" for n in ranks for s in names)
+
+
+MICRO_TABLES: dict[str, MicroTable] = {
+    "kernels-time": MicroTable("kernels", ("eager", "inductor", "ours-triton", "ours-cuda"), where={"metric": ("ms",)},
+                               base={"implementation": "eager"}, ratio="speedup"),
+    "kernels-bandwidth": MicroTable("kernels", ("eager", "inductor", "ours-triton", "ours-cuda"),
+                                    where={"metric": ("GB/s",)}, ratio="share",
+                                    base={"op": "device-to-device copy", "implementation": "torch", "shape": ""}),
+    "kernels-memory": MicroTable("kernels", ("eager", "inductor", "ours-triton", "ours-cuda"),
+                                 where={"metric": ("MiB",)}, base={"implementation": "eager"}, ratio="over"),
+    "liger": MicroTable("liger", ("eager", "inductor", "ours-triton", "liger", "liger-fp32acc"),
+                        where={"metric": ("ms", "MiB")}, base={"implementation": "ours-triton"}, ratio="over"),
+    "attention": MicroTable("attention", ("sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "sdpa-math"),
+                            base={"implementation": "sdpa-cudnn"}, ratio="over", ratio_metrics=("ms", "MiB")),
+    "gemm-ladder": MicroTable("gemm", ("cublas", "ours-triton", "ours-cuda-naive", "ours-cuda-smem",
+                                       "ours-cuda-regblock", "ours-cuda-wmma", "ours-cuda-mma128x128",
+                                       "ours-cuda-mma128x256"),
+                              where={"call": ("09:53Z",)}, base={"implementation": "cublas"}, ratio="share"),
+    "gemm-hopper": MicroTable("gemm", ("cublas", "ours-cuda-wgmma", "ours-cuda-wgmma-persistent"),
+                              where={"call": ("13:26Z",)}, base={"implementation": "cublas"}, ratio="share"),
+    "gemm-ncu": MicroTable("gemm-ncu", ("ours-cuda-wgmma-persistent", "cublas"), base={"implementation": "cublas"},
+                           ratio="over", ratio_metrics=("us",)),
+    "gemm-epilogue": MicroTable("gemm-epilogue", ("eager", "cublas-addmm+gelu", "cublas+ours-triton", "cublaslt",
+                                                  "ours-cuda-wgmma-persistent"),
+                                base={"implementation": "cublas-addmm+gelu"}, ratio="speedup"),
+    "gemm-mlp": MicroTable("gemm-mlp", ("eager", "eager-fp32-sum", "ours-cuda-wgmma-persistent"),
+                           base={"implementation": "eager"}, ratio="speedup"),
+    "collectives": MicroTable("collectives", ("nccl", "ours-ring"), base={"implementation": "nccl"}, ratio="over",
+                              where={"shape": sizes((2, 4), "8 KiB", "32 MiB", "128 MiB", "1 GiB")}),
+    "tp-comm": MicroTable("tp-comm", ("all_reduce, idle", "all_reduce, beside GEMMs"), across="op",
+                          base={"op": "all_reduce, idle"}, ratio="over"),
+    "tp-scaling": MicroTable("tp-scaling", ("ours-tp1", "ours-tp2", "ours-tp4"), base={"implementation": "ours-tp1"},
+                             ratio="speedup"),
+    "per-op": MicroTable("per-op", ("fwd ms", "bwd ms", "fwd+bwd ms"), across="metric", ratio="share",
+                         base={"op": "whole block (fwd+bwd, timed as one)", "metric": "fwd+bwd ms"},
+                         ratio_metrics=("fwd+bwd ms",)),
+    "profile": MicroTable("profile", ("gemm", "elementwise/other", "attention", "communication", "optimizer",
+                                      "device busy", "step wall"), across="op", base={"op": "step wall"},
+                          ratio="share"),
+}
 PAGES = {ROOT / "README.md": ("headline",), ROOT / "docs" / "results.md": (*(t for t in TABLES if t != "headline"),
-                                                                             "targets", "span", "simulated")}
+                                                                             "targets", "span", "simulated",
+                                                                             *MICRO_TABLES)}
 BLOCK = "<!-- generated:{0} -->\n(.*?)<!-- end generated:{0} -->"
 
 
-def block(name: str, rows: Mapping[int, Row], page: Path) -> str:
+def block(name: str, rows: Mapping[int, Row], page: Path, micro: Sequence[Row] = ()) -> str:
+    prefix = "" if page.parent == ROOT else "../"
+    if name in MICRO_TABLES:
+        return render_micro(MICRO_TABLES[name], micro, link_prefix=prefix)
     if name == "targets":
         return targets(rows)
     if name == "span":
         return span(rows)
     if name == "simulated":
         return simulated(rows)
-    prefix = "" if page.parent == ROOT else "../"
     return render(TABLES[name], rows, link_prefix=prefix)
 
 
-def generate(text: str, page: Path, rows: Mapping[int, Row]) -> str:
+def generate(text: str, page: Path, rows: Mapping[int, Row], micro: Sequence[Row] = ()) -> str:
     for name in PAGES[page]:
         pattern = re.compile(BLOCK.format(re.escape(name)), re.S)
         if not pattern.search(text):
             raise SystemExit(f"{page.relative_to(ROOT)} has no block {name!r} (<!-- generated:{name} -->)")
-        new = f"<!-- generated:{name} -->\n{block(name, rows, page)}<!-- end generated:{name} -->"
+        new = f"<!-- generated:{name} -->\n{block(name, rows, page, micro)}<!-- end generated:{name} -->"
         text = pattern.sub(lambda _, new=new: new, text)
     return text
 
@@ -262,12 +392,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="exit 1 when a page's generated blocks are stale")
     p.add_argument("--store", type=Path, default=STORE)
+    p.add_argument("--microbench", type=Path, default=MICROBENCH)
     args = p.parse_args(argv)
     rows = by_id(read_rows(args.store))
+    micro = read_rows(args.microbench)
     stale = []
     for page in PAGES:
         text = page.read_text()
-        new = generate(text, page, rows)
+        new = generate(text, page, rows, micro)
         if new != text:
             stale.append(str(page.relative_to(ROOT)))
             if not args.check:

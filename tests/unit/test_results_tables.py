@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tools import results_tables as rt
-from tools.results_store import COLUMNS, ROOT, VERDICTS, append_rows, read_rows
+from tools.results_store import COLUMNS, MICROBENCH, MICROBENCH_COLUMNS, ROOT, VERDICTS, append_rows, read_rows
 
 
 def row(id_: int, **kw: str) -> dict[str, str]:
@@ -22,12 +22,21 @@ def row(id_: int, **kw: str) -> dict[str, str]:
     return base
 
 
+def micro(id_: int, **kw: str) -> dict[str, str]:
+    base = {c: "" for c in MICROBENCH_COLUMNS}
+    base.update(id=str(id_), date="2026-11-25", call="7", device="NVIDIA H100 80GB HBM3", benchmark="kernels",
+                op="layernorm fwd+bwd", implementation="eager", shape="[8, 1024, 1280]", metric="ms", value="0.2",
+                raw="benchmarks/results/kernels/h100-2026-11-25/kernels.csv")
+    base.update(kw)
+    return base
+
+
 def test_committed_docs_are_the_generated_tables() -> None:
-    """README.md's headline and docs/results.md's tables are `python -m tools.results_tables` over the store."""
-    rows = rt.by_id(read_rows())
+    """README.md's headline and docs/results.md's tables are `python -m tools.results_tables` over the stores."""
+    rows, micro_rows = rt.by_id(read_rows()), read_rows(MICROBENCH)
     for page in rt.PAGES:
         text = page.read_text()
-        assert rt.generate(text, page, rows) == text, (
+        assert rt.generate(text, page, rows, micro_rows) == text, (
             f"{page.relative_to(ROOT)} is stale: run python -m tools.results_tables")
 
 
@@ -52,6 +61,50 @@ def test_a_ratio_across_calls_is_refused() -> None:
         rt.ratio(row(4, date="2026-11-28"), a)
     with pytest.raises(rt.CrossCallRatio):
         rt.render(rt.Table([(1, None), (2, 1)]), {1: a, 2: b})
+
+
+def test_microbench_rows_are_complete_and_point_at_files() -> None:
+    """Every microbenchmark number names the committed raw file it was read from, and each table has rows."""
+    rows = read_rows(MICROBENCH)
+    ids = {r["id"] for r in rows}
+    assert rows and len(ids) == len(rows)
+    for r in rows:
+        assert list(r) == list(MICROBENCH_COLUMNS)
+        float(r["value"])
+        assert r["call"] and r["device"] and r["benchmark"] and r["metric"], r["id"]
+        assert (ROOT / r["raw"]).is_file(), f"microbench row {r['id']}: raw file {r['raw']} is missing"
+        assert not r["superseded_by"] or r["superseded_by"] in ids, f"row {r['id']}: no row {r['superseded_by']}"
+    for name, table in rt.MICRO_TABLES.items():
+        assert any(r["benchmark"] == table.benchmark for r in rows), name
+
+
+def test_microbench_store_is_what_its_raw_files_say() -> None:
+    """Every microbenchmark number is read from its raw file by tools.microbench_import, never typed."""
+    from tools import microbench_import
+
+    assert microbench_import.main(["--check"]) == 0
+
+
+def test_a_microbench_ratio_across_calls_is_refused() -> None:
+    ours = micro(2, implementation="ours-triton", value="0.1")
+    table = rt.MicroTable("kernels", ("eager", "ours-triton"), base={"implementation": "eager"}, ratio="speedup")
+    assert "(2.00×)" in rt.render_micro(table, [micro(1), ours])
+    with pytest.raises(rt.CrossCallRatio):
+        rt.ratio(ours, micro(1, call="14"), "value")
+    with pytest.raises(rt.CrossCallRatio):  # the base exists only in another call: refused, not skipped
+        rt.render_micro(table, [micro(1, call="14"), ours])
+    with pytest.raises(rt.CrossCallRatio):  # the same call name on another day is another call
+        rt.render_micro(table, [micro(1, date="2026-11-26"), ours])
+
+
+def test_append_rows_checks_microbench_rows(tmp_path: Path) -> None:
+    store = tmp_path / "microbench.csv"
+    assert append_rows([{"benchmark": "kernels", "value": 1.5}], store, columns=MICROBENCH_COLUMNS) == [1]
+    assert read_rows(store)[0]["value"] == "1.5"
+    with pytest.raises(ValueError):
+        append_rows([{"benchmark": "kernels"}], store, columns=MICROBENCH_COLUMNS)  # no value
+    with pytest.raises(ValueError):
+        append_rows([{"parity": "pass", "value": 1}], store, columns=MICROBENCH_COLUMNS)
 
 
 def test_a_number_without_a_passing_verdict_is_labelled() -> None:
