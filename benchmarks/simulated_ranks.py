@@ -43,8 +43,8 @@ def _round(value: Any, digits: int = 1) -> Any:
     return round(value, digits) if isinstance(value, float) else value
 
 
-def row(run_dir: Path) -> dict[str, Any]:
-    s = json.loads((run_dir / "summary.json").read_text())
+def row(run_dir: Path, s: dict[str, Any]) -> dict[str, Any]:
+    """The table's row of the run in `run_dir`, whose summary.json is `s`."""
     profile_file = run_dir / "profile_breakdown.json"
     profile = json.loads(profile_file.read_text()) if profile_file.is_file() else {}
     per_kind = profile.get("ms_per_step", {})
@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = [str(r) for r in args.runs if not (r / "summary.json").is_file()]
     if missing:
         p.error(f"no summary.json in {', '.join(missing)} (the run failed or is still running)")
-    rows = [row(r) for r in args.runs]
+    summaries = [json.loads((r / "summary.json").read_text()) for r in args.runs]
+    rows = [row(r, s) for r, s in zip(args.runs, summaries)]
     args.out.mkdir(parents=True, exist_ok=True)
     with (args.out / "simulated_ranks.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
@@ -106,7 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "simulated_ranks.md").write_text(
         markdown(rows, args.command, made_on(args.runs[0]), args.commit or results_store.git_commit(), args.call))
     if args.store:
-        summaries = [json.loads((r / "summary.json").read_text()) for r in args.runs]
         results_store.append_rows(
             [results_store.row_from_summary(s, call=args.call, raw=args.out / "simulated_ranks.csv")
              for s in summaries if s.get("simulated")], args.store)

@@ -138,11 +138,10 @@ def simulated(rows: Mapping[int, Row]) -> str:
     for row in rows.values():
         if row["simulated"] != "1" or row["kind"] != "throughput":
             continue
-        c = {"row": row["id"], "configuration": configuration(row), "GPUs simulated": row["gpus"],
-             "batch": row["batch"], "MFU, communication free": f"{float(row['mfu']) * 100:.1f}%" if row["mfu"] else "",
+        common = cells(row, None)
+        c = {**common, "GPUs simulated": row["gpus"], "MFU, communication free": common["MFU"],
              "device busy": f"{float(row['device_busy_pct']):.1f}%" if row["device_busy_pct"] else "",
-             "peak GiB": f"{float(row['peak_gib']):.1f}" if row["peak_gib"] else "",
-             "raw": f"[table](../{row['raw'].replace('.csv', '.md')})", "call": f"{row['date']} {row['call']}"}
+             "raw": f"[table](../{row['raw'].replace('.csv', '.md')})"}
         lines.append("| " + " | ".join(c[col] for col in SIMULATED_COLUMNS) + " |")
     return "\n".join(lines) + "\n"
 

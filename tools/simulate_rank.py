@@ -16,15 +16,12 @@ it carries no parity verdict and belongs in no throughput table beside real runs
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
-from types import ModuleType
 
 from gpt2.config.cli import parse_args as parse_train_args
 from gpt2.config.schema import ConfigError
-from tools.common import ROOT
 
 NOT_SIMULATED = {  # train.py's flags whose work one simulated rank cannot do, and why
     "save_dir": "a checkpoint of one simulated rank is not a checkpoint of its layout",
@@ -66,14 +63,6 @@ def check_train_argv(train_argv: list[str], rank: int, world_size: int) -> list[
     return [*train_argv, "--run-name", name]
 
 
-def load_train_py() -> ModuleType:
-    """The checkout's train.py as a module (tools run from the checkout, whatever the working folder)."""
-    spec = importlib.util.spec_from_file_location("train", ROOT / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def main(argv: list[str] | None = None) -> int:
     args, train_argv = parse(sys.argv[1:] if argv is None else argv)
     try:
@@ -81,15 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"simulate_rank: error: {err}", file=sys.stderr)
         return 2
+    from gpt2.train.main import main as train_main
     from parallel.simulated import init_simulated
-
-    train = load_train_py()
 
     # what torchrun would set for this rank, on a node of one process; the group exists before train.py looks
     os.environ.update(RANK=str(args.rank), WORLD_SIZE=str(args.world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     init_simulated(args.rank, args.world_size)
-    return train.main(train_argv)
+    return train_main(train_argv)
 
 
 if __name__ == "__main__":

@@ -99,7 +99,8 @@ def init_distributed(cfg: RunConfig) -> tuple[RunLayout, DistContext]:
         missing = ", ".join(v for v in LAUNCHER_VARS if v not in os.environ)
         raise ConfigError(f"the environment has {given} but no {missing}: left over from another launch (a launcher "
                           "sets them all)? unset them for one process, or launch with torchrun")
-    if not dist.is_initialized():  # a group made by the caller (tools.simulate_rank) had no rendezvous
+    given_group = dist.is_initialized()  # made by the caller (tools.simulate_rank): no rendezvous, used as it is
+    if not given_group:
         check_launcher_values(world_size, rank, local_rank)  # before the rendezvous, which would wait for them
     timeout = timedelta(minutes=env_int(TIMEOUT_ENV, COLLECTIVE_TIMEOUT_MIN, minimum=1))
     device = pick_device(cfg.train.device, local_rank)
@@ -112,7 +113,7 @@ def init_distributed(cfg: RunConfig) -> tuple[RunLayout, DistContext]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if layout.mode != "single":
-        if dist.is_initialized():  # made by the caller (tools.simulate_rank): used as it is
+        if given_group:
             check_given_group(world_size, rank)
         else:
             backend = "nccl" if device.type == "cuda" else "gloo"
