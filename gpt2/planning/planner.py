@@ -32,17 +32,25 @@ runs behind each term: docs/decisions.md):
   one block's copies and the tied embedding's are alive. ZeRO-3 keeps gathered 16-bit weights alive from
   their forward to their backward when DeepSpeed's trace says they are reused within
   `stage3_max_reuse_distance` parameters (gpt2/config/ds_configs/zero3.json: 1e9, i.e. most of GPT-2 Large's later
-  blocks and the tied embedding); this is simulated on the module order. With our blocks as DeepSpeed's leaf
-  modules it keeps every gathered weight to backward at any reuse distance (its comms log shows it), so the
-  backward re-gathers this model predicts do not happen; the memory term is kept until a GPU run tells the two
-  apart.
+  blocks and the tied embedding); this is simulated on the module order (--zero3-fetch module). With our blocks
+  as DeepSpeed's leaf modules it keeps every gathered weight to backward at any reuse distance (its comms log
+  shows no backward re-gathers; GPU memory agrees). On one data-parallel rank nothing is gathered: a
+  parameter's data is its partition.
 - Loss (the "logits" term), per token with Vp the padded vocabulary: eager cross-entropy keeps the fp32
   log-softmax and, during its backward, the fp32 nll and log-softmax gradients: 12 B x V. Compiled
-  (--compile): inductor saves the 16-bit logits and writes one 16-bit gradient: 2 x 2 B x Vp. Vocab-parallel
+  (--compile): inductor saves the 16-bit logits and, in a whole-model graph, writes one 16-bit gradient:
+  2 x 2 B x Vp; the head's own graph (per-part scopes) writes the gradient into the saved buffer:
+  2 B x Vp. Vocab-parallel
   (TP): fp32 softmax saved + its fp32 clone as the gradient + the cast to the logits dtype: 10 B x Vp / tp.
   Triton fused CE: one 2^26-logit chunk, the fp32 grad_W accumulator and fp32 grad_h. Plus ln_f's input
   and output.
-- Workspace: cuBLAS's workspace (32 MiB), DeepSpeed's reduce bucket and (ZeRO-3) prefetch bucket.
+- Workspace: two cuBLAS workspaces (32 MiB each: the forward's thread and autograd's backward thread each have a
+  handle), DeepSpeed's reduce bucket (ZeRO-3: one per communication dtype, 16-bit and fp32 under torch_autocast)
+  and (ZeRO-3) prefetch bucket.
+- DeepSpeed ZeRO-3 leaf units (--zero3-unit-blocks N, one compiled graph each): every block but a unit's first keeps
+  its residual-stream tensor in fp32, 2 B more per token and width than the compiled block above. Measured (unit
+  sizes 1, 2 and 4 at two batches, with and without TP), not explained: FSDP2's units, also one graph each, do not
+  show it.
 - FSDP2 (`fsdp2_memory`), read off one step's phases (benchmarks.memory_phases, GPT-2 Large, batch 8 and 16,
   --compile): no gradient exists between steps or when backward starts (each unit's reduce-scatter creates
   its shard; zero_grad frees them), so the sharded gradients count at the optimizer step only; held when backward
@@ -94,6 +102,9 @@ from parallel.dims import dp_size_of, tp_divides_world
 
 GIB = 1024**3
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # torch's cuBLAS workspace on Hopper (CUBLAS_WORKSPACE_CONFIG :4096:8)
+# torch keeps one workspace per (cuBLAS handle, stream) and one handle per thread: the forward's thread and autograd's
+# backward thread each allocate one
+CUBLAS_WORKSPACES = 2
 CE_CHUNK_ELEMENTS = 1 << 26  # fused_kernels.triton.cross_entropy.CHUNK_ELEMENTS (not imported: needs triton)
 DEFAULT_GPU_MEMORY_GIB = 80.0
 
@@ -196,12 +207,17 @@ class MemoryPlan:
 def zero3_held_params(layout: RunLayout) -> float:
     """Elements of gathered weights ZeRO-3 keeps alive when backward starts.
 
-    DeepSpeed releases a module's gathered weights after its forward unless one of them appears again
-    among the next `stage3_max_reuse_distance` parameters of the recorded module order (forward, then
-    backward in reverse); persistent parameters (`persists`) are never partitioned.
-    The LM head reuses the tied word embedding, so that one is held from the embedding onwards.
+    With our blocks as DeepSpeed leaf modules (--zero3-fetch block or flat), every partitioned weight: the comms log
+    shows no backward re-gathers at any reuse distance, and under flat the views autograd saves keep a unit's
+    gathered storage alive (gpt2.runtime.flat_blocks). Per module (--zero3-fetch module), DeepSpeed's own rule:
+    it releases a module's gathered weights after its forward unless one of them appears again among the next
+    `stage3_max_reuse_distance` parameters of the recorded module order (forward, then backward in reverse);
+    persistent parameters (`persists`) are never partitioned. The LM head reuses the tied word embedding, so that
+    one is held from the embedding onwards.
     """
     cfg, ds = layout.cfg.model, DeepSpeedSettings.of(layout)
+    if layout.zero3_blocks:
+        return local_params(layout) - zero3_persistent_params(layout)
     return _zero3_held(cfg.n_layer, cfg.n_embd, cfg.n_positions, cfg.padded_vocab_size, layout.tp_size,
                        ds.param_persistence_threshold, ds.max_reuse_distance)
 
@@ -242,6 +258,17 @@ def persists(numel: float, threshold: int) -> bool:
     return numel <= threshold
 
 
+def zero3_reduce_bucket_bytes(layout: RunLayout) -> int:
+    """Bytes per element of DeepSpeed ZeRO-3's gradient reduce buckets: stage3.py allocates one bucket of
+    `reduce_bucket_size` elements per communication dtype (contiguous_gradients), i.e. under torch_autocast a 16-bit
+    one for the Linears' gradients and an fp32 one for the embeddings' and LayerNorms' (zero3_fp32_params); one
+    bucket of the gradients' dtype otherwise."""
+    num = numerics(layout)
+    if num.comm.grad_bytes < num.states.grad_bytes:  # two communication dtypes
+        return num.comm.grad_bytes + num.states.grad_bytes
+    return num.comm.grad_bytes
+
+
 def zero3_persistent_params(layout: RunLayout) -> float:
     """Elements of the parameters ZeRO-3 never partitions (`persists`)."""
     cfg, t, threshold = layout.cfg.model, layout.tp_size, DeepSpeedSettings.of(layout).param_persistence_threshold
@@ -272,8 +299,9 @@ def loss_bytes(layout: RunLayout, tokens: int, e: int) -> float:
         return tokens * vp / layout.tp_size * (2 * FP32_BYTES + (e if e < FP32_BYTES else 0))
     if t.fused_kernels == "triton":  # the chunked LM-head cross-entropy
         return CE_CHUNK_ELEMENTS * e + FP32_BYTES * vp * cfg.n_embd + FP32_BYTES * tokens * cfg.n_embd
-    if t.compile:
-        return tokens * vp * 2 * e
+    if t.compile:  # the 16-bit logits saved; a whole-model graph writes their gradient to a second buffer, the
+        # head's own graph (per-part scopes) into the saved one (a donated buffer: its backward is its last reader)
+        return tokens * vp * e * (2 if layout.compile_scope == "model" else 1)
     return tokens * v * 3 * FP32_BYTES
 
 
@@ -313,18 +341,24 @@ def predict_memory(layout: RunLayout) -> MemoryPlan:
     b, seq, d, t, sp = tc.batch_size, tc.seq_len, cfg.n_embd, layout.tp_size, layout.sequence_parallel
     sbh_shard = seq * b * d / (t if sp else 1)  # one replicated [b, s, h] element count
     layer = layer_activation_bytes(cfg, b, seq, t, sp, activation_bytes=e, residual_bytes=r)
+    unit = layout.zero3_unit_blocks  # GPT.forward checkpoints each entry of model.blocks: a block or a ZeRO-3 unit
+    # DeepSpeed ZeRO-3's leaf units (one compiled graph each): every block but a unit's first keeps its residual-stream
+    # tensor in fp32, not the 16 bits above (module docstring: measured, mechanism not pinned down)
+    inner = 0.0
     if tc.compile:
         layer -= (r - e) * sbh_shard  # inductor keeps one fp32 residual-stream tensor in 16 bits
         if not num.autocast_copies:  # 16-bit model (DeepSpeed): the GELU output is recomputed in backward
             layer -= 4 * e * b * seq * d / t
+        if layout.zero3_blocks:
+            inner = (r - e) * sbh_shard
     gathered = sp_gathered_inputs(layout)
     gathered_beyond_shard = e * b * seq * d * (1 - 1 / t)  # one [b, s, d] input kept whole instead of its shard
     layer += gathered.per_block * gathered_beyond_shard
-    unit = layout.zero3_unit_blocks  # GPT.forward checkpoints each entry of model.blocks: a block or a ZeRO-3 unit
     if tc.activation_checkpointing:
-        activations = cfg.n_layer // unit * r * sbh_shard + unit * layer  # unit inputs + one recomputed unit
+        activations = cfg.n_layer // unit * r * sbh_shard + unit * layer + (unit - 1) * inner  # unit inputs + one
+        # recomputed unit
     else:
-        activations = cfg.n_layer * layer
+        activations = cfg.n_layer * layer + (cfg.n_layer - cfg.n_layer // unit) * inner
     activations += (r + e) * sbh_shard  # ln_f input (residual stream) and output
     activations += gathered.lm_head * gathered_beyond_shard
     logits = loss_bytes(layout, b * seq, e)
@@ -339,7 +373,7 @@ def predict_memory(layout: RunLayout) -> MemoryPlan:
         else:
             n_copied = n_local
         copies = e * n_copied
-    workspace = float(CUBLAS_WORKSPACE_BYTES)
+    workspace = float(CUBLAS_WORKSPACES * CUBLAS_WORKSPACE_BYTES)
     step_transient = 0.0
     grads = states.grads
     if layout.fsdp2:
@@ -348,10 +382,12 @@ def predict_memory(layout: RunLayout) -> MemoryPlan:
         step_transient = states.grads  # the sharded gradients: made in backward, freed after the step
     elif layout.mode == "hybrid":
         ds, zero = DeepSpeedSettings.of(layout), zero_stage_of(layout)
-        workspace += ds.reduce_bucket_size * e
+        workspace += ds.reduce_bucket_size * (zero3_reduce_bucket_bytes(layout) if zero == 3 else e)
         if zero == 3:  # gathered weights held to their backward, in the weights' dtype
             workspace += ds.prefetch_bucket_size * e
-            held = zero3_held_params(layout)
+            # on one data-parallel rank ZeRO-3 gathers nothing: a parameter's data is its partition
+            # (partition_parameters.py, _no_gather_coalesced), already counted in `params`
+            held = zero3_held_params(layout) if layout.dp_size > 1 else 0.0
             copies = copies + FP32_BYTES * held if num.autocast_copies else e * held
         if layout.precision != "fp32" and not num.autocast_copies:  # the 16-bit model's fp32 gradient copy
             step_transient = FP32_BYTES * n_local / (layout.dp_size if zero >= 1 else 1)
