@@ -40,7 +40,8 @@ runs behind each term: docs/decisions.md):
   log-softmax and, during its backward, the fp32 nll and log-softmax gradients: 12 B x V. Compiled
   (--compile): inductor saves the 16-bit logits and, in a whole-model graph, writes one 16-bit gradient:
   2 x 2 B x Vp; the head's own graph (per-part scopes) writes the gradient into the saved buffer:
-  2 B x Vp. Vocab-parallel (TP): fp32 softmax saved + its fp32 clone as the gradient + the cast to the logits dtype: 10 B x Vp / tp.
+  2 B x Vp. Vocab-parallel (TP): fp32 softmax saved + its fp32 clone as the gradient + the cast to the logits
+  dtype: 10 B x Vp / tp.
   Triton fused CE: one 2^26-logit chunk, the fp32 grad_W accumulator and fp32 grad_h. Plus ln_f's input
   and output.
 - Workspace: two cuBLAS workspaces (32 MiB each: the forward's thread and autograd's backward thread each have a
