@@ -317,6 +317,21 @@ class RunLayout:
         return zero3_unit_blocks_of(self.zero3_fetch, self.cfg.parallel.zero3_unit_blocks, self.cfg.model.n_layer)
 
     @property
+    def block_unit_blocks(self) -> int:
+        """Transformer blocks per entry of `model.blocks`: a `gpt2.runtime.block_units.BlockUnit` where above 1, one
+        module with one set of the ZeRO engine's hooks and, under --compile, one compiled graph a pass. FSDP2's
+        unit (fsdp2_unit_blocks) or DeepSpeed's leaf unit (zero3_unit_blocks); 1 elsewhere."""
+        return self.fsdp2_unit_blocks if self.fsdp2 else self.zero3_unit_blocks
+
+    @property
+    def checkpoints_in_units(self) -> bool:
+        """Whether --activation-checkpointing recomputes each block on its own inside its BlockUnit (FSDP2's units:
+        backward holds one block's activations at a time, as before FSDP2's units were modules; inside a compiled
+        unit the checkpoints are traced into its graph) instead of GPT.forward checkpointing each unit whole
+        (DeepSpeed's leaf units, whose memory the planner counts so)."""
+        return self.cfg.train.activation_checkpointing and self.fsdp2 and self.block_unit_blocks > 1
+
+    @property
     def zero3_flat(self) -> bool:
         """ZeRO-3 leaf blocks whose parameters are a few flat tensors (--zero3-fetch flat, gpt2.runtime.flat_blocks);
         the model is then built whole, not under zero.Init."""

@@ -170,11 +170,12 @@ class ParallelConfig:
                      "PyTorch FSDP2 (fully_shard of groups of transformer blocks and of the embedding/head over the "
                      "data-parallel ranks; --zero-stage 3: parameters resharded after forward, 2: kept gathered from "
                      "forward to backward; no stage 1)", PARALLEL, given_only=True)
-    # FSDP2's unit: the blocks one `fully_shard` call groups (one all-gather, one reduce-scatter and one set of hooks
-    # per group and pass; gpt2.engines.fsdp2_engine.shard_model)
+    # FSDP2's unit: the blocks one module (a BlockUnit) and one `fully_shard` call group (one all-gather, one
+    # reduce-scatter, one set of hooks and under --compile one graph per unit and pass; gpt2.engines.fsdp2_engine)
     fsdp2_unit_blocks: int = option(
-        4, "--zero-engine fsdp2: transformer blocks per FSDP2 unit (one all-gather, reduce-scatter and hook set per "
-           "unit: fewer, larger units cost less host time and hold more gathered weights)", PARALLEL,
+        4, "--zero-engine fsdp2: transformer blocks per FSDP2 unit (one all-gather, reduce-scatter, hook set and, "
+           "under --compile, compiled graph per unit: fewer, larger units cost less host time and hold more "
+           "gathered weights)", PARALLEL,
         parse=positive_int, given_only=True)
     # the dtype FSDP2 gathers the blocks' weights in (gpt2.config.layout.RunLayout.fsdp2_gather_dtype resolves auto)
     fsdp2_gather: Literal["auto", "bf16", "fp32"] = option(

@@ -2,14 +2,15 @@
 engine interface, beside DeepSpeed's (`gpt2.engines.deepspeed_engine`, the default).
 
     torchrun --nproc_per_node=4 train.py --mode hybrid --zero-engine fsdp2                 # ZeRO-3 by FSDP2
-    deepspeed --num_gpus=4 train.py --mode hybrid --zero-engine fsdp2 --tp-size 2 --compile  # + our TP, per block
+    deepspeed --num_gpus=4 train.py --mode hybrid --zero-engine fsdp2 --tp-size 2 --compile  # + our TP, per unit
 
-Sharding. Each group of --fsdp2-unit-blocks consecutive transformer blocks (default 4) is one `fully_shard` unit
-(FSDP2's list form: one all-gather of the group's parameters before its forward and again before its backward, one
-reduce-scatter of its gradients, one set of hooks; the parameter names stay the blocks'). At batch 8 the step is
-host-bound, and FSDP2's host work is per unit, so fewer, larger units step faster (docs/decisions.md). The root
-module is the last unit: the token and
-position embeddings, the final LayerNorm and the LM head, whose weight IS `wte.weight` (GPT-2 ties them; `LMHead`
+Sharding. Each group of --fsdp2-unit-blocks consecutive transformer blocks (default 4; the last takes what is left)
+is one module, a `BlockUnit` (`gpt2.runtime.block_units`, grouped by `gpt2.runtime.parallelize` as DeepSpeed's leaf
+units are: `RunLayout.block_unit_blocks`), and one `fully_shard` unit (one all-gather of its parameters before its
+forward and again before its backward, one reduce-scatter of its gradients, one set of hooks). At batch 8 the step
+is host-bound, and FSDP2's host work is per unit, so fewer, larger units step faster (docs/decisions.md); a unit
+that is one module is also one compiled graph (below). The root module is the last unit: the token and position
+embeddings, the final LayerNorm and the LM head, whose weight IS `wte.weight` (GPT-2 ties them; `LMHead`
 registers the same Parameter), so the tie lives inside one unit: FSDP2 shards it once, swaps the gathered tensor
 into both modules and accumulates both gradient contributions before its reduce-scatter. The root stays gathered
 from its forward to its backward (`reshard_after_forward=False`: the head runs last in forward, first in backward;
@@ -58,12 +59,18 @@ accumulation: `set_requires_gradient_sync(False)` on every micro-step but the la
 gradients and reduce-scatters their sum once). --sequence-parallel: the marked parameters'
 gradients are summed over the TP group after the last micro-step's reduce-scatter, on this rank's DP shard (both
 TP ranks of a DP position hold the same shard of a replicated parameter; sums commute with the DP average).
---compile compiles each block's (and the final LayerNorm's and LM head's) forward before `fully_shard`
-(`gpt2.runtime.compiling.compile_forwards`): FSDP2's gather hooks stay eager, outside the graphs (launch code in C++
-where --compile-wrapper auto says: on CUDA at ZeRO-3 without sequence parallelism or fused kernels).
+--compile compiles each unit's (and the final LayerNorm's and LM head's) forward before `fully_shard`
+(`gpt2.runtime.compiling.compile_forwards`): one graph a unit and pass, not one a block, so the per-graph host costs
+(guards, the compiled function's wrappers) are paid once a unit, as FSDP2's hooks are; the hooks stay eager, outside
+the graphs (launch code in C++ where --compile-wrapper auto says: on CUDA at ZeRO-3 without sequence parallelism or
+fused kernels). --activation-checkpointing checkpoints each block inside its unit (`RunLayout.checkpoints_in_units`:
+backward recomputes one block at a time, as it did before units were modules; under --compile the checkpoints are
+traced into the unit's graph, which AOTAutograd's partitioner recomputes block by block).
 
 Checkpoints (through `save_state`/`load_state`, so `gpt2.train.checkpoint`'s kill-safe folder protocol, manifest
-and resume apply unchanged): `torch.distributed.checkpoint` writes the model and optimizer state sharded, one DCP
+and resume apply unchanged): under the blocks' own parameter names (`blocks.N.<name>`: the units' names are mapped by
+`renamed` on save and load), so a checkpoint resumes at any --fsdp2-unit-blocks, checkpoints from before units were
+modules included. `torch.distributed.checkpoint` writes the model and optimizer state sharded, one DCP
 folder per TP rank, `fsdp2/tp00`, `fsdp2/tp01`, ..., each by that TP rank's DP group (its ranks' shards, the same
 keys on every TP rank: one folder for them all would merge different tensors under one name), and rank 0 writes
 `fsdp2/schedule.pt` (LR schedule and step, weights_only). `python -m gpt2.train.export` reads the folders on the CPU
@@ -75,7 +82,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +99,7 @@ from gpt2.engines.base import resync_lr
 from gpt2.engines.torch_engine import TorchEngine
 from gpt2.model.gpt import GPT
 from gpt2.observe.run_logging import log
+from gpt2.runtime.block_units import block_key
 from gpt2.runtime.distributed import DistContext
 from parallel.grads import grad_norm
 from parallel.tp_plan import PARAM_MARKS
@@ -117,24 +125,23 @@ def mixed_precision(gather_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=gather_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
-def shard_model(model: GPT, mesh: DeviceMesh, *, reshard_after_forward: bool, unit_blocks: int,
+def shard_model(model: GPT, mesh: DeviceMesh, *, reshard_after_forward: bool,
                 block_gather_dtype: torch.dtype | None = None, forward_prefetch: int = 0) -> list[nn.Module]:
-    """`fully_shard` the blocks in groups of `unit_blocks` consecutive ones (`reshard_after_forward` as --zero-stage
-    says; a group is one FSDP2 unit: one all-gather, one reduce-scatter, one set of hooks; weights gathered in
-    `block_gather_dtype`, None: fp32), then the root (embeddings, final LayerNorm, tied LM head; gathered fp32, never
-    resharded after forward), in place; the TP plan's marks move to the new DTensor parameters; each unit's forward
-    prefetches the next `forward_prefetch` block units (set_forward_prefetch). Returns one module of each unit (a
-    group's first block), root last."""
+    """`fully_shard` each entry of `model.blocks` (a BlockUnit of --fsdp2-unit-blocks blocks, grouped by
+    `gpt2.runtime.parallelize`, or a block; `reshard_after_forward` as --zero-stage says; one FSDP2 unit: one
+    all-gather, one reduce-scatter, one set of hooks; weights gathered in `block_gather_dtype`, None: fp32), then the
+    root (embeddings, final LayerNorm, tied LM head; gathered fp32, never resharded after forward), in place; the TP
+    plan's marks move to the new DTensor parameters; each unit's forward prefetches the next `forward_prefetch` block
+    units (set_forward_prefetch). Returns the units, root last."""
     # fully_shard replaces every Parameter by a DTensor one, so the TP plan's marks are carried over by name
     marks = {name: {m: getattr(p, m) for m in PARAM_MARKS if hasattr(p, m)} for name, p in model.named_parameters()}
-    groups = [list(model.blocks[i:i + unit_blocks]) for i in range(0, len(model.blocks), unit_blocks)]
-    for group in groups:  # a one-module list is one module's unit
-        fully_shard(group, mesh=mesh, reshard_after_forward=reshard_after_forward,
+    for unit in model.blocks:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward,
                     mp_policy=mixed_precision(block_gather_dtype))
     # the root stays gathered from forward to backward at either stage: its LM head runs last in forward and first
     # in backward (an explicit True would free it there and gather it again: twice its all-gather bytes)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mixed_precision(None))
-    units: list[nn.Module] = [group[0] for group in groups] + [model]
+    units: list[nn.Module] = [*model.blocks, model]
     for name, p in model.named_parameters():
         for mark, value in marks.get(name, {}).items():
             setattr(p, mark, value)
@@ -224,9 +231,9 @@ class FSDP2Engine(TorchEngine):
         """fully_shard the blocks and the root over the DP group (before the optimizer is built over the shards)."""
         layout, dims = self.layout, self.ctx.dims
         reshard = layout.zero_stage == 3
-        unit_blocks = layout.fsdp2_unit_blocks
+        unit_blocks = layout.block_unit_blocks  # model.blocks holds the units (gpt2.runtime.parallelize)
         prefetch = layout.cfg.parallel.fsdp2_forward_prefetch
-        self.units = shard_model(model, dp_mesh(self.ctx), reshard_after_forward=reshard, unit_blocks=unit_blocks,
+        self.units = shard_model(model, dp_mesh(self.ctx), reshard_after_forward=reshard,
                                  block_gather_dtype=layout.fsdp2_gather_dtype, forward_prefetch=prefetch)
         self.root: FSDPModule = model  # type: ignore[assignment]
         log.info("FSDP2: %d units (transformer blocks in units of at most %d, + embeddings/head) sharded over the "
@@ -254,8 +261,12 @@ class FSDP2Engine(TorchEngine):
         return result
 
     def _state(self) -> dict[str, Any]:
+        """The model and optimizer state under the blocks' own parameter names (`blocks.N.<name>`, not the units'
+        `blocks.U.layers.J.<name>`): a checkpoint does not depend on --fsdp2-unit-blocks (nor on whether the blocks
+        were grouped into modules when it was saved), and export reads plain GPT names."""
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
-        return {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
+        return renamed({MODEL_KEY: model_sd, OPTIM_KEY: optim_sd},
+                       lambda key: block_key(key, self.layout.block_unit_blocks))
 
     def save_state(self, folder: Path, step: int) -> None:
         """Model and optimizer shards by torch.distributed.checkpoint into folder/fsdp2/tpXX (each TP rank's DP
@@ -270,12 +281,25 @@ class FSDP2Engine(TorchEngine):
         dims = self.ctx.dims
         state = self._state()
         dcp.load(state, checkpoint_id=tp_dir(folder, dims.tp_rank), process_group=dims.dp_group)
+        own = {block_key(name, self.layout.block_unit_blocks): name for name, _ in self.module.named_parameters()}
+        state = renamed(state, lambda key: own.get(key, key))  # back to the module's names (units') for set_state_dict
         set_state_dict(self.module, self.optimizer, model_state_dict=state[MODEL_KEY],
                        optim_state_dict=state[OPTIM_KEY])
         saved = torch.load(folder / FSDP2_DIR / SCHEDULE_FILE, map_location="cpu", weights_only=True)
         self.scheduler.load_state_dict(saved["scheduler"])
         resync_lr(self.scheduler, self.cfg.train.lr)
         return saved["step"]
+
+
+def renamed(state: dict[str, Any], name: Callable[[str], str]) -> dict[str, Any]:
+    """`get_state_dict`'s model and optimizer state dicts ({MODEL_KEY: ..., OPTIM_KEY: ...}) with every parameter
+    name mapped by `name`: the model's keys, the optimizer's per-parameter state keys and its param_groups' lists
+    of names (get_state_dict keys the optimizer by parameter name too). The values are the same objects."""
+    optim_sd = state[OPTIM_KEY]
+    return {MODEL_KEY: {name(key): value for key, value in state[MODEL_KEY].items()},
+            OPTIM_KEY: {**optim_sd, "state": {name(key): value for key, value in optim_sd["state"].items()},
+                        "param_groups": [{**group, "params": [name(key) for key in group["params"]]}
+                                         for group in optim_sd["param_groups"]]}}
 
 
 def read_model_state(step_dir: Path, tp_rank: int) -> dict[str, torch.Tensor]:

@@ -108,8 +108,9 @@ def choose_attention(layout: RunLayout, device: torch.device) -> AttentionChoice
 
 def parallelize(model: GPT, layout: RunLayout, dims: ParallelDims, stats: CommStats | None = None) -> GPT:
     """The build order up to the data-parallel wrapper, in place: the tensor-parallel plan (this rank keeps its
-    shards; nothing to cut for tp 1) -> activation checkpointing -> --zero3-unit-blocks' block units
-    (`gpt2.runtime.block_units`) -> --zero3-fetch flat's flat block (or unit) tensors (`gpt2.runtime.flat_blocks`)
+    shards; nothing to cut for tp 1) -> activation checkpointing -> block units (--zero3-unit-blocks' or
+    --fsdp2-unit-blocks': `gpt2.runtime.block_units`) -> --zero3-fetch flat's flat block (or unit) tensors
+    (`gpt2.runtime.flat_blocks`)
     -> ZeRO-3 leaf modules (one coalesced gather per block or unit, registered before
     DeepSpeed's hooks) -> torch.compile of each block (or unit) and the head (`--compile-scope
     blocks`; forwards only, hooks left eager, under ZeRO-3's leaf gathers). The engine adds DDP (then a
@@ -117,11 +118,12 @@ def parallelize(model: GPT, layout: RunLayout, dims: ParallelDims, stats: CommSt
     cfg = layout.cfg
     apply_tensor_parallel(model, dims, sequence_parallel=layout.sequence_parallel,
                           overlap=cfg.parallel.tp_overlap, stats=stats)
-    model.activation_checkpointing = cfg.train.activation_checkpointing
-    unit_blocks = layout.zero3_unit_blocks
+    # GPT.forward checkpoints each entry of model.blocks, unless the units checkpoint their blocks themselves
+    model.activation_checkpointing = cfg.train.activation_checkpointing and not layout.checkpoints_in_units
+    unit_blocks = layout.block_unit_blocks  # DeepSpeed's leaf units or FSDP2's
     unit = "transformer block" if unit_blocks == 1 else f"unit of {unit_blocks} transformer blocks"  # for the logs
     if unit_blocks > 1:
-        group_blocks(model, unit_blocks)
+        group_blocks(model, unit_blocks, checkpoint_layers=layout.checkpoints_in_units)
     if layout.zero3_flat:  # after the TP plan (its marks and layer types decide the groups)
         layout_of_block = flatten_blocks(model)
         log.info("ZeRO-3 flat parameters: %d tensors a %s (%s)", len(layout_of_block), unit, ", ".join(layout_of_block))

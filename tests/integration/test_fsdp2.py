@@ -7,12 +7,13 @@ Runs (10 steps each; the same global batch of 4 sequences):
                      --fsdp2-unit-blocks 1, --activation-checkpointing (each block recomputed in backward, its FSDP2
                      gather inside the recomputed call), checkpoints at steps 5 and 10, --comm-log; fsdp2-resumed
                      from step 5 at --fsdp2-unit-blocks 2 (one launch checks both that the resume is exact and that a
-                     checkpoint resumes at another unit size: the DCP load has no per-unit-size path)
+                     checkpoint of ungrouped blocks resumes into BlockUnits, each block checkpointed inside its unit:
+                     the engine saves and loads under the blocks' own names)
     ds-launcher      --zero-stage 2 (reshard_after_forward=False) under the deepspeed launcher, 2 ranks, batch 2,
                      --comm-log, an evaluation mid-run
     fsdp2-tp2dp2-sp  --tp-size 2 --sequence-parallel on 4 ranks (DP groups [0, 2] and [1, 3]), batch 2, checkpoint
                      at step 5; resumed from it
-    tp-compile       --tp-size 2 --compile (each block's forward compiled, FSDP2's hooks eager) on 4 ranks, batch 2,
+    tp-compile       --tp-size 2 --compile (each unit's forward compiled, FSDP2's hooks eager) on 4 ranks, batch 2,
                      --comm-log, an evaluation mid-run (the plain blocks' compiled graph is ZeRO-3's in
                      tests/integration/test_zero.py: one launch fewer here)
 Tolerances (measured on CPU, torch 2.13, in brackets): per-step loss vs single <= 1e-5 relative
@@ -99,8 +100,9 @@ def test_fsdp2_resume_is_exact(runs: Path) -> None:
 
 
 def test_fsdp2_checkpoint_resumes_at_another_unit_size(runs: Path) -> None:
-    """--fsdp2-unit-blocks changes how blocks are grouped, not the parameters' names or shards: a checkpoint saved at
-    one block a unit resumes at two (the fixture's fsdp2-resumed, whose exactness test_fsdp2_resume_is_exact checks)."""
+    """--fsdp2-unit-blocks changes how blocks are grouped, not the checkpoint's names or shards: a checkpoint saved at
+    one block a unit (no BlockUnits, as every checkpoint before units were modules) resumes at two (the fixture's
+    fsdp2-resumed, whose exactness test_fsdp2_resume_is_exact checks)."""
     s = summary(runs / "fsdp2-resumed")
     assert (s["fsdp2_unit_blocks"], summary(runs / "fsdp2")["fsdp2_unit_blocks"]) == (2, 1)
     assert "FSDP2: 2 units (transformer blocks in units of at most 2, + embeddings/head)" in (
@@ -185,7 +187,7 @@ def test_fsdp2_tp_sp_matches_single_resumes_and_exports(single_reference: Refere
 
 
 def test_fsdp2_tp_compile_matches_single(single_reference: ReferenceRun, tmp_path: Path) -> None:
-    """The parity row fsdp2-tp2-compile-wW on CPU: TP 2 x DP 2 with each block's forward compiled (FSDP2's hooks
+    """The parity row fsdp2-tp2-compile-wW on CPU: TP 2 x DP 2 with each unit's forward compiled (FSDP2's hooks
     eager), an evaluation mid-run; --comm-log's bytes are the plan's under compile too."""
     run_train(FSDP2 + ["--tp-size", "2", "--compile", "--batch-size", "2", "--comm-log", "--eval-interval", "5",
                        "--run-name", "tp-compile"], tmp_path, nproc=4)
@@ -217,7 +219,7 @@ def run_fsdp2_clip_checks(dims) -> None:
     assert ref_norm > 4 * CLIP
 
     model = build(dims, sequence_parallel=True, overlap=False)
-    shard_model(model, DeviceMesh.from_group(dims.dp_group, "cpu"), reshard_after_forward=True, unit_blocks=1)
+    shard_model(model, DeviceMesh.from_group(dims.dp_group, "cpu"), reshard_after_forward=True)
     model(*batch(dims.dp_rank))[0].backward()
     allreduce_sequence_parallel_grads(model, dims)
     norm = clip_grad_norm_(list(model.parameters()), CLIP, dims)

@@ -60,7 +60,7 @@ def test_bf16_gather_is_autocast_but_for_layernorm_rounding(gloo_world, exact_in
     for name, m in sharded.named_modules():
         if hasattr(m, "weight") and name:
             m.register_forward_pre_hook(lambda mod, args, name=name: record(mod, args, name))
-    shard_model(sharded, init_device_mesh("cpu", (1,)), reshard_after_forward=True, unit_blocks=1,
+    shard_model(sharded, init_device_mesh("cpu", (1,)), reshard_after_forward=True,
                 block_gather_dtype=torch.bfloat16)
     ref_loss, ref_grads = loss_and_grads(reference)
     loss, grads = loss_and_grads(sharded)

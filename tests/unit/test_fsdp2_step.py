@@ -34,7 +34,7 @@ class DTensorOps(TorchDispatchMode):
 def sharded_model() -> GPT:
     torch.manual_seed(0)
     model = GPT(ModelConfig(**{**MODEL_PRESETS["gpt2-tiny"], "n_layer": 2}))
-    shard_model(model, init_device_mesh("cpu", (1,)), reshard_after_forward=True, unit_blocks=1)
+    shard_model(model, init_device_mesh("cpu", (1,)), reshard_after_forward=True)
     return model
 
 

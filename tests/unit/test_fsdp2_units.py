@@ -1,35 +1,134 @@
-"""FSDP2's units (gpt2.engines.fsdp2_engine.shard_model): --fsdp2-unit-blocks consecutive blocks share one
-`fully_shard` group (one all-gather, one reduce-scatter, one set of hooks), in a one-rank gloo group in this process."""
+"""FSDP2's units (gpt2.engines.fsdp2_engine.shard_model): --fsdp2-unit-blocks consecutive blocks are one module (a
+BlockUnit, grouped by gpt2.runtime.parallelize) and one `fully_shard` unit (one all-gather, one reduce-scatter, one
+set of hooks), under --compile one compiled graph, in a one-rank gloo group in this process."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 
+from gpt2.config.cli import parse_args
+from gpt2.config.layout import RunLayout
 from gpt2.config.schema import MODEL_PRESETS, ModelConfig
-from gpt2.engines.fsdp2_engine import shard_model
+from gpt2.engines.fsdp2_engine import renamed, shard_model
 from gpt2.model.gpt import GPT
+from gpt2.runtime.block_units import BlockUnit, block_key, group_blocks
+from gpt2.runtime.parallelize import parallelize
+from parallel.dims import ParallelDims
+
+FSDP2_ARGS = ["--mode", "hybrid", "--zero-engine", "fsdp2", "--model", "gpt2-tiny"]
 
 
 def test_blocks_are_sharded_in_groups_of_the_unit_size(gloo_world) -> None:
     torch.manual_seed(0)
     model = GPT(ModelConfig(**{**MODEL_PRESETS["gpt2-tiny"], "n_layer": 5}))
-    units = shard_model(model, init_device_mesh("cpu", (1,)), reshard_after_forward=True, unit_blocks=2)
-    b = model.blocks
-    assert units == [b[0], b[2], b[4], model]  # groups [0, 1], [2, 3], [4], then the root
-
-    def group(block: torch.nn.Module):
-        return block._get_fsdp_state()._fsdp_param_group
-
-    assert group(b[0]) is group(b[1]) and group(b[2]) is group(b[3]) and group(b[1]) is not group(b[2])
-    per_block = len(list(b[4].parameters()))
-    assert [len(group(block).fsdp_params) for block in (b[0], b[2], b[4])] == [2 * per_block, 2 * per_block,
-                                                                                   per_block]
+    blocks = list(model.blocks)
+    group_blocks(model, 2)
+    units = shard_model(model, init_device_mesh("cpu", (1,)), reshard_after_forward=True)
+    assert units == [*model.blocks, model]  # units [0, 1], [2, 3], [4], then the root
+    assert [list(unit.layers) for unit in units[:-1]] == [blocks[0:2], blocks[2:4], blocks[4:]]
+    assert all(isinstance(unit, BlockUnit) and isinstance(unit, FSDPModule) for unit in units[:-1])
+    per_block = len(list(blocks[4].parameters()))
+    assert [len(unit._get_fsdp_state()._fsdp_param_group.fsdp_params) for unit in units[:-1]] == [
+        2 * per_block, 2 * per_block, per_block]
     x = torch.randint(0, 50257, (2, 16))
     loss, _ = model(x, x)
-    loss.backward()  # the groups gather for forward and backward and reshard after
+    loss.backward()  # the units gather for forward and backward and reshard after
     assert all(isinstance(p, torch.distributed.tensor.DTensor) and p.grad is not None for p in model.parameters())
+
+
+def count_graphs(monkeypatch: pytest.MonkeyPatch, backend: str = "eager") -> list[torch.fx.GraphModule]:
+    """Every graph the harness's torch.compile calls capture from now on, compiled by `backend` (no Inductor: the
+    count, not the kernels, is what is checked)."""
+    import torch._dynamo
+
+    graphs: list[torch.fx.GraphModule] = []
+    real_compile = torch.compile
+    compile_backend = torch._dynamo.lookup_backend(backend)
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        graphs.append(gm)
+        return compile_backend(gm, example_inputs)
+
+    torch._dynamo.reset()  # no graph cached from an earlier test
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, backend=record))
+    return graphs
+
+
+def fsdp2_model(args: list[str]) -> tuple[GPT, list[torch.nn.Module]]:
+    """The FSDP2 engine's model build on one rank: parallelize (TP plan, checkpointing, units, compile) -> shard."""
+    layout = RunLayout.resolve(parse_args(FSDP2_ARGS + args), world_size=1, device="cpu")
+    torch.manual_seed(0)
+    model = parallelize(GPT(layout.cfg.model), layout, ParallelDims(world_size=1, rank=0))
+    return model, shard_model(model, init_device_mesh("cpu", (1,)), reshard_after_forward=True)
+
+
+def loss_and_grads(model: GPT) -> tuple[float, dict[str, torch.Tensor]]:
+    torch.manual_seed(1)
+    x = torch.randint(0, 50257, (2, 16))
+    loss, _ = model(x, x)
+    loss.backward()
+    return loss.item(), {block_key(n, 2): p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_each_unit_is_one_module_and_one_compiled_graph(gloo_world, monkeypatch: pytest.MonkeyPatch,
+                                                        checkpointing: bool) -> None:
+    """Under --compile each FSDP2 unit (gpt2-tiny's 2 blocks at the default --fsdp2-unit-blocks) is one BlockUnit
+    whose forward is one graph, FSDP2's hooks outside it: a forward captures one graph a unit (+ the final
+    LayerNorm's and the LM head's), not one a block; --activation-checkpointing recomputes each block inside the
+    unit's graph (aot_eager: AOTAutograd's partitioner handles the checkpoints, as under Inductor) and trains the
+    eager function."""
+    ac = ["--activation-checkpointing"] if checkpointing else []
+    eager_loss, eager_grads = loss_and_grads(fsdp2_model(ac)[0])
+    graphs = count_graphs(monkeypatch, "aot_eager")
+    with torch._dynamo.config.patch(recompile_limit=8):
+        model, units = fsdp2_model(["--compile", *ac])
+        *block_units, root = units
+        assert len(block_units) == 1 and block_units == list(model.blocks) and root is model
+        assert all(isinstance(u, BlockUnit) and isinstance(u, FSDPModule) and len(u.layers) == 2 for u in block_units)
+        assert all(u.checkpoint_layers is checkpointing for u in block_units) and not model.activation_checkpointing
+        loss, grads = loss_and_grads(model)
+    assert len(graphs) == len(block_units) + 2  # each unit, ln_f, the LM head + loss: one graph each
+    assert abs(loss - eager_loss) < 1e-5
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_checkpointing_recomputes_each_block_inside_its_unit(gloo_world, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--activation-checkpointing under FSDP2 units: each block checkpointed on its own (backward recomputes one block
+    at a time, as before units were modules), not the whole unit."""
+    calls: list[torch.nn.Module] = []
+    real = torch.utils.checkpoint.checkpoint
+
+    def recorded(fn: torch.nn.Module, *args, **kwargs) -> torch.Tensor:
+        calls.append(fn)
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr("gpt2.runtime.block_units.checkpoint", recorded)
+    monkeypatch.setattr("gpt2.model.gpt.checkpoint", recorded)
+    model, _ = fsdp2_model(["--activation-checkpointing"])
+    loss_and_grads(model)
+    assert calls == list(model.blocks[0].layers)
+
+
+def test_checkpoint_names_are_the_blocks_own() -> None:
+    """The engine's checkpoint state renames the units' parameters to the blocks' names and back (a checkpoint does
+    not depend on --fsdp2-unit-blocks), in the model's and in the optimizer's keys."""
+    state = {"model": {"blocks.1.layers.1.attn.c_attn.weight": 1, "wte.weight": 2},
+             "optimizer": {"state": {"blocks.1.layers.1.attn.c_attn.weight": {"step": 3}},
+                           "param_groups": [{"lr": 0.1, "params": ["blocks.0.layers.0.ln_1.weight", "wte.weight"]}]}}
+    plain = renamed(state, lambda key: block_key(key, 2))
+    assert plain == {"model": {"blocks.3.attn.c_attn.weight": 1, "wte.weight": 2},
+                     "optimizer": {"state": {"blocks.3.attn.c_attn.weight": {"step": 3}},
+                                   "param_groups": [{"lr": 0.1, "params": ["blocks.0.ln_1.weight", "wte.weight"]}]}}
+    back = {"blocks.3.attn.c_attn.weight": "blocks.1.layers.1.attn.c_attn.weight",
+            "blocks.0.ln_1.weight": "blocks.0.layers.0.ln_1.weight"}
+    assert renamed(plain, lambda key: back.get(key, key)) == state
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2])
@@ -38,8 +137,7 @@ def test_forward_prefetch_issues_the_next_units_gathers_before_a_unit_runs(gloo_
     an all-gather issued or done are i and the `depth` after it (FSDP2's own hook issues only its unit's)."""
     torch.manual_seed(0)
     model = GPT(ModelConfig(**{**MODEL_PRESETS["gpt2-tiny"], "n_layer": 4}))
-    units = shard_model(model, init_device_mesh("cpu", (1,)), reshard_after_forward=True, unit_blocks=1,
-                        forward_prefetch=depth)
+    units = shard_model(model, init_device_mesh("cpu", (1,)), reshard_after_forward=True, forward_prefetch=depth)
     groups = [unit._get_fsdp_state()._fsdp_param_group for unit in units[:-1]]
     issued_at_start: list[list[int]] = []
     for block in model.blocks:
