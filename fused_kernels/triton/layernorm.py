@@ -188,12 +188,14 @@ def add_layernorm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `fused_kernels.reference.add_layernorm`: returns (LN(x + residual), x + residual).
 
-    Under autocast the normalised output is fp32, as autocast runs F.layer_norm in fp32.
+    Under autocast the normalised output is in the autocast dtype, not F.layer_norm's fp32: every LayerNorm of the
+    model feeds a matmul, which autocast would cast it to anyway, so the kernel rounds it as that cast would and the
+    cast and its backward are not two more passes over [M, N].
     """
     shape = x.shape
     N = shape[-1]
     if torch.is_autocast_enabled(x.device.type):
-        out_dtype = torch.float32
+        out_dtype = torch.get_autocast_dtype(x.device.type)
     else:
         out_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
     x2 = x.reshape(-1, N).contiguous()  # [M, N]

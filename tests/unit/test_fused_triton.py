@@ -92,6 +92,30 @@ def test_add_layernorm_mixed_dtypes_as_under_autocast():
     assert dx.dtype == torch.bfloat16 and dres.dtype == torch.float32
 
 
+
+def test_add_layernorm_under_autocast_emits_what_the_next_matmul_reads():
+    """Under autocast the normalised output comes out in the autocast dtype, rounded as autocast's cast of the fp32
+    output would round it, and the gradients are those through that cast."""
+    from fused_kernels.triton.layernorm import INTERPRETED, add_layernorm_forward
+
+    torch.manual_seed(0)
+    x, res = _leaf(torch.randn(37, 129), torch.bfloat16), _leaf(torch.randn(37, 129), torch.float32)
+    w, b = _leaf(torch.randn(129), torch.float32), _leaf(torch.randn(129), torch.float32)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        y, r = add_layernorm(x, res, w, b, 1e-5)
+    y32, r32 = add_layernorm_forward(x, res, w, b, 1e-5, torch.float32)[:2]  # the kernel's fp32 output
+    assert y.dtype == torch.bfloat16 and r.dtype == torch.float32
+    # compiled, Triton's cast rounds to nearest even, as torch's does; the interpreter's truncates (one ulp)
+    ulp = 2.0 ** -7 if INTERPRETED else 0.0
+    torch.testing.assert_close(y.float(), y32.to(torch.bfloat16).float(), rtol=ulp, atol=0)
+    assert torch.equal(r, r32)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.device, torch.bfloat16)
+    fused = torch.autograd.grad((y * g).sum() + r.sum(), [x, res, w, b])
+    y32, r32 = add_layernorm_forward(x, res, w, b, 1e-5, torch.float32)[:2]
+    cast = torch.autograd.grad((y32.to(torch.bfloat16) * g).sum() + r32.sum(), [x, res, w, b])
+    for name, got, want in zip(("dx", "dres", "dw", "db"), fused, cast):
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+
 MATMUL_CASES = [
     pytest.param(shape, *dt.values, id=f"{'x'.join(map(str, shape))}-{dt.id}")
     for shape in [(37, 71, 129), (100, 40, 72)] for dt in DTYPE_TOLS
