@@ -234,6 +234,8 @@ class DeepSpeedEngine:
         # whole models: the TP plan and --zero3-fetch flat cut or concatenate existing full weights
         zero3 = (deepspeed, self.ds_config) if stage == 3 and layout.tp_size == 1 and not layout.zero3_flat else None
         model = parallelize(build_model(layout, ctx.device, ctx.dims, zero3), layout, ctx.dims, self.comm_stats)
+        if stage == 3:  # host work: ZeRO-3 walks this tree at every forward's start and end (flat units hide theirs)
+            log.info("ZeRO-3 module tree: %d modules", sum(1 for _ in model.modules()))
         if cfg.parallel.sequence_parallel:  # before initialize: ZeRO consumes gradients during backward
             register_sequence_parallel_grad_hooks(model, ctx.dims, self.comm_stats)
         optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),

@@ -13,6 +13,7 @@ benchmarks/repro/deepspeed_flat_block_params.py; docs/decisions.md).
                               #   as it does a Linear's own parameters
       .other.<group>          # LayerNorm gains and biases: fp32, as before
       .block                  # the original Block, its Parameters removed; run through functional_call on views
+                              #   (a plain attribute, not a submodule: module-tree walks skip its modules)
 
 A group is the set of a block's parameters that ZeRO treats alike: whether a Linear owns them (communication dtype),
 whether AdamW decays them (`applies_weight_decay`), and the TP plan's marks (`tensor_model_parallel`: sharded over
@@ -107,7 +108,22 @@ class FlatBlock(nn.Module):
         for name, _ in block.named_parameters():  # None, not kept: DeepSpeed would partition them too
             owner, _, attr = name.rpartition(".")
             block.get_submodule(owner).register_parameter(attr, None)
-        self.block = block
+        if any(True for _ in block.buffers()):  # .to() and state_dict would not see them: see below
+            raise ValueError(f"{type(block).__name__} holds buffers; FlatBlock keeps no tensor outside its flat ones")
+        # A plain attribute, not a submodule: it now holds no Parameter or buffer, so state_dict, .to() and the
+        # optimizer lose nothing, and walks of the module tree (nn.Module.named_parameters, modules()) skip its
+        # modules. DeepSpeed's ZeRO-3 walks each leaf module several times a pass (fetch, release, forward and
+        # backward) and the whole model at every forward's start and end and at every optimizer step: with the
+        # blocks' modules in the tree those walks visit every module of every block each time, host work the flat
+        # tensors do not need (docs/decisions.md). `train` reaches it.
+        object.__setattr__(self, "block", block)
+
+    def train(self, mode: bool = True) -> FlatBlock:
+        """nn.Module's, and `block` too: it is not a registered submodule (see __init__), so nn.Module.train would not
+        reach its dropouts and attention."""
+        super().train(mode)
+        self.block.train(mode)
+        return self
 
     def views(self) -> dict[str, torch.Tensor]:
         """Each member's name -> a view of its slice of the (gathered) flat tensor, in its own shape."""

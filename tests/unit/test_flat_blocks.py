@@ -14,7 +14,7 @@ from gpt2.config.deepspeed_file import LOWER_PRECISION_MODULES
 from gpt2.config.schema import ModelConfig
 from gpt2.model.gpt import GPT
 from gpt2.runtime.block_units import group_blocks, ungroup_state_dict
-from gpt2.runtime.flat_blocks import MATMUL_TYPES, MatmulFlatParams, flatten_blocks, unflatten_state_dict
+from gpt2.runtime.flat_blocks import MATMUL_TYPES, FlatBlock, MatmulFlatParams, flatten_blocks, unflatten_state_dict
 from gpt2.runtime.parallelize import param_groups
 
 CFG = ModelConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=64, n_positions=8)
@@ -180,3 +180,21 @@ def test_a_checkpoint_from_before_the_flat_default_names_its_flags() -> None:
         with pytest.raises(CheckpointError, match="zero_engine: checkpoint 'deepspeed', this run 'fsdp2'") as refused:
             check_compatible(meta, fsdp2, Path("ck"))
         assert "zero3" not in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("unit_blocks", [1, 2])
+def test_module_walks_skip_the_inner_block_and_train_still_reaches_it(unit_blocks: int) -> None:
+    """The inner block is not a submodule, so DeepSpeed's walks of a leaf module (and of the model) visit only the
+    flat tensors' holders; train()/eval() must still reach its dropouts and attention, and a block that holds a
+    buffer (which .to() and state_dict would lose) is refused."""
+    _, flat = models(unit_blocks)
+    unit = flat.blocks[0]
+    assert [name for name, _ in unit.named_modules()] == ["", "matmul", "other"]
+    assert sorted(name for name, _ in unit.named_parameters()) == sorted(unit.members)
+    for mode in (False, True):
+        flat.train(mode)
+        assert all(m.training is mode for m in unit.block.modules())
+    block = copy.deepcopy(models()[0].blocks[0])
+    block.register_buffer("extra", torch.zeros(1))
+    with pytest.raises(ValueError, match="holds buffers"):
+        FlatBlock(block)
