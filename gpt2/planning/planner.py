@@ -47,10 +47,11 @@ runs behind each term: docs/decisions.md):
 - Workspace: two cuBLAS workspaces (32 MiB each: the forward's thread and autograd's backward thread each have a
   handle), DeepSpeed's reduce bucket (ZeRO-3: one per communication dtype, 16-bit and fp32 under torch_autocast)
   and (ZeRO-3) prefetch bucket.
-- DeepSpeed ZeRO-3 leaf units (--zero3-unit-blocks N, one compiled graph each): every block but a unit's first keeps
-  its residual-stream tensor in fp32, 2 B more per token and width than the compiled block above. Measured (unit
-  sizes 1, 2 and 4 at two batches, with and without TP), not explained: FSDP2's units, also one graph each, do not
-  show it.
+- Units of several blocks compiled as one graph (DeepSpeed's leaf units, --zero3-unit-blocks N; FSDP2's units,
+  --fsdp2-unit-blocks N): every block but a unit's first keeps its residual-stream tensor in fp32, 2 B more per
+  token and width than the compiled block above. Measured (DeepSpeed: unit sizes 1, 2 and 4 at two batches, with
+  and without TP; FSDP2: the same step, 0.54 GiB higher once its 4-block units became one graph instead of four),
+  the tensor not yet named.
 - FSDP2 (`fsdp2_memory`), read off one step's phases (benchmarks.memory_phases, GPT-2 Large, batch 8 and 16,
   --compile): no gradient exists between steps or when backward starts (each unit's reduce-scatter creates
   its shard; zero_grad frees them), so the sharded gradients count at the optimizer step only; held when backward
@@ -342,14 +343,16 @@ def predict_memory(layout: RunLayout) -> MemoryPlan:
     sbh_shard = seq * b * d / (t if sp else 1)  # one replicated [b, s, h] element count
     layer = layer_activation_bytes(cfg, b, seq, t, sp, activation_bytes=e, residual_bytes=r)
     unit = layout.zero3_unit_blocks  # GPT.forward checkpoints each entry of model.blocks: a block or a ZeRO-3 unit
-    # DeepSpeed ZeRO-3's leaf units (one compiled graph each): every block but a unit's first keeps its residual-stream
-    # tensor in fp32, not the 16 bits above (module docstring: measured, mechanism not pinned down)
+    # a unit of several blocks compiled as one graph (DeepSpeed's leaf units, FSDP2's units): every block but a unit's
+    # first keeps its residual-stream tensor in fp32, not the 16 bits above (module docstring: measured, mechanism not
+    # pinned down)
+    entries = -(-cfg.n_layer // layout.block_unit_blocks)  # entries of model.blocks; FSDP2's last unit may be short
     inner = 0.0
     if tc.compile:
         layer -= (r - e) * sbh_shard  # inductor keeps one fp32 residual-stream tensor in 16 bits
         if not num.autocast_copies:  # 16-bit model (DeepSpeed): the GELU output is recomputed in backward
             layer -= 4 * e * b * seq * d / t
-        if layout.zero3_blocks:
+        if layout.zero3_blocks or layout.fsdp2:  # each entry of model.blocks its own graph (compile_forwards)
             inner = (r - e) * sbh_shard
     gathered = sp_gathered_inputs(layout)
     gathered_beyond_shard = e * b * seq * d * (1 - 1 / t)  # one [b, s, d] input kept whole instead of its shard
@@ -358,7 +361,7 @@ def predict_memory(layout: RunLayout) -> MemoryPlan:
         activations = cfg.n_layer // unit * r * sbh_shard + unit * layer + (unit - 1) * inner  # unit inputs + one
         # recomputed unit
     else:
-        activations = cfg.n_layer * layer + (cfg.n_layer - cfg.n_layer // unit) * inner
+        activations = cfg.n_layer * layer + (cfg.n_layer - entries) * inner
     activations += (r + e) * sbh_shard  # ln_f input (residual stream) and output
     activations += gathered.lm_head * gathered_beyond_shard
     logits = loss_bytes(layout, b * seq, e)

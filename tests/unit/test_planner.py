@@ -98,7 +98,8 @@ MEASURED_TP_4XH100 = [  # (flags, measured peak allocated GiB): benchmarks/resul
     # DeepSpeed's rows ran one block a leaf, before leaf units of 4 were the default
     (["--tp-size", "2", *PER_BLOCK, "--batch-size", "48"], 64.02),
     (["--tp-size", "2", "--sequence-parallel", *PER_BLOCK, "--batch-size", "48"], 57.37),
-    (["--zero-engine", "fsdp2", "--tp-size", "2", "--batch-size", "48"], 61.14),
+    # FSDP2 + TP2 at batch 48 (61.14 GiB) ran one compiled graph a block, before its units were one graph each; no flag
+    # gives that layout back, and today's plan for it is 3.2 GiB higher by the unit-graph term: not re-measured yet
 ]
 
 
@@ -385,26 +386,30 @@ def test_compare_with_run():
         record["plan/tp_payload_bytes"])
 
 
-SIMULATED = Path(__file__).resolve().parents[2] / "benchmarks/results/simulated/h200-2026-12-01/runs"
-SIMULATED_RANKS = {  # run folder -> the layout's flags (rank 0 of 4 GPUs, GPT-2 Large, batch 8, --compile)
-    "zero3-dp4-b8": [],
-    "zero3-tp2-b8": ["--tp-size", "2"],
-    "zero3-tp2-sp-b8": ["--tp-size", "2", "--sequence-parallel"],
-    "fsdp2-dp4-b8": ["--zero-engine", "fsdp2"],
-    "fsdp2-tp2-b8": ["--zero-engine", "fsdp2", "--tp-size", "2"],
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks/results"
+SIMULATED_RANKS = {  # run folder -> (world size, the layout's flags): GPT-2 Large, batch 8, --compile, one H200
+    # simulated rank 0 of 4 GPUs (ZeRO-3 measured with the 4-block unit graphs FSDP2 has had since)
+    "simulated/h200-2026-12-01/runs/zero3-dp4-b8": (4, []),
+    "simulated/h200-2026-12-01/runs/zero3-tp2-b8": (4, ["--tp-size", "2"]),
+    "simulated/h200-2026-12-01/runs/zero3-tp2-sp-b8": (4, ["--tp-size", "2", "--sequence-parallel"]),
+    "simulated/h200-2026-12-02-cB/runs/fsdp2-tp2-b8": (4, ["--zero-engine", "fsdp2", "--tp-size", "2"]),
+    # a real one-GPU FSDP2 run of the same code
+    "kernels/e2e-h200-2026-12-02-cB/runs/fsdp2-none-b8": (1, ["--zero-engine", "fsdp2"]),
 }
 
 
 @pytest.mark.parametrize("run", SIMULATED_RANKS)
 def test_simulated_rank_peak_within_3_percent(run: str):
     """Simulated ranks (tools.simulate_rank: one rank of a 4-GPU layout on one H200, its collectives moving nothing;
-    its memory is that rank's). Before the terms of docs/decisions.md's planner section (DeepSpeed's reduce bucket per
-    communication dtype, a leaf unit's weights held to backward, the per-part head's one logits buffer, the backward
-    thread's cuBLAS workspace, the residual stream inside a DeepSpeed unit's graph) the plan was -5.0%, -4.8%, -3.2%,
-    +3.9% and -0.8% off."""
-    summary = json.loads((SIMULATED / run / "summary.json").read_text())
-    flags = LARGE + ["--mode", "hybrid", "--compile", "--batch-size", "8", *SIMULATED_RANKS[run]]
-    layout = planned(flags)
+    its memory is that rank's) and a real one-GPU run. Before the terms of docs/decisions.md's planner section
+    (DeepSpeed's reduce bucket per communication dtype, a leaf unit's weights held to backward, the per-part head's
+    one logits buffer, the backward thread's cuBLAS workspace, the residual stream inside a unit's graph) the plan was
+    -5.0%, -4.8%, -3.2% off for the ZeRO-3 rows; without the last term for FSDP2's unit graphs, -4.7% and -2.6% for
+    the FSDP2 rows."""
+    summary = json.loads((RESULTS / run / "summary.json").read_text())
+    world_size, layout_flags = SIMULATED_RANKS[run]
+    flags = LARGE + ["--mode", "hybrid", "--compile", "--batch-size", "8", *layout_flags]
+    layout = planned(flags, world_size)
     assert (layout.tp_size, layout.sequence_parallel, layout.zero_engine, layout.zero3_fetch) == (
         summary["tp_size"], summary["sequence_parallel"], summary["zero_engine"], summary["zero3_fetch"])
     measured = summary["mem/peak_allocated_gib"]
