@@ -141,7 +141,8 @@ def simulated(rows: Mapping[int, Row]) -> str:
         common = cells(row, None)
         c = {**common, "GPUs simulated": row["gpus"], "MFU, communication free": common["MFU"],
              "device busy": f"{float(row['device_busy_pct']):.1f}%" if row["device_busy_pct"] else "",
-             "raw": f"[table](../{row['raw'].replace('.csv', '.md')})"}
+             "raw": f"[table](../{row['raw'].replace('.csv', '.md')})"
+                    + (f"; **superseded by #{row['superseded_by']}**" if row["superseded_by"] else "")}
         lines.append("| " + " | ".join(c[col] for col in SIMULATED_COLUMNS) + " |")
     return "\n".join(lines) + "\n"
 
@@ -234,6 +235,8 @@ TABLES: dict[str, Table] = {
                               *pairs(29, 28, vs=29),
                               *pairs(30, 31, vs=30), *pairs(32, 33, vs=32), *pairs(34, 35, vs=34), (36, None),
                               *pairs(23, 20, 22, 21, 19, vs=23)]),
+    "one-h200-kernels": Table([*pairs(230, 231, 232, vs=230), *pairs(235, 237, 236, vs=235),
+                               *pairs(243, 245, 244, vs=243)]),
 }
 KEY = ("op", "implementation", "shape", "metric")  # a microbenchmark row's key within its call
 

@@ -429,6 +429,18 @@ def write_outputs(sweep: Sweep) -> list[dict[str, Any]]:
     return shown
 
 
+# --extra-args flags the store's own columns hold (`compile`) or that it names in words (a profiled run's steps after
+# the profiled ones are timed; earlier rows say "profiled")
+STORE_COLUMN_FLAGS = {"--compile": ""}
+STORE_VARIANT_WORDS = {"--profile": "profiled"}
+
+
+def store_variant(extra_args: str) -> str:
+    """The store's `variant` of a run launched with `extra_args`: the flags no column of the row holds."""
+    words = [STORE_VARIANT_WORDS.get(flag, flag) for flag in shlex.split(extra_args) if flag not in STORE_COLUMN_FLAGS]
+    return " ".join(words)
+
+
 def store_rows(sweep: Sweep) -> list[int]:
     """Append every finished run to the results store, with its configuration's verdict and parity file."""
     args = sweep.args
@@ -448,7 +460,7 @@ def store_rows(sweep: Sweep) -> list[int]:
         rows.append(results_store.row_from_summary(
             summary, call=args.call, raw=sweep.out / "sweep.csv",
             parity=verdict, parity_file=args.parity[0] if args.parity and verdict == "pass" else None,
-            kind="reference" if reference else "throughput", variant=args.extra_args.strip()))
+            kind="reference" if reference else "throughput", variant=store_variant(args.extra_args)))
     return results_store.append_rows(rows, args.store)
 
 

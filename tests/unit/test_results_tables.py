@@ -129,6 +129,13 @@ def test_simulated_rows_stay_out_of_throughput_tables() -> None:
     assert "#2" not in rt.targets(rows)  # nor is a simulated row the best of anything
 
 
+def test_simulated_table_marks_a_superseded_rank() -> None:
+    rows = {1: row(1, simulated="1", raw="benchmarks/results/simulated/a/t.csv", superseded_by="2"),
+            2: row(2, simulated="1", raw="benchmarks/results/simulated/b/t.csv")}
+    lines = rt.simulated(rows).splitlines()
+    assert "superseded by #2" in lines[2] and "superseded" not in lines[3]
+
+
 def test_append_rows_assigns_ids_and_refuses_unknown_columns(tmp_path: Path) -> None:
     store = tmp_path / "runs.csv"
     assert append_rows([{"kind": "throughput", "parity": "pass"}, {"kind": "parity"}], store) == [1, 2]

@@ -16,3 +16,11 @@ def test_numa_binding_reaches_torchrun(binding: str | None) -> None:
     assert cmd[1:3] == ["-m", "torch.distributed.run"] and launcher.training_script.endswith("train.py")
     assert (launcher.numa_binding, launcher.nproc_per_node) == (binding, "4")
     assert "--zero-engine" in launcher.training_script_args  # the rest is train.py's
+
+
+@pytest.mark.parametrize(("extra_args", "variant"), [
+    ("--compile", ""), ("--compile --profile", "profiled"),
+    ("--compile --compile-wrapper cpp", "--compile-wrapper cpp"), ("", "")])
+def test_store_variant_leaves_out_what_columns_hold(extra_args: str, variant: str) -> None:
+    """The store's compile column holds --compile: a variant repeating it printed "(--compile)" after the label."""
+    assert train_sweep.store_variant(extra_args) == variant
