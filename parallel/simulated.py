@@ -8,15 +8,19 @@ the end (DDP's communication hook gets a future holding its tensors; sequence pa
 activations), and the rank's compute, memory and host path are those of the layout, while its values, and therefore
 its losses, are not: a simulated run carries no parity verdict and no throughput of the layout.
 
-The group is a Python `ProcessGroup`, so each collective is one Python call (a few microseconds of host time that
-NCCL's C++ path does not spend). torch's own fake backend is registered beneath it only to give the group a name:
-compiled collectives (functional collectives, resolved by group name) come back to the Python methods above it.
-Each call is recorded as `c10d::<collective>` so that `--profile` counts collective calls as it does for NCCL.
+The group is a Python `ProcessGroup` over torch's own fake backend (C++). The all-gathers go straight to that backend,
+which fills every slot with the local input as above (torch >= 2.11), at the host cost of a C++ call: under sequence
+parallelism they are half a step's collectives. The rest are Python methods here, where the fake backend does not
+answer as above (torch 2.11 leaves a reduce-scatter's output unwritten; DDP's hook needs a future holding tensors):
+one Python call each, microseconds of host time that NCCL's C++ path does not spend. Compiled collectives
+(functional collectives, resolved by the group's name) reach the same methods. Each collective is recorded as
+`c10d::<collective>` (the C++ ones by the dispatcher, the Python ones here) so that `--profile` counts collective
+calls as it does for NCCL.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -48,11 +52,6 @@ def _recorded(name: str) -> Callable[[Callable[..., list[torch.Tensor]]], Callab
     return wrap
 
 
-def _fill_with(slots: Sequence[torch.Tensor], local: torch.Tensor) -> None:
-    for slot in slots:
-        slot.copy_(local)
-
-
 class SimulatedProcessGroup(dist.ProcessGroup):
     """Collectives as if every peer held this rank's tensors (the module docstring says what each returns)."""
 
@@ -79,28 +78,14 @@ class SimulatedProcessGroup(dist.ProcessGroup):
     def barrier(self, *opts: Any) -> list[torch.Tensor]:
         return []
 
-    # gathers: every slot holds the local input (a non-root rank of a gather has no slots)
-    def _slots_filled(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], *opts: Any
-                      ) -> list[torch.Tensor]:
-        for slots, local in zip(outputs, inputs):
-            _fill_with(slots, local)
+    # all-gathers: not here; the fake backend beneath fills every slot with the local input (module docstring)
+
+    @_recorded("gather_")
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], *opts: Any) -> list[torch.Tensor]:
+        for slots, local in zip(outputs, inputs):  # a non-root rank has no slots
+            for slot in slots:
+                slot.copy_(local)
         return [t for slots in outputs for t in slots]
-
-    allgather = _recorded("allgather_")(_slots_filled)
-    allgather_coalesced = _recorded("allgather_coalesced_")(_slots_filled)
-    gather = _recorded("gather_")(_slots_filled)
-
-    @_recorded("_allgather_base_")
-    def _allgather_base(self, output: torch.Tensor, local: torch.Tensor, *opts: Any) -> list[torch.Tensor]:
-        _fill_with(output.chunk(self._size), local)  # output: [size * n, ...], local: [n, ...]
-        return [output]
-
-    @_recorded("allgather_into_tensor_coalesced_")
-    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], *opts: Any
-                                        ) -> list[torch.Tensor]:
-        for output, local in zip(outputs, inputs, strict=True):
-            _fill_with(output.chunk(self._size), local)
-        return outputs
 
     # reduce-scatters and scatters: this rank's chunk of the local input
     @_recorded("reduce_scatter_")
@@ -153,13 +138,8 @@ class SimulatedProcessGroup(dist.ProcessGroup):
         return tensors
 
     # torch 2.13 names of the flat collectives (2.11 calls the underscored ones above)
-    all_gather_single = _allgather_base
     reduce_scatter_single = _reduce_scatter_base
     all_to_all_single = alltoall_base
-
-    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], *opts: Any
-                                    ) -> dist.Work:
-        return self.allgather_into_tensor_coalesced(outputs, inputs)
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], *opts: Any
                                         ) -> dist.Work:
@@ -168,9 +148,9 @@ class SimulatedProcessGroup(dist.ProcessGroup):
 
 def _create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> SimulatedProcessGroup:
     group = SimulatedProcessGroup(rank, size)
-    # a backend beneath the group carries the name c10d gives it (functional collectives look groups up by name);
-    # no collective reaches it: the Python methods above take them all
-    named = FakeProcessGroup._create_internal(rank, size)
+    # a backend beneath the group carries the name c10d gives it (functional collectives look groups up by name)
+    # and answers the collectives the class does not define (the all-gathers)
+    named = FakeProcessGroup._create_internal(rank, size)  # also answers the all-gathers
     for device in DEVICES:
         group._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, named)
     return group

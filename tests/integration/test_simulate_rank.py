@@ -39,6 +39,17 @@ def test_collectives_return_finite_stand_ins_of_the_right_shape(rank_1_of_4: dis
     slots = [torch.full_like(local, float("nan")) for _ in range(2)]
     dist.all_gather(slots, local, group=group)
     assert all(torch.equal(s, local) for s in slots)
+    coalesced = [torch.full((6, 2), float("nan")), torch.full((4,), float("nan"))]
+    with dist._coalescing_manager(group=group):  # what FSDP2 and bucketed gathers issue
+        dist.all_gather_into_tensor(coalesced[0], local, group=group)
+        dist.all_gather_into_tensor(coalesced[1], torch.ones(2), group=group)
+    assert torch.equal(coalesced[0], torch.cat([local, local])) and torch.equal(coalesced[1], torch.ones(4))
+    functional = torch.ops._c10d_functional  # what a compiled graph calls (sequence parallelism's gathers)
+    compiled = functional.wait_tensor(functional.all_gather_into_tensor(local, 2, group.group_name))
+    assert torch.equal(compiled, torch.cat([local, local]))
+    compiled = functional.wait_tensor(functional.reduce_scatter_tensor(flat_input := torch.arange(8.0), "sum", 2,
+                                                                       group.group_name))
+    assert torch.equal(compiled, flat_input[4:])
     flat = torch.arange(8.0)  # reduce-scatter: this rank's chunk of the local input
     chunk = torch.full((4,), float("nan"))
     dist.reduce_scatter_tensor(chunk, flat, group=group)
