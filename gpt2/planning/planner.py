@@ -7,12 +7,14 @@ which layouts fit a cluster, ranked by predicted step time. Built on `gpt2.plann
 Peak allocated memory per GPU is the larger of two moments. Backward start (the loss's backward runs
 while every block's saved tensors are alive): model states + saved activations + loss buffers + weight
 copies + workspace. Optimizer step: model states + the gradients that exist only for the step (the fp32 copy
-DeepSpeed's 16-bit model makes; FSDP2's sharded gradients, which its reduce-scatters create in backward).
+DeepSpeed's 16-bit model makes; FSDP2's sharded gradients, which its reduce-scatters create in backward; single's,
+which its backward creates).
 The terms, and why (GPT-2 Large, seq 1024, on four GPUs, is the calibration case in tests/unit/test_planner.py; the
 runs behind each term: docs/decisions.md):
 
 - States (ZeRO paper): torch.autocast runs (single, DDP) keep fp32 weights (4 B), fp32 gradients (4 B,
-  DDP's buckets are the .grad views) and AdamW's two fp32 moments (8 B) per parameter; so does DeepSpeed's
+  DDP's buckets are the .grad views; single's exist only from its backward to the step's zero_grad, so they count
+  at the step: `gradients_made_in_backward`) and AdamW's two fp32 moments (8 B) per parameter; so does DeepSpeed's
   torch_autocast (--zero-precision autocast, the default), sharded by ZeRO stage, its Linear weights and
   gradients communicated in 16 bits. DeepSpeed's own bf16/fp16 (--zero-precision deepspeed) keeps 16-bit
   weights (2 B) and gradients (2 B) and an fp32 master copy + moments (12 B), sharded by ZeRO stage; at the
@@ -28,7 +30,8 @@ runs behind each term: docs/decisions.md):
   GPU memory (the slope of peak memory over batch size), not seen in a CPU saved-tensor count, where inductor's
   CPU partitioner keeps it (32 B either way).
 - Weight copies: autocast's 16-bit copy of every weight is saved for backward by its matmul (2 B per
-  parameter; also under torch.compile in the same CPU measurement); with activation checkpointing only
+  parameter; also under torch.compile in the same CPU measurement, and in a whole-model graph, where Inductor's
+  saved tensors include every matrix's 16-bit copy, the tied embedding's too); with activation checkpointing only
   one block's copies and the tied embedding's are alive. ZeRO-3 keeps gathered 16-bit weights alive from
   their forward to their backward when DeepSpeed's trace says they are reused within
   `stage3_max_reuse_distance` parameters (gpt2/config/ds_configs/zero3.json: 1e9, i.e. most of GPT-2 Large's later
@@ -42,7 +45,8 @@ runs behind each term: docs/decisions.md):
   2 x 2 B x Vp; the head's own graph (per-part scopes) writes the gradient into the saved buffer:
   2 B x Vp. Vocab-parallel (TP): fp32 softmax saved + its fp32 clone as the gradient + the cast to the logits
   dtype: 10 B x Vp / tp.
-  Triton fused CE: one 2^26-logit chunk, the fp32 grad_W accumulator and fp32 grad_h. Plus ln_f's input
+  Triton fused CE, where Inductor does not compile the head (a whole-model graph uses Inductor's own loss:
+  `inductor_head`): one 2^26-logit chunk, the fp32 grad_W accumulator and fp32 grad_h. Plus ln_f's input
   and output.
 - Workspace: two cuBLAS workspaces (32 MiB each: the forward's thread and autograd's backward thread each have a
   handle), DeepSpeed's reduce bucket (ZeRO-3: one per communication dtype, 16-bit and fp32 under torch_autocast)
@@ -298,12 +302,18 @@ def loss_bytes(layout: RunLayout, tokens: int, e: int) -> float:
     vp, v = cfg.padded_vocab_size, cfg.vocab_size
     if layout.tp_size > 1:
         return tokens * vp / layout.tp_size * (2 * FP32_BYTES + (e if e < FP32_BYTES else 0))
-    if t.fused_kernels == "triton":  # the chunked LM-head cross-entropy
+    if t.fused_kernels == "triton" and not inductor_head(layout):  # the chunked LM-head cross-entropy
         return CE_CHUNK_ELEMENTS * e + FP32_BYTES * vp * cfg.n_embd + FP32_BYTES * tokens * cfg.n_embd
     if t.compile:  # the 16-bit logits saved; a whole-model graph writes their gradient to a second buffer, the
         # head's own graph (per-part scopes) into the saved one (a donated buffer: its backward is its last reader)
         return tokens * vp * e * (2 if layout.compile_scope == "model" else 1)
     return tokens * v * 3 * FP32_BYTES
+
+
+def inductor_head(layout: RunLayout) -> bool:
+    """Whether Inductor compiles the LM head's cross-entropy (gpt2.runtime.parallelize.kernel_ops: where the whole
+    model is one graph its own loss replaces --fused-kernels' chunked one), so the compiled loss terms apply."""
+    return layout.compile_scope in ("model", "deepcompile")
 
 
 @dataclass(frozen=True)
@@ -379,6 +389,8 @@ def predict_memory(layout: RunLayout) -> MemoryPlan:
     workspace = float(CUBLAS_WORKSPACES * CUBLAS_WORKSPACE_BYTES)
     step_transient = 0.0
     grads = states.grads
+    if gradients_made_in_backward(layout):
+        grads, step_transient = 0.0, states.grads
     if layout.fsdp2:
         held, grads = fsdp2_memory(layout, n_local)
         copies += held
@@ -395,6 +407,15 @@ def predict_memory(layout: RunLayout) -> MemoryPlan:
         if layout.precision != "fp32" and not num.autocast_copies:  # the 16-bit model's fp32 gradient copy
             step_transient = FP32_BYTES * n_local / (layout.dp_size if zero >= 1 else 1)
     return MemoryPlan(states.params, grads, states.optimizer, activations, logits, copies, workspace, step_transient)
+
+
+def gradients_made_in_backward(layout: RunLayout) -> bool:
+    """Whether a `--mode single` step holds no gradient when its backward starts: `TorchEngine.optimizer_step` ends
+    with `zero_grad(set_to_none=True)`, so autograd creates each .grad during the backward, as the saved tensors it
+    follows are freed; the gradients count at the optimizer step only. DDP's are views of its reducer's buckets,
+    which live as long as the reducer (gradient_as_bucket_view); with --grad-accum > 1 every micro-step after the
+    first starts its backward with all of them."""
+    return layout.mode == "single" and layout.grad_accum == 1
 
 
 def fsdp2_units(layout: RunLayout) -> tuple[float, float]:
