@@ -26,6 +26,10 @@ Rows (N parameters, 4 bytes each; `min_GB` is what a row must move at least, eac
 - compiled-flat+clip: the norm, then one torch.compile'd elementwise function per group over the flat buffers
   (clip, AdamW, the non-finite skip as a select): what a single-pass kernel reaches; 32N, the bound of a clipped
   step (the clip needs every gradient before any update, so the norm's read cannot be folded in).
+- triton+clip: the norm, then `fused_kernels.triton.adamw.adamw_step` over the model's own tensors: one Triton launch
+  per group through tables of the tensors' addresses, the divisor applied as each gradient is read and the gradient
+  not written back (the engine's recipe at 32N, the clipped-step bound, without flat buffers). Needs a GPU, or
+  TRITON_INTERPRET=1 on the CPU.
 - compiled-lists+clip (only when --variants names it; its compile takes minutes): the same compiled update over
   the model's own tensors, no flat buffers (Inductor: a kernel per tensor); 32N. What a compiled optimizer in
   the engines would reach without changing the parameters' layout.
@@ -70,7 +74,7 @@ COPY_BYTES = 2**30  # the copy-bandwidth buffer (1 GiB read, 1 GiB written)
 SLEEP_CYCLES = 50_000_000  # device cycles the stream waits while the host queues a step (tens of ms)
 COLUMNS = ["variant", "tensors", "ms", "wall_ms", "min_GB", "GB/s", "pct_of_copy_bw", "x_adamw_bound", "error"]
 VARIANTS = ("engine", "clip-first", "fused", "foreach", "fused-flat", "fused-flat+clip", "compiled-flat+clip",
-            "grad-norm", "clip-mul", "copy")
+            "triton+clip", "grad-norm", "clip-mul", "copy")
 COMPILED = ("compiled-flat+clip", "compiled-lists+clip")
 OPT_IN = ("compiled-lists+clip",)  # only when --variants names it: Inductor compiles a graph of every tensor
 
@@ -250,6 +254,16 @@ def make_variant(name: str, s: Setup) -> Variant:
     if name == "clip-mul":
         coef = torch.ones((), device=device)
         return Variant(len(s.params), 8, lambda: torch._foreach_mul_(list(s.grads.values()), coef), s.attach)
+    if name == "triton+clip":
+        from fused_kernels.triton.adamw import adamw_step
+
+        own = torch.optim.AdamW(param_groups(engine.module, t.weight_decay), **hyper)  # its state; stepped by Triton
+
+        def triton_step() -> None:
+            total = torch.nn.utils.get_total_norm(list(s.grads.values()))
+            adamw_step(own, clip_divisor(total, clip), (~torch.isfinite(total)).float())
+
+        return Variant(len(s.params), 32, triton_step, s.attach)
     if name == "compiled-lists+clip":
         groups = opt.param_groups
         return compiled_variant([[p.detach() for p in g["params"]] for g in groups],

@@ -15,9 +15,11 @@ def test_the_cpu_run_writes_a_row_per_variant_with_its_bound_and_tag(tmp_path, m
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
+    # triton+clip: seconds a call in Triton's interpreter; its kernel is checked in tests/unit/test_triton_adamw.py
+    variants = [v for v in optimizer_step.VARIANTS if v != "triton+clip"]
     rows = optimizer_step.main(["--model", "gpt2-tiny", "--device", "cpu", "--iters", "1", "--warmup", "1",
-                                "--no-compile", "--profile", "--out", str(tmp_path)])
-    timed = [v for v in optimizer_step.VARIANTS if v not in ("compiled-flat+clip", "copy")]
+                                "--no-compile", "--profile", "--variants", ",".join(variants), "--out", str(tmp_path)])
+    timed = [v for v in variants if v not in ("compiled-flat+clip", "copy")]
     assert [r["variant"] for r in rows] == [*timed, "copy"]
     assert not [r for r in rows if r.get("error")]
     n = rows[0]["params"]

@@ -1,0 +1,144 @@
+"""AdamW over many tensors in one Triton launch per parameter group, the clip divisor applied as gradients are read.
+
+torch's fused AdamW (`torch.optim.AdamW(fused=True)`) divides each gradient by `grad_scale` as it reads it and
+stores the quotient back: with the clip passed as `grad_scale` (`gpt2.engines.guard.clip_divisor`), the step moves
+32 bytes a parameter instead of AdamW's 28. This kernel reads the gradient and never writes it (the engine zeroes
+the gradients right after the step), so a clipped step moves 28 bytes a parameter beside the norm's 4.
+
+Many tensors, one launch: each program owns BLOCK elements of one tensor, found through tables of the tensors'
+device addresses (parameters, gradients, the two moments, the step counts) and, per program, its tensor's index and
+start. The tables of an optimizer's state are built once and kept; the gradients' addresses change every step
+(autograd allocates them anew), so their table is rebuilt each step from the host (one copy of 8 bytes a tensor).
+
+    adamw_step(optimizer, grad_divisor=clip_divisor(norm, 1.0), found_inf=(~torch.isfinite(norm)).float())
+
+The update is `torch.optim.AdamW`'s (`amsgrad=False`, `maximize=False`), on the optimizer's own state: the same
+`exp_avg`, `exp_avg_sq` and per-parameter `step` tensors as its fused implementation keeps, so checkpoints and
+`optimizer.step()` can take over from here and back. A step whose `found_inf` is non-zero changes nothing, step
+counts included. fp32 parameters only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fused_kernels.triton.runtime import is_interpreted
+
+BLOCK = 2048  # elements a program updates: a few vectorised loads of each of its four streams
+
+
+@triton.jit
+def adamw_kernel(
+    param_addrs, grad_addrs, exp_avg_addrs, exp_avg_sq_addrs, step_addrs, numels, block_tensor, block_start,
+    divisor_ptr, found_inf_ptr, lr, beta1, beta2, eps, weight_decay,
+    HAS_DIVISOR: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = tl.load(block_tensor + pid)  # which tensor this program updates
+    offs = tl.load(block_start + pid) + tl.arange(0, BLOCK)  # [BLOCK] element indices within it
+    limit = tl.where(tl.load(found_inf_ptr) == 0, tl.load(numels + t), 0)  # a non-finite step writes nothing
+    mask = offs < limit
+    p_ptr = tl.load(param_addrs + t).to(tl.pointer_type(tl.float32))
+    g_ptr = tl.load(grad_addrs + t).to(tl.pointer_type(tl.float32))
+    m_ptr = tl.load(exp_avg_addrs + t).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(exp_avg_sq_addrs + t).to(tl.pointer_type(tl.float32))
+    step = tl.load(tl.load(step_addrs + t).to(tl.pointer_type(tl.float32)))  # already counts this step
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+    if HAS_DIVISOR:
+        g = g / tl.load(divisor_ptr)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    p = p * (1.0 - lr * weight_decay)  # decoupled weight decay
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    bias_correction1 = 1.0 - tl.exp2(step * tl.log2(beta1))  # 1 - beta1^step
+    bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp2(step * tl.log2(beta2)))
+    p = p - (lr / bias_correction1) * m / (tl.sqrt(v) / bias_correction2_sqrt + eps)
+    tl.store(p_ptr + offs, p, mask=mask)
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+
+
+def _addresses(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(device, non_blocking=True)  # [n]
+
+
+@dataclass(frozen=True)
+class _GroupTables:
+    """One parameter group's launch: which parameters and state it was built for, and the device tables of what does
+    not move between steps."""
+
+    param_ids: tuple[int, ...]
+    state_ptrs: tuple[int, ...]  # the first moments' addresses the tables were built for
+    param_addrs: torch.Tensor  # [n] int64
+    exp_avg_addrs: torch.Tensor  # [n] int64
+    exp_avg_sq_addrs: torch.Tensor  # [n] int64
+    step_addrs: torch.Tensor  # [n] int64
+    numels: torch.Tensor  # [n] int64
+    block_tensor: torch.Tensor  # [programs] int32: each program's tensor
+    block_start: torch.Tensor  # [programs] int64: its first element
+
+    @classmethod
+    def build(cls, params: list[torch.nn.Parameter], state: dict) -> _GroupTables:
+        device = params[0].device
+        blocks = [(i, start) for i, p in enumerate(params) for start in range(0, p.numel(), BLOCK)]
+        return cls(tuple(map(id, params)), _state_ptrs(params, state), _addresses(params, device),
+                   _addresses([state[p]["exp_avg"] for p in params], device),
+                   _addresses([state[p]["exp_avg_sq"] for p in params], device),
+                   _addresses([state[p]["step"] for p in params], device),
+                   torch.tensor([p.numel() for p in params], dtype=torch.int64, device=device),
+                   torch.tensor([i for i, _ in blocks], dtype=torch.int32, device=device),
+                   torch.tensor([s for _, s in blocks], dtype=torch.int64, device=device))
+
+
+def _state_ptrs(params: list[torch.nn.Parameter], state: dict) -> tuple[int, ...]:
+    return tuple(state[p]["exp_avg"].data_ptr() for p in params)
+
+
+def _init_state(optimizer: torch.optim.AdamW, params: list[torch.nn.Parameter]) -> None:
+    """The state torch's fused AdamW creates at a parameter's first step (a float32 step count on the device)."""
+    for p in params:
+        state = optimizer.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _tables(optimizer: torch.optim.AdamW, group_index: int, params: list[torch.nn.Parameter]) -> _GroupTables:
+    """The group's tables, rebuilt when its parameters or their state tensors are not those they were built for
+    (a first step, a loaded state dict)."""
+    cache: dict[int, _GroupTables] = optimizer.__dict__.setdefault("_triton_adamw_tables", {})
+    tables = cache.get(group_index)
+    if (tables is None or tables.param_ids != tuple(map(id, params))
+            or tables.state_ptrs != _state_ptrs(params, optimizer.state)):
+        tables = cache[group_index] = _GroupTables.build(params, optimizer.state)
+    return tables
+
+
+def adamw_step(optimizer: torch.optim.AdamW, grad_divisor: torch.Tensor | None, found_inf: torch.Tensor) -> None:
+    """One `optimizer.step()` of torch's AdamW, each gradient divided by `grad_divisor` (a device scalar; None: 1)
+    as it is read, skipped on the device where `found_inf` (a device scalar) is non-zero. Parameters without a
+    gradient are left out, as torch's AdamW leaves them."""
+    for index, group in enumerate(optimizer.param_groups):
+        assert not group["amsgrad"] and not group["maximize"], "adamw_step: plain AdamW only"
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            continue
+        assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in params), "fp32 only"
+        _init_state(optimizer, params)
+        tables = _tables(optimizer, index, params)
+        steps = [optimizer.state[p]["step"] for p in params]
+        torch._foreach_add_(steps, 1.0 - found_inf)  # counts this step unless it is skipped
+        grads = [p.grad.contiguous() for p in params]
+        beta1, beta2 = group["betas"]
+        adamw_kernel[(tables.block_tensor.numel(),)](
+            tables.param_addrs, _addresses(grads, params[0].device), tables.exp_avg_addrs, tables.exp_avg_sq_addrs,
+            tables.step_addrs, tables.numels, tables.block_tensor, tables.block_start, grad_divisor, found_inf,
+            float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"],
+            HAS_DIVISOR=grad_divisor is not None, BLOCK=BLOCK, num_warps=1 if is_interpreted(adamw_kernel) else 8)

@@ -1,0 +1,94 @@
+"""The Triton AdamW (`fused_kernels.triton.adamw.adamw_step`) against torch's AdamW on the same state.
+
+On a CPU-only machine it runs in Triton's interpreter (tests/conftest.py); with a GPU, compiled.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from fused_kernels.triton.adamw import BLOCK, adamw_step
+from tests._fused_helpers import DEVICE
+
+SHAPES = [(37, 129), (129,), (3, BLOCK + 5), (1,)]  # tensors shorter and longer than a program's block
+
+
+def _model(seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(DEVICE)) for s in SHAPES]
+
+
+def _optimizer(params: list[torch.nn.Parameter], lr: float = 1e-2) -> torch.optim.AdamW:
+    return torch.optim.AdamW([{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+
+
+def _set_grads(params: list[torch.nn.Parameter], step: int) -> None:
+    g = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(DEVICE)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-7)
+
+
+def test_matches_torch_adamw_with_the_clip_divisor() -> None:
+    """Three steps with an lr change and a clip divisor: parameters, both moments and the step counts as torch's
+    AdamW leaves them after dividing every gradient by the divisor; the gradients themselves are not written."""
+    ours, ref = _model(), _model()
+    opt, opt_ref = _optimizer(ours), _optimizer(ref)
+    for step, divisor in enumerate([1.0, 3.5, 1.25]):
+        _set_grads(ours, step)
+        _set_grads(ref, step)
+        grads_before = [p.grad.clone() for p in ours]
+        for group, group_ref in zip(opt.param_groups, opt_ref.param_groups):
+            group["lr"] = group_ref["lr"] = 1e-2 / (step + 1)
+        adamw_step(opt, torch.tensor(divisor, device=DEVICE), torch.zeros((), device=DEVICE))
+        for p in ref:
+            p.grad.div_(divisor)
+        opt_ref.step()
+        for p, p_ref, g in zip(ours, ref, grads_before):
+            _close(p.detach(), p_ref.detach())
+            assert torch.equal(p.grad, g)
+            for key in ("exp_avg", "exp_avg_sq"):
+                _close(opt.state[p][key], opt_ref.state[p_ref][key])
+            assert float(opt.state[p]["step"]) == float(opt_ref.state[p_ref]["step"]) == step + 1
+
+
+def test_a_non_finite_step_changes_nothing_and_the_state_is_torchs() -> None:
+    params = _model()
+    opt = _optimizer(params)
+    _set_grads(params, 0)
+    adamw_step(opt, None, torch.zeros((), device=DEVICE))
+    before = {k: v.clone() for k, v in enumerate(p.detach() for p in params)}
+    moments = [opt.state[p]["exp_avg"].clone() for p in params]
+    _set_grads(params, 1)
+    adamw_step(opt, None, torch.ones((), device=DEVICE))  # found_inf
+    for i, p in enumerate(params):
+        assert torch.equal(p.detach(), before[i]) and torch.equal(opt.state[p]["exp_avg"], moments[i])
+        assert float(opt.state[p]["step"]) == 1.0
+    # the state dict is torch's: a torch AdamW loads it and steps on as ours does
+    ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ref = _optimizer(ref_params)
+    ref.load_state_dict(copy.deepcopy(opt.state_dict()))  # load_state_dict would share the moments
+    for p, p_ref in zip(params, ref_params):
+        p_ref.grad = p.grad.clone()
+    adamw_step(opt, None, torch.zeros((), device=DEVICE))  # tables rebuilt for nothing new: same state
+    ref.step()
+    for p, p_ref in zip(params, ref_params):
+        _close(p.detach(), p_ref.detach())
+
+
+@pytest.mark.parametrize("missing", [0, 2])
+def test_a_parameter_without_a_gradient_is_left_out(missing: int) -> None:
+    params = _model()
+    opt = _optimizer(params)
+    _set_grads(params, 0)
+    params[missing].grad = None
+    kept = params[missing].detach().clone()
+    adamw_step(opt, None, torch.zeros((), device=DEVICE))
+    assert torch.equal(params[missing].detach(), kept) and not opt.state[params[missing]]
