@@ -125,6 +125,13 @@ def resolve_grad_accum(cfg: RunConfig, dp_size: int) -> int:
     return t.global_batch_size // per_step
 
 
+def inductor_compiles_head(cfg: RunConfig) -> bool:
+    """Whether the whole model is one Inductor graph (`--compile-scope model`, DeepCompile), the LM head's
+    cross-entropy included: there Inductor's own loss replaces --fused-kernels' chunked one (faster there;
+    gpt2.runtime.parallelize.kernel_ops), and the planner counts the compiled loss terms."""
+    return compile_label(cfg.train.compile, cfg.train.compile_scope, cfg.train.compiler) in ("model", "deepcompile")
+
+
 def whole_mlp_allowed(cfg: RunConfig) -> bool:
     """A fused-kernel backend may run each MLP as one op reading both Linears' weights (`fused_kernels.KernelOps.mlp`):
     only where the Linears stay whole modules (no TP shards, no ZeRO-3 partitions) and in compiled runs, the only

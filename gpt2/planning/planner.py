@@ -46,7 +46,7 @@ runs behind each term: docs/decisions.md):
   2 B x Vp. Vocab-parallel (TP): fp32 softmax saved + its fp32 clone as the gradient + the cast to the logits
   dtype: 10 B x Vp / tp.
   Triton fused CE, where Inductor does not compile the head (a whole-model graph uses Inductor's own loss:
-  `inductor_head`): one 2^26-logit chunk, the fp32 grad_W accumulator and fp32 grad_h. Plus ln_f's input
+  `inductor_compiles_head`): one 2^26-logit chunk, the fp32 grad_W accumulator and fp32 grad_h. Plus ln_f's input
   and output.
 - Workspace: two cuBLAS workspaces (32 MiB each: the forward's thread and autograd's backward thread each have a
   handle), DeepSpeed's reduce bucket (ZeRO-3: one per communication dtype, 16-bit and fp32 under torch_autocast)
@@ -84,7 +84,13 @@ from typing import Any
 
 from gpt2.config.cli import resolve_compile_scope
 from gpt2.config.deepspeed_file import zero3_defaults
-from gpt2.config.layout import RunLayout, check_tp_divides_world, sequence_splits, tp_divides_model
+from gpt2.config.layout import (
+    RunLayout,
+    check_tp_divides_world,
+    inductor_compiles_head,
+    sequence_splits,
+    tp_divides_model,
+)
 from gpt2.config.schema import MODEL_PRESETS, ConfigError, RunConfig
 from gpt2.model.flops import hardware_flops_per_token
 from gpt2.observe.run_logging import run_label
@@ -302,18 +308,12 @@ def loss_bytes(layout: RunLayout, tokens: int, e: int) -> float:
     vp, v = cfg.padded_vocab_size, cfg.vocab_size
     if layout.tp_size > 1:
         return tokens * vp / layout.tp_size * (2 * FP32_BYTES + (e if e < FP32_BYTES else 0))
-    if t.fused_kernels == "triton" and not inductor_head(layout):  # the chunked LM-head cross-entropy
+    if t.fused_kernels == "triton" and not inductor_compiles_head(layout.cfg):  # the chunked LM-head cross-entropy
         return CE_CHUNK_ELEMENTS * e + FP32_BYTES * vp * cfg.n_embd + FP32_BYTES * tokens * cfg.n_embd
     if t.compile:  # the 16-bit logits saved; a whole-model graph writes their gradient to a second buffer, the
         # head's own graph (per-part scopes) into the saved one (a donated buffer: its backward is its last reader)
         return tokens * vp * e * (2 if layout.compile_scope == "model" else 1)
     return tokens * v * 3 * FP32_BYTES
-
-
-def inductor_head(layout: RunLayout) -> bool:
-    """Whether Inductor compiles the LM head's cross-entropy (gpt2.runtime.parallelize.kernel_ops: where the whole
-    model is one graph its own loss replaces --fused-kernels' chunked one), so the compiled loss terms apply."""
-    return layout.compile_scope in ("model", "deepcompile")
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ import torch.nn as nn
 
 from fused_kernels import KernelOps, get_ops
 from fused_kernels.attention import AttentionChoice, AttentionShape, resolve_attention
-from gpt2.config.layout import RunLayout, whole_mlp_allowed
-from gpt2.config.schema import RunConfig, compile_label
+from gpt2.config.layout import RunLayout, inductor_compiles_head, whole_mlp_allowed
+from gpt2.config.schema import RunConfig
 from gpt2.model.gpt import GPT, Block, applies_weight_decay
 from gpt2.observe.run_logging import log
 from gpt2.runtime.block_units import BlockUnit, group_blocks
@@ -44,10 +44,7 @@ def tp_comm_stats(layout: RunLayout) -> CommStats | None:
 def kernel_ops(cfg: RunConfig) -> KernelOps:
     """The fused-kernel ops the model runs. The start-up check (`gpt2.engines.build.check_backends`) builds them
     through this function too, so it checks exactly what the model will use."""
-    compiled = compile_label(cfg.train.compile, cfg.train.compile_scope, cfg.train.compiler)
-    # where the whole model is one Inductor graph, Inductor's own LM-head cross-entropy is used (faster there)
-    return get_ops(cfg.train.fused_kernels, inductor_head=compiled in ("model", "deepcompile"),
-                   whole_mlp=whole_mlp_allowed(cfg))
+    return get_ops(cfg.train.fused_kernels, inductor_head=inductor_compiles_head(cfg), whole_mlp=whole_mlp_allowed(cfg))
 
 
 def build_model(layout: RunLayout, device: torch.device, dims: ParallelDims,
