@@ -312,7 +312,8 @@ class TrainConfig:
         "auto", "with --compile (--compiler torch): the host code Inductor generates to launch each graph's kernels: "
                 "cpp = a compiled C++ wrapper (less host time per kernel, a longer first compile), python = Python; "
                 "auto = cpp for ZeRO-3's per-block or per-unit graphs (DeepSpeed or FSDP2, with or without TP) on CUDA "
-                "without sequence parallelism or fused kernels (where it ran faster), else python",
+                "without sequence parallelism or fused kernels, and for DeepSpeed ZeRO-3's without TP under "
+                "--fused-kernels cuda (where it ran faster), else python",
         OPTIM, given_only=True)
     ddp_bucket_mb: int = option(100, "DDP gradient bucket size (all-reduce granularity; --mode baseline)", OPTIM,
                                 parse=positive_int, given_only=True)
