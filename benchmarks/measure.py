@@ -14,6 +14,16 @@ import torch
 from tools.common import markdown_table, write_csv
 
 
+def cuda_event_ms(fn: Callable[[], object]) -> float:
+    """ms between CUDA events recorded on the current stream before and after one call of fn (waits for the second)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def time_ms(fn: Callable[[], object], iters: int, warmup: int = 2, device: torch.device | None = None) -> list[float]:
     """Wall time of each of `iters` calls of fn in ms: CUDA events on a GPU, perf_counter on CPU."""
     on_gpu = device is not None and device.type == "cuda"
@@ -22,12 +32,7 @@ def time_ms(fn: Callable[[], object], iters: int, warmup: int = 2, device: torch
     times = []
     for _ in range(iters):
         if on_gpu:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(cuda_event_ms(fn))
         else:
             t0 = time.perf_counter()
             fn()

@@ -62,6 +62,7 @@ from typing import Any
 import torch
 
 from benchmarks.launched_step import launch
+from benchmarks.measure import cuda_event_ms
 from gpt2.engines.build import build_engine
 from gpt2.engines.guard import clip_divisor, step_if_finite
 from gpt2.observe.profiling import is_kernel
@@ -119,12 +120,7 @@ def timed(step: Callable[[], object], before: Callable[[], None], device: torch.
         if on_gpu:
             torch.cuda.synchronize()
             torch.cuda._sleep(SLEEP_CYCLES)  # the host queues the whole step meanwhile
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            device_ms.append(start.elapsed_time(end))
+            device_ms.append(cuda_event_ms(step))
             before()
             torch.cuda.synchronize()
         t0 = time.perf_counter()

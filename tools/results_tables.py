@@ -93,9 +93,12 @@ def label(row: Row) -> str:
         text = f"[pass](../{row['parity_file']})"
     else:
         text = "**no verdict**"
-    if row["superseded_by"]:
-        text += f"; **superseded by #{row['superseded_by']}**"
-    return text
+    return text + superseded_note(row)
+
+
+def superseded_note(row: Row) -> str:
+    """What a cell adds where a newer row replaces this one's configuration."""
+    return f"; **superseded by #{row['superseded_by']}**" if row["superseded_by"] else ""
 
 
 def _k(value: str) -> str:
@@ -141,8 +144,7 @@ def simulated(rows: Mapping[int, Row]) -> str:
         common = cells(row, None)
         c = {**common, "GPUs simulated": row["gpus"], "MFU, communication free": common["MFU"],
              "device busy": f"{float(row['device_busy_pct']):.1f}%" if row["device_busy_pct"] else "",
-             "raw": f"[table](../{row['raw'].replace('.csv', '.md')})"
-                    + (f"; **superseded by #{row['superseded_by']}**" if row["superseded_by"] else "")}
+             "raw": f"[table](../{row['raw'].replace('.csv', '.md')})" + superseded_note(row)}
         lines.append("| " + " | ".join(c[col] for col in SIMULATED_COLUMNS) + " |")
     return "\n".join(lines) + "\n"
 

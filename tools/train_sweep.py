@@ -431,7 +431,7 @@ def write_outputs(sweep: Sweep) -> list[dict[str, Any]]:
 
 # --extra-args flags the store's own columns hold (`compile`) or that it names in words (a profiled run's steps after
 # the profiled ones are timed; earlier rows say "profiled")
-STORE_COLUMN_FLAGS = {"--compile": ""}
+STORE_COLUMN_FLAGS = frozenset({"--compile"})
 STORE_VARIANT_WORDS = {"--profile": "profiled"}
 
 
