@@ -29,23 +29,30 @@ import triton.language as tl
 from fused_kernels.triton.runtime import is_interpreted
 
 BLOCK = 2048  # elements a program updates: a few vectorised loads of each of its four streams
+ALIGNMENT = 16  # bytes: a 16-byte access moves four fp32 elements
 
 
 @triton.jit
 def adamw_kernel(
     param_addrs, grad_addrs, exp_avg_addrs, exp_avg_sq_addrs, step_addrs, numels, block_tensor, block_start,
     divisor_ptr, found_inf_ptr, lr, beta1, beta2, eps, weight_decay,
-    HAS_DIVISOR: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_DIVISOR: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = tl.load(block_tensor + pid)  # which tensor this program updates
-    offs = tl.load(block_start + pid) + tl.arange(0, BLOCK)  # [BLOCK] element indices within it
+    offs = tl.multiple_of(tl.load(block_start + pid), BLOCK) + tl.arange(0, BLOCK)  # [BLOCK] indices in it
     limit = tl.where(tl.load(found_inf_ptr) == 0, tl.load(numels + t), 0)  # a non-finite step writes nothing
-    mask = offs < limit
     p_ptr = tl.load(param_addrs + t).to(tl.pointer_type(tl.float32))
     g_ptr = tl.load(grad_addrs + t).to(tl.pointer_type(tl.float32))
     m_ptr = tl.load(exp_avg_addrs + t).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(exp_avg_sq_addrs + t).to(tl.pointer_type(tl.float32))
+    if ALIGNED:  # addresses read from a table carry no alignment: without the hints every access is 4 bytes wide
+        limit = tl.multiple_of(limit, 4)  # elements: ALIGNMENT // 4
+        p_ptr = tl.multiple_of(p_ptr, 16)  # bytes: ALIGNMENT
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        v_ptr = tl.multiple_of(v_ptr, 16)
+    mask = offs < limit
     step = tl.load(tl.load(step_addrs + t).to(tl.pointer_type(tl.float32)))  # already counts this step
     g = tl.load(g_ptr + offs, mask=mask, other=0.0)
     if HAS_DIVISOR:
@@ -68,6 +75,11 @@ def _addresses(tensors: list[torch.Tensor], device: torch.device) -> torch.Tenso
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(device, non_blocking=True)  # [n]
 
 
+def _aligned(tensors: list[torch.Tensor]) -> bool:
+    """Whether every tensor starts on, and spans whole, ALIGNMENT-byte words: the kernel's vector-width hints."""
+    return all(t.data_ptr() % ALIGNMENT == 0 and t.numel() * t.element_size() % ALIGNMENT == 0 for t in tensors)
+
+
 @dataclass(frozen=True)
 class _GroupTables:
     """One parameter group's launch: which parameters and state it was built for, and the device tables of what does
@@ -82,18 +94,21 @@ class _GroupTables:
     numels: torch.Tensor  # [n] int64
     block_tensor: torch.Tensor  # [programs] int32: each program's tensor
     block_start: torch.Tensor  # [programs] int64: its first element
+    aligned: bool  # parameters and state, by `_aligned`
 
     @classmethod
     def build(cls, params: list[torch.nn.Parameter], state: dict) -> _GroupTables:
         device = params[0].device
         blocks = [(i, start) for i, p in enumerate(params) for start in range(0, p.numel(), BLOCK)]
+        moments = [state[p][k] for p in params for k in ("exp_avg", "exp_avg_sq")]
         return cls(tuple(map(id, params)), _state_ptrs(params, state), _addresses(params, device),
                    _addresses([state[p]["exp_avg"] for p in params], device),
                    _addresses([state[p]["exp_avg_sq"] for p in params], device),
                    _addresses([state[p]["step"] for p in params], device),
                    torch.tensor([p.numel() for p in params], dtype=torch.int64, device=device),
                    torch.tensor([i for i, _ in blocks], dtype=torch.int32, device=device),
-                   torch.tensor([s for _, s in blocks], dtype=torch.int64, device=device))
+                   torch.tensor([s for _, s in blocks], dtype=torch.int64, device=device),
+                   _aligned(params) and _aligned(moments))
 
 
 def _state_ptrs(params: list[torch.nn.Parameter], state: dict) -> tuple[int, ...]:
@@ -141,4 +156,5 @@ def adamw_step(optimizer: torch.optim.AdamW, grad_divisor: torch.Tensor | None, 
             tables.param_addrs, _addresses(grads, params[0].device), tables.exp_avg_addrs, tables.exp_avg_sq_addrs,
             tables.step_addrs, tables.numels, tables.block_tensor, tables.block_start, grad_divisor, found_inf,
             float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"],
-            HAS_DIVISOR=grad_divisor is not None, BLOCK=BLOCK, num_warps=1 if is_interpreted(adamw_kernel) else 8)
+            HAS_DIVISOR=grad_divisor is not None, ALIGNED=tables.aligned and _aligned(grads), BLOCK=BLOCK,
+            num_warps=1 if is_interpreted(adamw_kernel) else 8)

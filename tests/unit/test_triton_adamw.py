@@ -14,11 +14,12 @@ from fused_kernels.triton.adamw import BLOCK, adamw_step
 from tests._fused_helpers import DEVICE
 
 SHAPES = [(37, 129), (129,), (3, BLOCK + 5), (1,)]  # tensors shorter and longer than a program's block
+WHOLE_WORDS = [(32, 64), (128,), (3, BLOCK + 4), (4,)]  # every tensor spans whole 16-byte words: vector hints
 
 
-def _model(seed: int = 0) -> list[torch.nn.Parameter]:
+def _model(seed: int = 0, shapes: list[tuple[int, ...]] = SHAPES) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=g).to(DEVICE)) for s in SHAPES]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(DEVICE)) for s in shapes]
 
 
 def _optimizer(params: list[torch.nn.Parameter], lr: float = 1e-2) -> torch.optim.AdamW:
@@ -36,10 +37,12 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-7)
 
 
-def test_matches_torch_adamw_with_the_clip_divisor() -> None:
+@pytest.mark.parametrize("shapes, aligned", [(SHAPES, False), (WHOLE_WORDS, True)])
+def test_matches_torch_adamw_with_the_clip_divisor(shapes: list[tuple[int, ...]], aligned: bool) -> None:
     """Three steps with an lr change and a clip divisor: parameters, both moments and the step counts as torch's
-    AdamW leaves them after dividing every gradient by the divisor; the gradients themselves are not written."""
-    ours, ref = _model(), _model()
+    AdamW leaves them after dividing every gradient by the divisor; the gradients themselves are not written. The
+    kernel's vector-width hints are on only where every tensor of the group allows them."""
+    ours, ref = _model(shapes=shapes), _model(shapes=shapes)
     opt, opt_ref = _optimizer(ours), _optimizer(ref)
     for step, divisor in enumerate([1.0, 3.5, 1.25]):
         _set_grads(ours, step)
@@ -57,6 +60,7 @@ def test_matches_torch_adamw_with_the_clip_divisor() -> None:
             for key in ("exp_avg", "exp_avg_sq"):
                 _close(opt.state[p][key], opt_ref.state[p_ref][key])
             assert float(opt.state[p]["step"]) == float(opt_ref.state[p_ref]["step"]) == step + 1
+    assert [t.aligned for t in opt.__dict__["_triton_adamw_tables"].values()] == [aligned, aligned]
 
 
 def test_a_non_finite_step_changes_nothing_and_the_state_is_torchs() -> None:
