@@ -458,8 +458,14 @@ def main(argv: list[str] | None = None) -> int:
 
     names = name_runs(runnable, out)
     outcomes: dict[Job, Outcome] = {}
-    # stopped (the device call's limit, Ctrl-C): the last tables also judge the runs that wrote their summary
-    stop_launches_on_signal(before_exit=lambda: write_tables(finished(runnable, names, out, outcomes)))
+    def on_stop() -> None:
+        """Stopped (the device call's limit, Ctrl-C): the last tables also judge the runs that wrote their summary,
+        and --store keeps the verdicts reached."""
+        stopped_results = write_tables(finished(runnable, names, out, outcomes))
+        if args.store:
+            store_verdicts(stopped_results, out, args)
+
+    stop_launches_on_signal(before_exit=on_stop)
     results = write_tables(run_all(runnable, names, out, slots, args.run_timeout, bool(gpus), outcomes,
                                    on_done=write_partial))
     for r in results:

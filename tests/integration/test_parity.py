@@ -115,7 +115,7 @@ def test_a_stopped_call_keeps_the_verdicts_of_the_rows_that_ended(tmp_path, cpu_
     """The tables are rewritten as each run ends, and once more when the tool is stopped (SIGTERM: `timeout`, the
     device call's limit): a row that wrote its summary but was still exiting is judged from it (on two H200s a call's
     tool was stopped while two finished rows exited, and wrote no verdict for them), a row never started is
-    `pending`, and the header says how many ended."""
+    `pending`, and the header says how many ended; --store keeps the verdicts reached."""
     real_launch = parity.launch
     monkeypatch.setattr(common, "_STOPPING", threading.Event())  # the handler sets it: this test's own
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -131,7 +131,8 @@ def test_a_stopped_call_keeps_the_verdicts_of_the_rows_that_ended(tmp_path, cpu_
     try:
         with pytest.raises(SystemExit) as stopped:
             parity.main([*TINY, *text_data, "--jobs", "1", "--rows", "single", "--extra-row",
-                         "again=--log-interval 1", "--extra-row", "slow=--lr 6e-4", "--out", str(tmp_path)])
+                         "again=--log-interval 1", "--extra-row", "slow=--lr 6e-4", "--out", str(tmp_path),
+                         "--store", str(tmp_path / "store.csv"), "--call", "stopped"])
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -141,6 +142,9 @@ def test_a_stopped_call_keeps_the_verdicts_of_the_rows_that_ended(tmp_path, cpu_
                     "again": ("pass", "judged from its summary: the call was stopped while the run exited"),
                     "slow": ("pending", "still running when this table was written")}
     assert "partial: 3 of 4 runs ended" in (tmp_path / "parity.md").read_text()
+    stored = read_csv(tmp_path / "store.csv")
+    assert [(r["kind"], r["variant"], r["parity"], r["call"]) for r in stored] == [
+        ("parity", "again", "pass", "stopped")]
     # `slow` shares single's configuration key (the lr is not part of it): a key with a row still running is not
     # passing, so a sweep reading this partial table publishes nothing on it
     key = config_key(parse_args(["--model", "gpt2-tiny"]).to_dict(), 1)
