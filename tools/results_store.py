@@ -177,3 +177,45 @@ def row_from_summary(summary: Mapping[str, Any], *, call: str, raw: Path | str, 
         "parity_file": repo_path(parity_file) if parity_file else "", "simulated": int(bool(summary.get("simulated"))),
         "superseded_by": "", "raw": repo_path(raw), "note": note,
     }
+
+
+def merge_device_rows(device_store: Path, folder: Path, commit: str, device_out: str = "/root/out",
+                      path: Path = STORE) -> list[int]:
+    """Append the rows a device call added to its copy of the store (`device_store`: the rows after those it shares
+    with this store, which may have grown meanwhile), renumbered, with the paths under the call's output folder
+    (`device_out`, the device's $OUT) moved to `folder` (where the call's files are committed) and `commit` set:
+    the device copy's git may name another."""
+    local, device = read_rows(path), read_rows(device_store)
+    shared = next((i for i, (a, b) in enumerate(zip(local, device)) if a != b), min(len(local), len(device)))
+    prefix = device_out.rstrip("/") + "/"
+
+    def moved(value: str) -> str:
+        return repo_path(folder / value[len(prefix):]) if value.startswith(prefix) else value
+
+    rows = [{**{c: r[c] for c in COLUMNS if c != "id"}, "raw": moved(r["raw"]),
+             "parity_file": moved(r["parity_file"]), "commit": commit} for r in device[shared:]]
+    return append_rows(rows, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m tools.results_store", description="Maintain the results store.")
+    sub = p.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("merge", help="append a device call's new rows from its copy of the store")
+    m.add_argument("device_store", type=Path, help="the runs.csv the call appended to (fetched from the device)")
+    m.add_argument("--folder", type=Path, required=True,
+                   help="where the call's output folder is committed (its raw and parity paths move there)")
+    m.add_argument("--commit", required=True, help="the commit that ran (short hash)")
+    m.add_argument("--device-out", default="/root/out", help="the call's output folder on the device ($OUT)")
+    m.add_argument("--store", type=Path, default=STORE, help="the store to append to")
+    args = p.parse_args(argv)
+    if not args.device_store.is_file():
+        p.error(f"{args.device_store} does not exist")
+    ids = merge_device_rows(args.device_store, args.folder, args.commit, args.device_out, args.store)
+    print(f"appended rows {ids[0]}-{ids[-1]}" if ids else "no new rows")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
