@@ -209,6 +209,7 @@ SOURCES: tuple[tuple[Callable[..., Iterator[Row]], tuple[Any, ...]], ...] = (
     (kernels_copy, (R + "kernels/kernels.md", "kernels", "10:17Z")),
     (kernels, (R + "kernels/kernels.csv", "kernels", "10:17Z")),
     (kernels, (R + "kernels/h100-2026-11-25/kernels.csv", "liger", "7", "76ed1b0")),
+    (kernels, (R + "kernels/h200-2026-12-02-c1/kernels.csv", "liger", "h200-2026-12-02-c1", "0e27a99")),
     (attention, (R + "attention/attention_backends.csv", "13:22Z")),
     (gemm, (R + "gemm/gemm.csv", "09:53Z")),
     (gemm, (R + "gemm/h100-2026-11-25/gemm.csv", "13:26Z")),
