@@ -30,6 +30,7 @@ from fused_kernels.triton.runtime import is_interpreted
 
 BLOCK = 2048  # elements a program updates: a few vectorised loads of each of its four streams
 ALIGNMENT = 16  # bytes: a 16-byte access moves four fp32 elements
+NUM_WARPS = 8  # per program: BLOCK / (32 * NUM_WARPS) elements a thread
 
 
 @triton.jit
@@ -157,4 +158,4 @@ def adamw_step(optimizer: torch.optim.AdamW, grad_divisor: torch.Tensor | None, 
             tables.step_addrs, tables.numels, tables.block_tensor, tables.block_start, grad_divisor, found_inf,
             float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"],
             HAS_DIVISOR=grad_divisor is not None, ALIGNED=tables.aligned and _aligned(grads), BLOCK=BLOCK,
-            num_warps=1 if is_interpreted(adamw_kernel) else 8)
+            num_warps=1 if is_interpreted(adamw_kernel) else NUM_WARPS)
