@@ -249,8 +249,11 @@ class FSDP2Engine(TorchEngine):
         return contextlib.nullcontext()
 
     def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
-        """The global norm of the DTensor gradients: reduced over DP, the TP-sharded ones' squares over TP."""
-        return grad_norm(params, self.ctx.dims)
+        """The global norm of the DTensor gradients: reduced over DP, the TP-sharded ones' squares over TP. Under
+        no_grad, where `DTensor.to_local` hands back the local shard itself: with grad enabled it is an autograd
+        Function call (`_ToTorchTensor`) per gradient, host time a step for a graph nothing differentiates."""
+        with torch.no_grad():
+            return grad_norm(params, self.ctx.dims)
 
     def evaluate(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """TorchEngine's evaluation, then every unit back to its shards: a forward without backward leaves the units

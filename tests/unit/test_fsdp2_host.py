@@ -1,0 +1,55 @@
+"""The FSDP2 engine's host work a step (gpt2.engines.fsdp2_engine.FSDP2Engine): what it does per parameter and
+per module, counted (never timed), on an engine built as train.py builds it, in a one-rank gloo group in this
+process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor._api import _ToTorchTensor
+
+from gpt2.config.cli import parse_args
+from gpt2.engines.build import build_engine
+from gpt2.engines.fsdp2_engine import FSDP2Engine
+from gpt2.runtime.distributed import init_distributed
+
+FSDP2_ARGS = ["--mode", "hybrid", "--zero-engine", "fsdp2", "--model", "gpt2-tiny", "--n-layer", "4",
+              "--fsdp2-unit-blocks", "2", "--batch-size", "2", "--seq-len", "16", "--device", "cpu"]
+
+
+@pytest.fixture
+def engine(gloo_world, monkeypatch: pytest.MonkeyPatch) -> FSDP2Engine:
+    """The FSDP2 engine of a launch of one rank (the group exists: init_distributed uses it), after one step."""
+    for var, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(var, value)
+    torch.manual_seed(0)
+    engine = build_engine(*init_distributed(parse_args(FSDP2_ARGS)))
+    assert isinstance(engine, FSDP2Engine)
+    step(engine)
+    return engine
+
+
+def step(engine: FSDP2Engine) -> torch.Tensor:
+    x = torch.randint(0, 50257, (2, 16))
+    engine.forward_backward(x, x, last_micro_step=True)
+    return engine.optimizer_step()
+
+
+def backward(engine: FSDP2Engine) -> list[torch.nn.Parameter]:
+    x = torch.randint(0, 50257, (2, 16))
+    engine.forward_backward(x, x, last_micro_step=True)
+    return [p for group in engine.optimizer.param_groups for p in group["params"]]
+
+
+def test_grad_norm_makes_no_autograd_call_per_gradient(engine: FSDP2Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DTensor.to_local with grad enabled is an autograd Function (`_ToTorchTensor`) call per gradient; the norm
+    needs none. The norm is the one torch computes over the full gradients."""
+    params = backward(engine)
+    calls = []
+    forward = _ToTorchTensor.forward
+    monkeypatch.setattr(_ToTorchTensor, "forward", staticmethod(lambda *a: calls.append(1) or forward(*a)))
+    norm = engine.grad_norm(params)
+    assert calls == []
+    full = torch.nn.utils.get_total_norm([p.grad.full_tensor() for p in params])
+    torch.testing.assert_close(norm, full, rtol=1e-6, atol=0)
