@@ -211,8 +211,9 @@ class LocalShardAdamW(torch.optim.AdamW):
 
     def _init_group(self, group: dict, *tensor_lists: list[torch.Tensor]) -> bool:
         has_complex = super()._init_group(group, *tensor_lists)
+        # the local tensor itself, as to_local returns it under the step's no_grad, without a call per tensor
         for tensors in tensor_lists:  # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
-            tensors[:] = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]  # no_grad: the shard
+            tensors[:] = [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
         return has_complex
 
 

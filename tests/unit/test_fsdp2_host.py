@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._api import _ToTorchTensor
 
 from gpt2.config.cli import parse_args
 from gpt2.engines.build import build_engine
 from gpt2.engines.fsdp2_engine import FSDP2Engine
+from gpt2.engines.guard import step_if_finite
 from gpt2.runtime.distributed import init_distributed
 
 FSDP2_ARGS = ["--mode", "hybrid", "--zero-engine", "fsdp2", "--model", "gpt2-tiny", "--n-layer", "4",
@@ -53,3 +55,17 @@ def test_grad_norm_makes_no_autograd_call_per_gradient(engine: FSDP2Engine, monk
     assert calls == []
     full = torch.nn.utils.get_total_norm([p.grad.full_tensor() for p in params])
     torch.testing.assert_close(norm, full, rtol=1e-6, atol=0)
+
+
+def test_optimizer_step_makes_no_call_per_tensor_for_its_local_shards(engine: FSDP2Engine,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """LocalShardAdamW hands its kernel each DTensor's local tensor without a call per tensor (DTensor.to_local:
+    four a parameter, its gradient and moments); the update lands in the DTensors (the same storage)."""
+    params = backward(engine)
+    calls = []
+    to_local = DTensor.to_local
+    monkeypatch.setattr(DTensor, "to_local", lambda self, **kw: calls.append(1) or to_local(self, **kw))
+    before = [p._local_tensor.clone() for p in params]
+    step_if_finite(engine.optimizer, torch.tensor(1.0))
+    assert calls == []
+    assert all(not torch.equal(p._local_tensor, b) for p, b in zip(params, before))
