@@ -91,7 +91,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from gpt2.config.layout import RunLayout
@@ -236,7 +236,7 @@ class FSDP2Engine(TorchEngine):
         prefetch = layout.cfg.parallel.fsdp2_forward_prefetch
         self.units = shard_model(model, dp_mesh(self.ctx), reshard_after_forward=reshard,
                                  block_gather_dtype=layout.fsdp2_gather_dtype, forward_prefetch=prefetch)
-        self.root: FSDPModule = model  # type: ignore[assignment]
+        self.gradient_sync = True  # what every unit's set_requires_gradient_sync says (FSDP2's default: True)
         log.info("FSDP2: %d units (transformer blocks in units of at most %d, + embeddings/head) sharded over the "
                  "data-parallel group of %d (reshard_after_forward=%s: ZeRO-%d), fp32 parameters, blocks gathered in "
                  "%s, fp32 gradient reduction, autocast %s, forward prefetch of %d units",
@@ -245,8 +245,13 @@ class FSDP2Engine(TorchEngine):
         return model
 
     def no_sync(self, last_micro_step: bool) -> contextlib.AbstractContextManager:
-        """Gradients are reduce-scattered only on the step's last micro-step (FSDP2 accumulates them unsharded)."""
-        self.root.set_requires_gradient_sync(last_micro_step)
+        """Gradients are reduce-scattered only on the step's last micro-step (FSDP2 accumulates them unsharded). Set
+        on each unit alone, and only when it changes: the root's recursive call walks every submodule of the model
+        on every micro-step."""
+        if last_micro_step != self.gradient_sync:
+            for unit in self.units:
+                unit.set_requires_gradient_sync(last_micro_step, recurse=False)
+            self.gradient_sync = last_micro_step
         return contextlib.nullcontext()
 
     def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:

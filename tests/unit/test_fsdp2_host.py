@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._api import _ToTorchTensor
 
@@ -69,3 +70,20 @@ def test_optimizer_step_makes_no_call_per_tensor_for_its_local_shards(engine: FS
     step_if_finite(engine.optimizer, torch.tensor(1.0))
     assert calls == []
     assert all(not torch.equal(p._local_tensor, b) for p, b in zip(params, before))
+
+
+def test_gradient_sync_is_set_on_each_unit_when_it_changes(engine: FSDP2Engine,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """no_sync sets FSDP2's gradient sync as the root's recursive call would (every unit's, the root's included),
+    without walking the model's submodules, and not at all while it stays (every micro-step at --grad-accum 1)."""
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in engine.module.modules() if isinstance(m, FSDPModule)]
+    assert len(groups) == len(engine.units) == 3  # two units of two blocks, the root
+    walks, sets = [], []
+    modules, set_sync = torch.nn.Module.modules, FSDPModule.set_requires_gradient_sync
+    monkeypatch.setattr(torch.nn.Module, "modules", lambda self: walks.append(self) or modules(self))
+    monkeypatch.setattr(FSDPModule, "set_requires_gradient_sync",
+                        lambda self, sync, **kw: sets.append(self) or set_sync(self, sync, **kw))
+    for last_micro_step in (True, False, False, True, True):  # a step, one accumulating over 3 micro-steps, a step
+        engine.no_sync(last_micro_step)
+        assert all(g.reduce_grads == g.all_reduce_grads == last_micro_step for g in groups)
+    assert walks == [] and sets == 2 * engine.units
