@@ -60,7 +60,9 @@ def register_sequence_parallel_grad_hooks(model: nn.Module, dims: ParallelDims,
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    """A DTensor's local shard, the tensor itself (what `to_local` returns without autograd, minus its dispatch: a
+    call per gradient and step)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -93,11 +95,11 @@ def grad_norm(parameters: Iterable[nn.Parameter], dims: ParallelDims) -> torch.T
     Call after the sequence-parallel reduction (replicated gradients must already agree across ranks).
     Returns the total norm, the same on every rank.
     """
-    params = [p for p in parameters if p.grad is not None]
-    device = params[0].grad.device if params else torch.device("cpu")
-    dp_sharded = any(isinstance(p.grad, DTensor) for p in params)
-    sharded = [_local(p.grad) for p in params if getattr(p, "tensor_model_parallel", False)]
-    replicated = [_local(p.grad) for p in params if not getattr(p, "tensor_model_parallel", False)]
+    grads = [(p.grad, getattr(p, "tensor_model_parallel", False)) for p in parameters if p.grad is not None]
+    device = grads[0][0].device if grads else torch.device("cpu")
+    dp_sharded = any(isinstance(g, DTensor) for g, _ in grads)
+    sharded = [_local(g) for g, tp in grads if tp]
+    replicated = [_local(g) for g, tp in grads if not tp]
     total_sq = _sum_of_squares(sharded, device)
     if dims.tp_rank == 0:
         total_sq = total_sq + _sum_of_squares(replicated, device)

@@ -46,12 +46,14 @@ def backward(engine: FSDP2Engine) -> list[torch.nn.Parameter]:
 
 
 def test_grad_norm_makes_no_autograd_call_per_gradient(engine: FSDP2Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """DTensor.to_local with grad enabled is an autograd Function (`_ToTorchTensor`) call per gradient; the norm
-    needs none. The norm is the one torch computes over the full gradients."""
+    """DTensor.to_local with grad enabled is an autograd Function (`_ToTorchTensor`) call per gradient, and a call
+    through DTensor's dispatch without; the norm needs neither. It is the one torch computes over the full
+    gradients."""
     params = backward(engine)
     calls = []
-    forward = _ToTorchTensor.forward
+    forward, to_local = _ToTorchTensor.forward, DTensor.to_local
     monkeypatch.setattr(_ToTorchTensor, "forward", staticmethod(lambda *a: calls.append(1) or forward(*a)))
+    monkeypatch.setattr(DTensor, "to_local", lambda self, **kw: calls.append(2) or to_local(self, **kw))
     norm = engine.grad_norm(params)
     assert calls == []
     full = torch.nn.utils.get_total_norm([p.grad.full_tensor() for p in params])
