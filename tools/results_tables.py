@@ -131,12 +131,13 @@ def render(table: Table, rows: Mapping[int, Row], link_prefix: str = "../") -> s
 
 
 SIMULATED_COLUMNS = ("row", "configuration", "GPUs simulated", "batch", "MFU, communication free", "device busy",
-                     "peak GiB", "raw", "call")
+                     "peak GiB", "raw", "call", "note")
 
 
 def simulated(rows: Mapping[int, Row]) -> str:
     """Every simulated row of the store in a table of its own: one rank's compute, memory and host path, whose
-    MFU assumes free communication (never a throughput beside real runs)."""
+    MFU assumes free communication (never a throughput beside real runs). Its host path is the host CPU's too, so
+    the row's note says where a call's host differed."""
     lines = ["| " + " | ".join(SIMULATED_COLUMNS) + " |", "|" + "---|" * len(SIMULATED_COLUMNS)]
     for row in rows.values():
         if row["simulated"] != "1" or row["kind"] != "throughput":
@@ -144,7 +145,8 @@ def simulated(rows: Mapping[int, Row]) -> str:
         common = cells(row, None)
         c = {**common, "GPUs simulated": row["gpus"], "MFU, communication free": common["MFU"],
              "device busy": f"{float(row['device_busy_pct']):.1f}%" if row["device_busy_pct"] else "",
-             "raw": f"[table](../{row['raw'].replace('.csv', '.md')})" + superseded_note(row)}
+             "raw": f"[table](../{row['raw'].replace('.csv', '.md')})" + superseded_note(row),
+             "note": row["note"]}
         lines.append("| " + " | ".join(c[col] for col in SIMULATED_COLUMNS) + " |")
     return "\n".join(lines) + "\n"
 

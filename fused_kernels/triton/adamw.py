@@ -30,7 +30,7 @@ from fused_kernels.triton.runtime import is_interpreted
 
 BLOCK = 2048  # elements a program updates: a few vectorised loads of each of its four streams
 ALIGNMENT = 16  # bytes: a 16-byte access moves four fp32 elements
-NUM_WARPS = 8  # per program: BLOCK / (32 * NUM_WARPS) elements a thread
+NUM_WARPS = 4  # per program: BLOCK / (32 * NUM_WARPS) elements a thread (docs/decisions.md)
 
 
 @triton.jit
