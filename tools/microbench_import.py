@@ -205,11 +205,11 @@ def profile(raw: str, run: int) -> Iterator[Row]:
 
 
 P = R + "profiles/"
+# in store order: a new source goes at the end, so that no row's id changes
 SOURCES: tuple[tuple[Callable[..., Iterator[Row]], tuple[Any, ...]], ...] = (
     (kernels_copy, (R + "kernels/kernels.md", "kernels", "10:17Z")),
     (kernels, (R + "kernels/kernels.csv", "kernels", "10:17Z")),
     (kernels, (R + "kernels/h100-2026-11-25/kernels.csv", "liger", "7", "76ed1b0")),
-    (kernels, (R + "kernels/h200-2026-12-02-c1/kernels.csv", "liger", "h200-2026-12-02-c1", "0e27a99")),
     (attention, (R + "attention/attention_backends.csv", "13:22Z")),
     (gemm, (R + "gemm/gemm.csv", "09:53Z")),
     (gemm, (R + "gemm/h100-2026-11-25/gemm.csv", "13:26Z")),
@@ -232,6 +232,7 @@ SOURCES: tuple[tuple[Callable[..., Iterator[Row]], tuple[Any, ...]], ...] = (
         ("h200-2026-11-29-x3/zero3-flat-u4-b8_profile_breakdown.json", 138),
         ("h200x2-2026-11-29/C_zero3-flat-u4-b8_profile_breakdown.json", 196),
         ("h200x2-2026-11-29/D_zero3-tp2-flat-u4-b8_profile_breakdown.json", 200))),
+    (kernels, (R + "kernels/h200-2026-12-02-c1/kernels.csv", "liger", "h200-2026-12-02-c1", "0e27a99")),
 )
 
 
