@@ -13,6 +13,7 @@ read from the committed raw file its `raw` column names (`python -m tools.microb
 
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime
 import subprocess
@@ -23,6 +24,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 STORE = ROOT / "benchmarks" / "results" / "store" / "runs.csv"
 MICROBENCH = ROOT / "benchmarks" / "results" / "store" / "microbench.csv"
+DEVICE_OUT = "/root/out"  # a device call's output folder ($OUT), where its rows' raw paths point
 
 # the schema, once: (column, what it holds)
 SCHEMA: tuple[tuple[str, str], ...] = (
@@ -179,41 +181,44 @@ def row_from_summary(summary: Mapping[str, Any], *, call: str, raw: Path | str, 
     }
 
 
-def merge_device_rows(device_store: Path, folder: Path, commit: str, device_out: str = "/root/out",
+def merge_device_rows(device_store: Path, call: str, folder: Path, commit: str, device_out: str = DEVICE_OUT,
                       path: Path = STORE) -> list[int]:
-    """Append the rows a device call added to its copy of the store (`device_store`: the rows after those it shares
-    with this store, which may have grown meanwhile), renumbered, with the paths under the call's output folder
-    (`device_out`, the device's $OUT) moved to `folder` (where the call's files are committed) and `commit` set:
-    the device copy's git may name another."""
-    local, device = read_rows(path), read_rows(device_store)
-    shared = next((i for i, (a, b) in enumerate(zip(local, device)) if a != b), min(len(local), len(device)))
+    """Append the rows of device call `call` from the call's copy of the store (`device_store`), renumbered, with the
+    paths under the call's output folder (`device_out`, the device's $OUT) moved to `folder` (where the call's files
+    are committed) and `commit` set: the device copy's git may name another. A call already in this store is refused
+    (its rows would be there twice)."""
+    if any(r["call"] == call for r in read_rows(path)):
+        raise ValueError(f"the store already holds rows of call {call!r}")
     prefix = device_out.rstrip("/") + "/"
 
     def moved(value: str) -> str:
         return repo_path(folder / value[len(prefix):]) if value.startswith(prefix) else value
 
     rows = [{**{c: r[c] for c in COLUMNS if c != "id"}, "raw": moved(r["raw"]),
-             "parity_file": moved(r["parity_file"]), "commit": commit} for r in device[shared:]]
+             "parity_file": moved(r["parity_file"]), "commit": commit}
+            for r in read_rows(device_store) if r["call"] == call]
     return append_rows(rows, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     p = argparse.ArgumentParser(prog="python -m tools.results_store", description="Maintain the results store.")
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("merge", help="append a device call's new rows from its copy of the store")
     m.add_argument("device_store", type=Path, help="the runs.csv the call appended to (fetched from the device)")
+    m.add_argument("--call", required=True, help="the call's name (its rows' call column)")
     m.add_argument("--folder", type=Path, required=True,
                    help="where the call's output folder is committed (its raw and parity paths move there)")
     m.add_argument("--commit", required=True, help="the commit that ran (short hash)")
-    m.add_argument("--device-out", default="/root/out", help="the call's output folder on the device ($OUT)")
+    m.add_argument("--device-out", default=DEVICE_OUT, help="the call's output folder on the device ($OUT)")
     m.add_argument("--store", type=Path, default=STORE, help="the store to append to")
     args = p.parse_args(argv)
     if not args.device_store.is_file():
         p.error(f"{args.device_store} does not exist")
-    ids = merge_device_rows(args.device_store, args.folder, args.commit, args.device_out, args.store)
-    print(f"appended rows {ids[0]}-{ids[-1]}" if ids else "no new rows")
+    try:
+        ids = merge_device_rows(args.device_store, args.call, args.folder, args.commit, args.device_out, args.store)
+    except ValueError as err:
+        p.error(str(err))
+    print(f"appended rows {ids[0]}-{ids[-1]}" if ids else f"no rows of call {args.call!r}")
     return 0
 
 
