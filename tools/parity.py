@@ -458,12 +458,18 @@ def main(argv: list[str] | None = None) -> int:
 
     names = name_runs(runnable, out)
     outcomes: dict[Job, Outcome] = {}
+    stored = False  # --store writes the verdicts once: at the end, or when stopped before it
+
+    def store_once(results: list[RowResult]) -> None:
+        nonlocal stored
+        if args.store and not stored:
+            stored = True
+            store_verdicts(results, out, args)
+
     def on_stop() -> None:
         """Stopped (the device call's limit, Ctrl-C): the last tables also judge the runs that wrote their summary,
         and --store keeps the verdicts reached."""
-        stopped_results = write_tables(finished(runnable, names, out, outcomes))
-        if args.store:
-            store_verdicts(stopped_results, out, args)
+        store_once(write_tables(finished(runnable, names, out, outcomes)))
 
     stop_launches_on_signal(before_exit=on_stop)
     results = write_tables(run_all(runnable, names, out, slots, args.run_timeout, bool(gpus), outcomes,
@@ -473,8 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         delta = f"max |dloss| {c.max_abs_dloss:.2e}, dval {c.val_dloss:+.2e}, tol {c.tolerance:.2e}" if c else ""
         print(f"{r.model:12s} {r.config:22s} {r.verdict:9s} {delta} {r.note}")
     print(f"wrote {out}/parity.csv, parity.md and parity_<model>.png")
-    if args.store:
-        store_verdicts(results, out, args)
+    store_once(results)
     return 1 if any(r.verdict in ("fail", "error") for r in results) else 0
 
 

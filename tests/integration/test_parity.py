@@ -151,6 +151,30 @@ def test_a_stopped_call_keeps_the_verdicts_of_the_rows_that_ended(tmp_path, cpu_
     assert read_verdicts([tmp_path / "parity.csv"])[key] == "pending"
 
 
+def test_a_call_stopped_after_storing_stores_nothing_twice(tmp_path, cpu_env, text_data, monkeypatch):
+    """The device call's limit can fire after the verdicts went to the store: the stop handler then stores none
+    again."""
+    real_store = parity.store_verdicts
+    monkeypatch.setattr(common, "_STOPPING", threading.Event())
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def store_then_stop(results, out, args):
+        ids = real_store(results, out, args)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1.0)  # the handler runs while this call is still on the stack
+        return ids
+
+    monkeypatch.setattr(parity, "store_verdicts", store_then_stop)
+    try:
+        with pytest.raises(SystemExit):
+            parity.main([*TINY, *text_data, "--jobs", "1", "--rows", "single", "--extra-row", "again=--log-interval 1",
+                         "--out", str(tmp_path), "--store", str(tmp_path / "store.csv"), "--call", "late"])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert [r["variant"] for r in read_csv(tmp_path / "store.csv")] == ["again"]
+
+
 def test_a_row_that_ends_before_the_reference_is_pending_not_judged(tmp_path):
     """With several rows at once a row can end before single or noise: a partial table then says `pending` for it,
     not an `error` (no reference yet) or a verdict against the floor alone (no noise yet)."""
