@@ -36,7 +36,7 @@ def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
 def allreduce_sequence_parallel_grads(model: nn.Module, dims: ParallelDims, stats: CommStats | None = None) -> None:
     """Sum the marked parameters' gradients over the TP group, in one coalesced all-reduce."""
     # a DTensor gradient (FSDP2): this rank's shard; TP peers hold the same shard of a replicated parameter
-    grads = [_local(p.grad) for p in sequence_parallel_params(model) if p.grad is not None]
+    grads = [local_shard(p.grad) for p in sequence_parallel_params(model) if p.grad is not None]
     if not grads or dims.tp_size == 1:
         return
     flat = torch._utils._flatten_dense_tensors(grads)
@@ -59,9 +59,9 @@ def register_sequence_parallel_grad_hooks(model: nn.Module, dims: ParallelDims,
     return [p.register_hook(hook) for p in sequence_parallel_params(model)]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard, the tensor itself (what `to_local` returns without autograd, minus its dispatch: a
-    call per gradient and step)."""
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the storage `to_local` views, without its dispatch or autograd: a call per tensor
+    and step); any other tensor as it is."""
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
@@ -79,7 +79,7 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, dims: P
     total = grad_norm(params, dims)
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's clip_grads_with_norm_, on the local grads
     if params:
-        torch._foreach_mul_([_local(p.grad) for p in params], clip_coef)
+        torch._foreach_mul_([local_shard(p.grad) for p in params], clip_coef)
     return total
 
 
@@ -98,8 +98,8 @@ def grad_norm(parameters: Iterable[nn.Parameter], dims: ParallelDims) -> torch.T
     grads = [(p.grad, getattr(p, "tensor_model_parallel", False)) for p in parameters if p.grad is not None]
     device = grads[0][0].device if grads else torch.device("cpu")
     dp_sharded = any(isinstance(g, DTensor) for g, _ in grads)
-    sharded = [_local(g) for g, tp in grads if tp]
-    replicated = [_local(g) for g, tp in grads if not tp]
+    sharded = [local_shard(g) for g, tp in grads if tp]
+    replicated = [local_shard(g) for g, tp in grads if not tp]
     total_sq = _sum_of_squares(sharded, device)
     if dims.tp_rank == 0:
         total_sq = total_sq + _sum_of_squares(replicated, device)

@@ -92,7 +92,6 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from gpt2.config.layout import RunLayout
 from gpt2.engines.base import resync_lr
@@ -101,7 +100,7 @@ from gpt2.model.gpt import GPT
 from gpt2.observe.run_logging import log
 from gpt2.runtime.block_units import block_key
 from gpt2.runtime.distributed import DistContext
-from parallel.grads import grad_norm
+from parallel.grads import grad_norm, local_shard
 from parallel.tp_plan import PARAM_MARKS
 
 FSDP2_DIR = "fsdp2"  # the engine's sub-folder inside one of our step folders (gpt2.train.checkpoint)
@@ -211,9 +210,8 @@ class LocalShardAdamW(torch.optim.AdamW):
 
     def _init_group(self, group: dict, *tensor_lists: list[torch.Tensor]) -> bool:
         has_complex = super()._init_group(group, *tensor_lists)
-        # the local tensor itself, as to_local returns it under the step's no_grad, without a call per tensor
         for tensors in tensor_lists:  # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
-            tensors[:] = [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
+            tensors[:] = [local_shard(t) for t in tensors]
         return has_complex
 
 
@@ -236,7 +234,7 @@ class FSDP2Engine(TorchEngine):
         prefetch = layout.cfg.parallel.fsdp2_forward_prefetch
         self.units = shard_model(model, dp_mesh(self.ctx), reshard_after_forward=reshard,
                                  block_gather_dtype=layout.fsdp2_gather_dtype, forward_prefetch=prefetch)
-        self.gradient_sync = True  # what every unit's set_requires_gradient_sync says (FSDP2's default: True)
+        self.gradient_sync: bool = True  # what every unit's set_requires_gradient_sync says (FSDP2's default: True)
         log.info("FSDP2: %d units (transformer blocks in units of at most %d, + embeddings/head) sharded over the "
                  "data-parallel group of %d (reshard_after_forward=%s: ZeRO-%d), fp32 parameters, blocks gathered in "
                  "%s, fp32 gradient reduction, autocast %s, forward prefetch of %d units",
@@ -255,11 +253,8 @@ class FSDP2Engine(TorchEngine):
         return contextlib.nullcontext()
 
     def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
-        """The global norm of the DTensor gradients: reduced over DP, the TP-sharded ones' squares over TP. Under
-        no_grad, where `DTensor.to_local` hands back the local shard itself: with grad enabled it is an autograd
-        Function call (`_ToTorchTensor`) per gradient, host time a step for a graph nothing differentiates."""
-        with torch.no_grad():
-            return grad_norm(params, self.ctx.dims)
+        """The global norm of the DTensor gradients: reduced over DP, the TP-sharded ones' squares over TP."""
+        return grad_norm(params, self.ctx.dims)
 
     def evaluate(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """TorchEngine's evaluation, then every unit back to its shards: a forward without backward leaves the units
