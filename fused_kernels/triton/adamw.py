@@ -30,6 +30,7 @@ from fused_kernels.triton.runtime import is_interpreted
 
 BLOCK = 2048  # elements a program updates: a few vectorised loads of each of its four streams
 ALIGNMENT = 16  # bytes: a 16-byte access moves four fp32 elements
+TABLES = "_triton_adamw_tables"  # the optimizer attribute holding each parameter group's _GroupTables
 NUM_WARPS = 4  # per program: BLOCK / (32 * NUM_WARPS) elements a thread (docs/decisions.md)
 
 
@@ -73,7 +74,11 @@ def adamw_kernel(
 
 
 def _addresses(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(device, non_blocking=True)  # [n]
+    return _table([t.data_ptr() for t in tensors], device)
+
+
+def _table(addresses: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(addresses, dtype=torch.int64).to(device, non_blocking=True)  # [n]
 
 
 def _aligned(tensors: list[torch.Tensor]) -> bool:
@@ -129,7 +134,7 @@ def _init_state(optimizer: torch.optim.AdamW, params: list[torch.nn.Parameter]) 
 def _tables(optimizer: torch.optim.AdamW, group_index: int, params: list[torch.nn.Parameter]) -> _GroupTables:
     """The group's tables, rebuilt when its parameters or their state tensors are not those they were built for
     (a first step, a loaded state dict)."""
-    cache: dict[int, _GroupTables] = optimizer.__dict__.setdefault("_triton_adamw_tables", {})
+    cache: dict[int, _GroupTables] = optimizer.__dict__.setdefault(TABLES, {})
     tables = cache.get(group_index)
     if (tables is None or tables.param_ids != tuple(map(id, params))
             or tables.state_ptrs != _state_ptrs(params, optimizer.state)):
@@ -151,11 +156,12 @@ def adamw_step(optimizer: torch.optim.AdamW, grad_divisor: torch.Tensor | None, 
         tables = _tables(optimizer, index, params)
         steps = [optimizer.state[p]["step"] for p in params]
         torch._foreach_add_(steps, 1.0 - found_inf)  # counts this step unless it is skipped
-        grads = [p.grad.contiguous() for p in params]
+        grads = [p.grad.contiguous() for p in params]  # each the shape of its parameter: the table checked numels
+        grad_addrs = [g.data_ptr() for g in grads]
         beta1, beta2 = group["betas"]
         adamw_kernel[(tables.block_tensor.numel(),)](
-            tables.param_addrs, _addresses(grads, params[0].device), tables.exp_avg_addrs, tables.exp_avg_sq_addrs,
+            tables.param_addrs, _table(grad_addrs, params[0].device), tables.exp_avg_addrs, tables.exp_avg_sq_addrs,
             tables.step_addrs, tables.numels, tables.block_tensor, tables.block_start, grad_divisor, found_inf,
-            float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"],
-            HAS_DIVISOR=grad_divisor is not None, ALIGNED=tables.aligned and _aligned(grads), BLOCK=BLOCK,
+            float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], HAS_DIVISOR=grad_divisor is not None,
+            ALIGNED=tables.aligned and all(a % ALIGNMENT == 0 for a in grad_addrs), BLOCK=BLOCK,
             num_warps=1 if is_interpreted(adamw_kernel) else NUM_WARPS)

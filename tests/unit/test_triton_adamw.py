@@ -10,7 +10,8 @@ import copy
 import pytest
 import torch
 
-from fused_kernels.triton.adamw import BLOCK, adamw_step
+from fused_kernels.triton import adamw
+from fused_kernels.triton.adamw import BLOCK, TABLES, adamw_step
 from tests._fused_helpers import DEVICE
 
 SHAPES = [(37, 129), (129,), (3, BLOCK + 5), (1,)]  # tensors shorter and longer than a program's block
@@ -60,7 +61,7 @@ def test_matches_torch_adamw_with_the_clip_divisor(shapes: list[tuple[int, ...]]
             for key in ("exp_avg", "exp_avg_sq"):
                 _close(opt.state[p][key], opt_ref.state[p_ref][key])
             assert float(opt.state[p]["step"]) == float(opt_ref.state[p_ref]["step"]) == step + 1
-    assert [t.aligned for t in opt.__dict__["_triton_adamw_tables"].values()] == [aligned, aligned]
+    assert [t.aligned for t in opt.__dict__[TABLES].values()] == [aligned, aligned]
 
 
 def test_a_non_finite_step_changes_nothing_and_the_state_is_torchs() -> None:
@@ -96,3 +97,23 @@ def test_a_parameter_without_a_gradient_is_left_out(missing: int) -> None:
     kept = params[missing].detach().clone()
     adamw_step(opt, None, torch.zeros((), device=DEVICE))
     assert torch.equal(params[missing].detach(), kept) and not opt.state[params[missing]]
+
+
+def test_a_gradient_off_a_16_byte_word_turns_the_vector_hints_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parameters and moments allow the hints (checked once, in the tables); gradients are new tensors every
+    step, so their addresses are checked at each launch."""
+    launches: list[bool] = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, ALIGNED, **kwargs: launches.append(ALIGNED)
+
+    monkeypatch.setattr(adamw, "adamw_kernel", Recorder())
+    params = _model(shapes=WHOLE_WORDS)
+    opt = _optimizer(params)
+    _set_grads(params, 0)
+    adamw_step(opt, None, torch.zeros((), device=DEVICE))
+    buffer = torch.zeros(params[0].numel() + 1, device=DEVICE)
+    params[0].grad = buffer[1:].view(params[0].shape)  # 4 bytes past an aligned allocation
+    adamw_step(opt, None, torch.zeros((), device=DEVICE))
+    assert launches == [True, True, False, True]  # per group: [matrices, vectors]
