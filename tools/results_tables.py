@@ -146,7 +146,7 @@ def simulated(rows: Mapping[int, Row]) -> str:
         c = {**common, "GPUs simulated": row["gpus"], "MFU, communication free": common["MFU"],
              "device busy": f"{float(row['device_busy_pct']):.1f}%" if row["device_busy_pct"] else "",
              "raw": f"[table](../{row['raw'].replace('.csv', '.md')})" + superseded_note(row),
-             "note": row["note"]}
+             "note": row["note"].replace("|", "\\|")}  # a note may hold |dloss|
         lines.append("| " + " | ".join(c[col] for col in SIMULATED_COLUMNS) + " |")
     return "\n".join(lines) + "\n"
 
