@@ -452,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     slots = DeviceSlots(gpus or [device], args.jobs)
     print(f"{len(runnable)} runs ({len(jobs) - len(runnable)} skipped), {args.jobs} at a time on each of "
           f"{len(slots.names)} {'GPUs' if gpus else device}", flush=True)
+
     def write_partial(ended: dict[Job, Outcome]) -> None:
         if len(ended) < len(runnable):  # the complete tables are written once, below
             write_tables(ended)
