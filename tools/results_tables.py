@@ -207,7 +207,7 @@ def pairs(*ids: int, vs: int | None = None) -> list[tuple[int, int | None]]:
 
 TABLES: dict[str, Table] = {
     "headline": Table(
-        [*pairs(191, 190, 192, vs=191), *pairs(153, 154, 155, vs=153), *pairs(131, 132, vs=131),
+        [*pairs(191, 190, 192, vs=191), *pairs(153, 154, 155, vs=153), *pairs(131, 132, vs=131), (246, None),
          *pairs(37, 94, vs=37)],
         columns=("row", "configuration", "devices", "batch", "tok/s", "MFU", "peak GiB", "ratio", "verdict")),
     "two-gpus": Table([*pairs(191, 190, 192, vs=191), *pairs(194, 193, vs=194), (200, None), (198, None),
@@ -240,7 +240,7 @@ TABLES: dict[str, Table] = {
                               *pairs(30, 31, vs=30), *pairs(32, 33, vs=32), *pairs(34, 35, vs=34), (36, None),
                               *pairs(23, 20, 22, 21, 19, vs=23)]),
     "one-h200-kernels": Table([*pairs(230, 231, 232, vs=230), *pairs(235, 237, 236, vs=235),
-                               *pairs(243, 245, 244, vs=243)]),
+                               *pairs(243, 245, 244, vs=243), (246, None)]),
 }
 KEY = ("op", "implementation", "shape", "metric")  # a microbenchmark row's key within its call
 
