@@ -150,7 +150,7 @@ def _create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> Simu
     group = SimulatedProcessGroup(rank, size)
     # a backend beneath the group carries the name c10d gives it (functional collectives look groups up by name)
     # and answers the collectives the class does not define (the all-gathers)
-    named = FakeProcessGroup._create_internal(rank, size)  # also answers the all-gathers
+    named = FakeProcessGroup._create_internal(rank, size)
     for device in DEVICES:
         group._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, named)
     return group
