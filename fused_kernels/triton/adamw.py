@@ -106,15 +106,14 @@ class _GroupTables:
     def build(cls, params: list[torch.nn.Parameter], state: dict) -> _GroupTables:
         device = params[0].device
         blocks = [(i, start) for i, p in enumerate(params) for start in range(0, p.numel(), BLOCK)]
-        moments = [state[p][k] for p in params for k in ("exp_avg", "exp_avg_sq")]
+        exp_avgs, exp_avg_sqs = [state[p]["exp_avg"] for p in params], [state[p]["exp_avg_sq"] for p in params]
         return cls(tuple(map(id, params)), _state_ptrs(params, state), _addresses(params, device),
-                   _addresses([state[p]["exp_avg"] for p in params], device),
-                   _addresses([state[p]["exp_avg_sq"] for p in params], device),
+                   _addresses(exp_avgs, device), _addresses(exp_avg_sqs, device),
                    _addresses([state[p]["step"] for p in params], device),
                    torch.tensor([p.numel() for p in params], dtype=torch.int64, device=device),
                    torch.tensor([i for i, _ in blocks], dtype=torch.int32, device=device),
                    torch.tensor([s for _, s in blocks], dtype=torch.int64, device=device),
-                   _aligned(params) and _aligned(moments))
+                   _aligned([*params, *exp_avgs, *exp_avg_sqs]))
 
 
 def _state_ptrs(params: list[torch.nn.Parameter], state: dict) -> tuple[int, ...]:
