@@ -33,7 +33,11 @@ Rows (N parameters, 4 bytes each; `min_GB` is what a row must move at least, eac
 - compiled-lists+clip (only when --variants names it; its compile takes minutes): the same compiled update over
   the model's own tensors, no flat buffers (Inductor: a kernel per tensor); 32N. What a compiled optimizer in
   the engines would reach without changing the parameters' layout.
-- grad-norm, clip-mul: the two parts of clip-first before its AdamW (4N, 8N).
+- engine-triton: the engine's step as train.py runs it with --fused-kernels triton (`RunLayout.triton_adamw`, an
+  engine of its own): the norm by `fused_kernels.triton.adamw.grad_norm` (the update's tables), then the Triton
+  update; the guard, schedule and zero_grad as in engine. 32N, the clipped-step bound. Needs a GPU, or
+  TRITON_INTERPRET=1 on the CPU.
+- grad-norm, clip-mul: the two parts of clip-first before its AdamW (4N, 8N); triton-norm: engine-triton's norm (4N).
 - copy: `dst.copy_(src)` of a large fp32 buffer (read + write): the bandwidth the bounds divide by.
 
 Timing (CUDA): each call after `torch.cuda._sleep` holds the stream, so the host queues the whole step before the
@@ -75,7 +79,8 @@ COPY_BYTES = 2**30  # the copy-bandwidth buffer (1 GiB read, 1 GiB written)
 SLEEP_CYCLES = 50_000_000  # device cycles the stream waits while the host queues a step (tens of ms)
 COLUMNS = ["variant", "tensors", "ms", "wall_ms", "min_GB", "GB/s", "pct_of_copy_bw", "x_adamw_bound", "error"]
 VARIANTS = ("engine", "clip-first", "fused", "foreach", "fused-flat", "fused-flat+clip", "compiled-flat+clip",
-            "triton+clip", "grad-norm", "clip-mul", "copy")
+            "triton+clip", "engine-triton", "grad-norm", "triton-norm", "clip-mul", "copy")
+TRITON = ("triton+clip", "engine-triton", "triton-norm")  # Triton kernels: seconds a call in the CPU interpreter
 COMPILED = ("compiled-flat+clip", "compiled-lists+clip")
 OPT_IN = ("compiled-lists+clip",)  # only when --variants names it: Inductor compiles a graph of every tensor
 
@@ -250,6 +255,14 @@ def make_variant(name: str, s: Setup) -> Variant:
     if name == "clip-mul":
         coef = torch.ones((), device=device)
         return Variant(len(s.params), 8, lambda: torch._foreach_mul_(list(s.grads.values()), coef), s.attach)
+    if name == "engine-triton":  # s: the setup of an engine built with --fused-kernels triton (`setup_for`)
+        assert s.engine.layout.triton_adamw
+        return Variant(len(s.params), 32, lambda: engine.guard.record(next(s.steps), loss, engine.optimizer_step()),
+                       s.attach)
+    if name == "triton-norm":
+        from fused_kernels.triton.adamw import grad_norm
+
+        return Variant(len(s.params), 4, lambda: grad_norm(opt), s.attach)
     if name == "triton+clip":
         from fused_kernels.triton.adamw import adamw_step
 
@@ -282,6 +295,15 @@ def make_variant(name: str, s: Setup) -> Variant:
     if name == "compiled-flat+clip":
         return compiled_variant([[w.detach()] for w in weights], [[g] for g in flat_grads], groups, t, clip)
     raise ValueError(f"unknown variant {name!r}")
+
+
+def setup_for(name: str, setup: Setup, train_argv: list[str]) -> Setup:
+    """The setup a variant steps: `setup`, or for engine-triton one of its own, over an engine built with
+    --fused-kernels triton (its own copy of the model: the same weights and gradients, by the same seeds)."""
+    if name != "engine-triton":
+        return setup
+    layout, ctx, _ = launch([*train_argv, "--fused-kernels", "triton"])
+    return Setup(build_engine(layout, ctx), setup.clip)
 
 
 def profile_table(name: str, step: Callable[[], object], before: Callable[[], None], device: torch.device) -> str:
@@ -331,7 +353,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
             continue
         row: dict[str, object] = {"variant": name}
         try:
-            variant = make_variant(name, setup)
+            variant = make_variant(name, setup_for(name, setup, train_argv))
             row.update(tensors=variant.tensors, bytes_per_param=variant.bytes_per_param)
             ms, wall = timed(variant.step, variant.before, device, args.iters, args.warmup)
             row.update(ms=round(ms, 3), wall_ms=round(wall, 3))

@@ -10,7 +10,11 @@ device addresses (parameters, gradients, the two moments, the step counts) and, 
 start. The tables of an optimizer's state are built once and kept; the gradients' addresses change every step
 (autograd allocates them anew), so their table is rebuilt each step from the host (one copy of 8 bytes a tensor).
 
+    norm = grad_norm(optimizer)
     adamw_step(optimizer, grad_divisor=clip_divisor(norm, 1.0), found_inf=(~torch.isfinite(norm)).float())
+
+`grad_norm` reads the gradients through the same tables, each program summing the squares of its block: the clipped
+step's first pass, 4 bytes a parameter, with 16-byte loads where the update has them.
 
 The update is `torch.optim.AdamW`'s (`amsgrad=False`, `maximize=False`), on the optimizer's own state: the same
 `exp_avg`, `exp_avg_sq` and per-parameter `step` tensors as its fused implementation keeps, so checkpoints and
@@ -20,7 +24,9 @@ counts included. fp32 parameters only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -30,6 +36,7 @@ from fused_kernels.triton.runtime import is_interpreted
 
 BLOCK = 2048  # elements a program updates: a few vectorised loads of each of its four streams
 ALIGNMENT = 16  # bytes: a 16-byte access moves four fp32 elements
+Shard = Callable[[torch.Tensor], torch.Tensor]  # a parameter's (or its state's, gradient's) tensor the kernels read
 TABLES = "_triton_adamw_tables"  # the optimizer attribute holding each parameter group's _GroupTables
 NUM_WARPS = 4  # per program: BLOCK / (32 * NUM_WARPS) elements a thread (docs/decisions.md)
 
@@ -73,6 +80,20 @@ def adamw_kernel(
     tl.store(v_ptr + offs, v, mask=mask)
 
 
+@triton.jit
+def sum_squares_kernel(grad_addrs, numels, block_tensor, block_start, out, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.load(block_tensor + pid)
+    offs = tl.multiple_of(tl.load(block_start + pid), BLOCK) + tl.arange(0, BLOCK)  # [BLOCK]
+    limit = tl.load(numels + t)
+    g_ptr = tl.load(grad_addrs + t).to(tl.pointer_type(tl.float32))
+    if ALIGNED:  # as in adamw_kernel
+        limit = tl.multiple_of(limit, 4)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+    g = tl.load(g_ptr + offs, mask=offs < limit, other=0.0)
+    tl.store(out + pid, tl.sum(g * g, axis=0))  # this block's sum of squares
+
+
 def _addresses(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return _table([t.data_ptr() for t in tensors], device)
 
@@ -103,21 +124,23 @@ class _GroupTables:
     aligned: bool  # parameters and state, by `_aligned`
 
     @classmethod
-    def build(cls, params: list[torch.nn.Parameter], state: dict) -> _GroupTables:
+    def build(cls, params: list[torch.nn.Parameter], state: dict, shard: Shard) -> _GroupTables:
         device = params[0].device
-        blocks = [(i, start) for i, p in enumerate(params) for start in range(0, p.numel(), BLOCK)]
-        exp_avgs, exp_avg_sqs = [state[p]["exp_avg"] for p in params], [state[p]["exp_avg_sq"] for p in params]
-        return cls(tuple(map(id, params)), _state_ptrs(params, state), _addresses(params, device),
+        weights = [shard(p) for p in params]
+        blocks = [(i, start) for i, w in enumerate(weights) for start in range(0, w.numel(), BLOCK)]
+        exp_avgs = [shard(state[p]["exp_avg"]) for p in params]
+        exp_avg_sqs = [shard(state[p]["exp_avg_sq"]) for p in params]
+        return cls(tuple(map(id, params)), _state_ptrs(params, state, shard), _addresses(weights, device),
                    _addresses(exp_avgs, device), _addresses(exp_avg_sqs, device),
                    _addresses([state[p]["step"] for p in params], device),
-                   torch.tensor([p.numel() for p in params], dtype=torch.int64, device=device),
+                   torch.tensor([w.numel() for w in weights], dtype=torch.int64, device=device),
                    torch.tensor([i for i, _ in blocks], dtype=torch.int32, device=device),
                    torch.tensor([s for _, s in blocks], dtype=torch.int64, device=device),
-                   _aligned([*params, *exp_avgs, *exp_avg_sqs]))
+                   _aligned([*weights, *exp_avgs, *exp_avg_sqs]))
 
 
-def _state_ptrs(params: list[torch.nn.Parameter], state: dict) -> tuple[int, ...]:
-    return tuple(state[p]["exp_avg"].data_ptr() for p in params)
+def _state_ptrs(params: list[torch.nn.Parameter], state: dict, shard: Shard) -> tuple[int, ...]:
+    return tuple(shard(state[p]["exp_avg"]).data_ptr() for p in params)
 
 
 def _init_state(optimizer: torch.optim.AdamW, params: list[torch.nn.Parameter]) -> None:
@@ -130,37 +153,103 @@ def _init_state(optimizer: torch.optim.AdamW, params: list[torch.nn.Parameter]) 
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def _tables(optimizer: torch.optim.AdamW, group_index: int, params: list[torch.nn.Parameter]) -> _GroupTables:
+def _tables(optimizer: torch.optim.AdamW, group_index: int, params: list[torch.nn.Parameter],
+            shard: Shard) -> _GroupTables:
     """The group's tables, rebuilt when its parameters or their state tensors are not those they were built for
     (a first step, a loaded state dict)."""
     cache: dict[int, _GroupTables] = optimizer.__dict__.setdefault(TABLES, {})
     tables = cache.get(group_index)
     if (tables is None or tables.param_ids != tuple(map(id, params))
-            or tables.state_ptrs != _state_ptrs(params, optimizer.state)):
-        tables = cache[group_index] = _GroupTables.build(params, optimizer.state)
+            or tables.state_ptrs != _state_ptrs(params, optimizer.state, shard)):
+        tables = cache[group_index] = _GroupTables.build(params, optimizer.state, shard)
     return tables
 
 
-def adamw_step(optimizer: torch.optim.AdamW, grad_divisor: torch.Tensor | None, found_inf: torch.Tensor) -> None:
+def _stepped_groups(optimizer: torch.optim.AdamW,
+                    shard: Shard) -> list[tuple[dict, list[torch.nn.Parameter], _GroupTables]]:
+    """Each group with a gradient: the group, its parameters that have one (torch's AdamW leaves the others out) and
+    their tables (the state created first, as torch's fused AdamW creates it at a parameter's first step)."""
+    stepped = []
+    for index, group in enumerate(optimizer.param_groups):
+        params = [p for p in group["params"] if p.grad is not None]
+        if params:
+            assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in params), "fp32 only"
+            _init_state(optimizer, params)
+            stepped.append((group, params, _tables(optimizer, index, params, shard)))
+    return stepped
+
+
+def _grad_table(params: list[torch.nn.Parameter], shard: Shard) -> tuple[list[torch.Tensor], torch.Tensor, bool]:
+    """The gradients as the kernels read them (contiguous, each the shape of its parameter: the group's table checked
+    the numels; the caller holds the list until its launch), their device address table, and whether all of
+    them allow the 16-byte hints."""
+    grads = [shard(p.grad).contiguous() for p in params]
+    addrs = [g.data_ptr() for g in grads]
+    return grads, _table(addrs, params[0].device), all(a % ALIGNMENT == 0 for a in addrs)
+
+
+def _launch_options(kernel: object) -> dict[str, int]:
+    return {"num_warps": 1 if is_interpreted(kernel) else NUM_WARPS}
+
+
+def _unsharded(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def grad_norm(optimizer: torch.optim.AdamW, shard: Shard = _unsharded) -> torch.Tensor:
+    """The L2 norm (an fp32 device scalar) of the gradients `adamw_step` would read (with `shard`, of this rank's
+    shards: the caller reduces sharded norms): one launch per group writes each block's sum of squares, then one
+    sum over the blocks (a fixed order: deterministic)."""
+    partials = []
+    for _, params, tables in _stepped_groups(optimizer, shard):
+        grads, grad_addrs, grads_aligned = _grad_table(params, shard)  # grads: held until the launch
+        out = torch.empty(tables.block_tensor.numel(), dtype=torch.float32, device=params[0].device)  # [programs]
+        sum_squares_kernel[(out.numel(),)](grad_addrs, tables.numels, tables.block_tensor, tables.block_start, out,
+                                           ALIGNED=tables.aligned and grads_aligned, BLOCK=BLOCK,
+                                           **_launch_options(sum_squares_kernel))
+        partials.append(out)
+    if not partials:
+        return torch.zeros((), dtype=torch.float32, device=optimizer.param_groups[0]["params"][0].device)
+    return torch.cat(partials).sum().sqrt()  # [sum of programs] -> []
+
+
+def adamw_step(optimizer: torch.optim.AdamW, grad_divisor: torch.Tensor | None, found_inf: torch.Tensor,
+               shard: Shard = _unsharded) -> None:
     """One `optimizer.step()` of torch's AdamW, each gradient divided by `grad_divisor` (a device scalar; None: 1)
     as it is read, skipped on the device where `found_inf` (a device scalar) is non-zero. Parameters without a
-    gradient are left out, as torch's AdamW leaves them."""
-    for index, group in enumerate(optimizer.param_groups):
+    gradient are left out, as torch's AdamW leaves them. `shard`: the tensor of a parameter (and of its gradient and
+    moments) the update runs on, e.g. a DTensor's local shard (AdamW is elementwise: the shard's update is the
+    parameter's); the state itself stays what the optimizer holds."""
+    for group, params, tables in _stepped_groups(optimizer, shard):
         assert not group["amsgrad"] and not group["maximize"], "adamw_step: plain AdamW only"
-        params = [p for p in group["params"] if p.grad is not None]
-        if not params:
-            continue
-        assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in params), "fp32 only"
-        _init_state(optimizer, params)
-        tables = _tables(optimizer, index, params)
         steps = [optimizer.state[p]["step"] for p in params]
         torch._foreach_add_(steps, 1.0 - found_inf)  # counts this step unless it is skipped
-        grads = [p.grad.contiguous() for p in params]  # each the shape of its parameter: the table checked numels
-        grad_addrs = [g.data_ptr() for g in grads]
+        grads, grad_addrs, grads_aligned = _grad_table(params, shard)  # grads: held until the launch
         beta1, beta2 = group["betas"]
         adamw_kernel[(tables.block_tensor.numel(),)](
-            tables.param_addrs, _table(grad_addrs, params[0].device), tables.exp_avg_addrs, tables.exp_avg_sq_addrs,
+            tables.param_addrs, grad_addrs, tables.exp_avg_addrs, tables.exp_avg_sq_addrs,
             tables.step_addrs, tables.numels, tables.block_tensor, tables.block_start, grad_divisor, found_inf,
             float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], HAS_DIVISOR=grad_divisor is not None,
-            ALIGNED=tables.aligned and all(a % ALIGNMENT == 0 for a in grad_addrs), BLOCK=BLOCK,
-            num_warps=1 if is_interpreted(adamw_kernel) else NUM_WARPS)
+            ALIGNED=tables.aligned and grads_aligned, BLOCK=BLOCK, **_launch_options(adamw_kernel))
+
+
+class TritonAdamW(torch.optim.AdamW):
+    """torch's AdamW (its state, hyperparameters and checkpoints) whose `step()` is `adamw_step`. Like torch's fused
+    AdamW, the step reads the optimizer's `grad_scale` (the divisor) and `found_inf` attributes where a caller set
+    them (`gpt2.engines.guard.step_if_finite`). `shard`: as in `adamw_step`; the other arguments are AdamW's."""
+
+    def __init__(self, params: Any, *, shard: Shard = _unsharded, **adamw: Any):
+        super().__init__(params, **adamw)
+        self.shard = shard
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        assert closure is None, "TritonAdamW.step takes no closure"
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            found_inf = torch.zeros((), dtype=torch.float32, device=self.param_groups[0]["params"][0].device)
+        adamw_step(self, getattr(self, "grad_scale", None), found_inf, shard=self.shard)
+
+    def grad_norm(self) -> torch.Tensor:
+        """`grad_norm` of this optimizer's gradients (of their shards)."""
+        return grad_norm(self, self.shard)

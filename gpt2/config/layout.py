@@ -272,6 +272,13 @@ class RunLayout:
         return self.cfg.zero_engine
 
     @property
+    def triton_adamw(self) -> bool:
+        """The optimizer step by `fused_kernels.triton.adamw` (the norm and the clipped update over torch's AdamW
+        state) instead of torch's fused AdamW: with --fused-kernels triton, in the engines whose optimizer is torch's
+        (single, DDP, FSDP2). DeepSpeed steps its own flat partitions."""
+        return self.cfg.train.fused_kernels == "triton" and (self.mode != "hybrid" or self.fsdp2)
+
+    @property
     def fsdp2(self) -> bool:
         """A hybrid run sharded by PyTorch FSDP2 (gpt2.engines.fsdp2_engine) instead of DeepSpeed."""
         return self.zero_engine == "fsdp2"

@@ -80,6 +80,7 @@ without a process group (`read_model_state`) and joins the TP shards by the TP p
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -220,7 +221,13 @@ class FSDP2Engine(TorchEngine):
     schedule, the guard, evaluation) with FSDP2's sharding where DDP would wrap; `module` is our GPT (its units
     FSDPModules)."""
 
-    optimizer_class = LocalShardAdamW
+    def optimizer_class(self) -> Callable[..., torch.optim.AdamW]:
+        """LocalShardAdamW, or with --fused-kernels triton the Triton AdamW on the same local shards."""
+        if self.layout.triton_adamw:
+            from fused_kernels.triton.adamw import TritonAdamW
+
+            return functools.partial(TritonAdamW, shard=local_shard)
+        return LocalShardAdamW
 
     def __init__(self, layout: RunLayout, ctx: DistContext):
         super().__init__(layout, ctx)  # TP plan -> act. checkpointing -> compiled forwards -> wrap: fully_shard

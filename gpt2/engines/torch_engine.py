@@ -22,7 +22,7 @@ uses the TP-aware global norm (`parallel.grads`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -39,10 +39,17 @@ from parallel.grads import allreduce_sequence_parallel_grads, grad_norm
 
 
 class TorchEngine:
-    """Single-device or DDP training with autocast, GradScaler (fp16), clipping, fused AdamW and the non-finite
-    guard (`gpt2.engines.guard`): a step whose global gradient norm is not finite updates nothing."""
+    """Single-device or DDP training with autocast, GradScaler (fp16), clipping, fused AdamW (the Triton one with
+    --fused-kernels triton: `RunLayout.triton_adamw`) and the non-finite guard (`gpt2.engines.guard`): a step whose
+    global gradient norm is not finite updates nothing."""
 
-    optimizer_class: type[torch.optim.AdamW] = torch.optim.AdamW
+    def optimizer_class(self) -> Callable[..., torch.optim.AdamW]:
+        """torch's AdamW (fused), or with --fused-kernels triton its Triton step (imported only then: Triton)."""
+        if self.layout.triton_adamw:
+            from fused_kernels.triton.adamw import TritonAdamW
+
+            return TritonAdamW
+        return torch.optim.AdamW
 
     def __init__(self, layout: RunLayout, ctx: DistContext):
         self.cfg = cfg = layout.cfg
@@ -59,7 +66,7 @@ class TorchEngine:
         self.dtype = layout.autocast_dtype
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.dtype == torch.float16)
         # fused on every device: it skips a non-finite step on the device (`step_if_finite`)
-        self.optimizer = self.optimizer_class(
+        self.optimizer = self.optimizer_class()(
             param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_at(s, t) / t.lr)
         self._step_lr = self.scheduler.get_last_lr()[0]  # the lr of the last optimizer step
@@ -82,9 +89,12 @@ class TorchEngine:
         return contextlib.nullcontext() if sync else self.ddp.no_sync()
 
     def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
-        """The global gradient norm (multi-tensor kernels, no host sync); TP-aware with tensor parallelism."""
+        """The global gradient norm (multi-tensor or Triton kernels, no host sync); TP-aware with tensor
+        parallelism."""
         if self.ctx.dims.tp_size > 1:
             return grad_norm(params, self.ctx.dims)  # sharded weights' squares summed over TP
+        if self.layout.triton_adamw:
+            return self.optimizer.grad_norm()  # the Triton kernels', over the optimizer's parameters: `params`
         return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -106,7 +116,7 @@ class TorchEngine:
 
     def optimizer_step(self) -> torch.Tensor:
         """Clip, step unless the global gradient norm is not finite (decided on the device), schedule; returns the
-        pre-clip global gradient norm (a device tensor). The clipping is the fused AdamW's: its kernel divides each
+        pre-clip global gradient norm (a device tensor). The clipping is the update's: its kernel divides each
         gradient by `clip_divisor` as it reads it (one pass over the gradients for the norm, one for the update)."""
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.train.grad_clip

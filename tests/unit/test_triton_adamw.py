@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fused_kernels.triton import adamw
-from fused_kernels.triton.adamw import BLOCK, TABLES, adamw_step
+from fused_kernels.triton.adamw import BLOCK, TABLES, TritonAdamW, adamw_step, grad_norm
 from tests._fused_helpers import DEVICE
 
 SHAPES = [(37, 129), (129,), (3, BLOCK + 5), (1,)]  # tensors shorter and longer than a program's block
@@ -117,3 +117,65 @@ def test_a_gradient_off_a_16_byte_word_turns_the_vector_hints_off(monkeypatch: p
     params[0].grad = buffer[1:].view(params[0].shape)  # 4 bytes past an aligned allocation
     adamw_step(opt, None, torch.zeros((), device=DEVICE))
     assert launches == [True, True, False, True]  # per group: [matrices, vectors]
+
+
+@pytest.mark.parametrize("shapes, aligned", [(SHAPES, False), (WHOLE_WORDS, True)])
+def test_grad_norm_is_the_global_norm_of_the_gradients_it_steps(shapes: list[tuple[int, ...]], aligned: bool) -> None:
+    """Every block's sum of squares once (blocks shorter than BLOCK, several blocks a tensor), a parameter without a
+    gradient left out as the update leaves it out."""
+    params = _model(shapes=shapes)
+    opt = _optimizer(params)
+    _set_grads(params, 0)
+    params[1].grad = None
+    exact = torch.stack([p.grad.double().square().sum() for p in params if p.grad is not None]).sum().sqrt()
+    norm = grad_norm(opt)
+    assert norm.dtype == torch.float32 and norm.shape == ()
+    torch.testing.assert_close(norm.double(), exact, rtol=1e-6, atol=0)
+    assert [t.aligned for t in opt.__dict__[TABLES].values()] == [aligned, aligned]
+
+
+def test_a_shard_is_stepped_as_its_part_of_the_whole() -> None:
+    """`shard` picks the tensors the kernels read and write (as a DTensor's local shard): a shard's update is the
+    whole parameter's, restricted to it; the rest stays as it was. The norm is the shards'."""
+    def rows_after_first(t: torch.Tensor) -> torch.Tensor:
+        return t[1:]  # contiguous: rows 1.. of a contiguous tensor
+
+    shapes = [(5, 129), (3, BLOCK + 4), (2,)]
+    ours, ref = _model(shapes=shapes), _model(shapes=shapes)
+    opt = TritonAdamW([{"params": ours[:2], "weight_decay": 0.1}, {"params": ours[2:], "weight_decay": 0.0}],
+                      lr=1e-2, betas=(0.9, 0.95), shard=rows_after_first)
+    opt_ref = _optimizer(ref)
+    first_rows = [p.detach()[:1].clone() for p in ours]
+    for step in range(2):
+        _set_grads(ours, step)
+        _set_grads(ref, step)
+        shard_norm = torch.stack([g.double()[1:].square().sum() for g in (p.grad for p in ours)]).sum().sqrt()
+        torch.testing.assert_close(opt.grad_norm().double(), shard_norm, rtol=1e-6, atol=0)
+        opt.step()
+        opt_ref.step()
+    for p, p_ref, row in zip(ours, ref, first_rows):
+        assert torch.equal(p.detach()[:1], row)
+        _close(p.detach()[1:], p_ref.detach()[1:])
+        _close(opt.state[p]["exp_avg"][1:], opt_ref.state[p_ref]["exp_avg"][1:])
+        assert not opt.state[p]["exp_avg"][:1].any()
+
+
+def test_triton_adamw_step_reads_the_divisor_and_found_inf_a_caller_sets() -> None:
+    """What `gpt2.engines.guard.step_if_finite` hands torch's fused AdamW, read the same way."""
+    ours, ref = _model(), _model()
+    opt = TritonAdamW([{"params": ours[:2], "weight_decay": 0.1}, {"params": ours[2:], "weight_decay": 0.0}],
+                      lr=1e-2, betas=(0.9, 0.95))
+    opt_ref = _optimizer(ref)
+    _set_grads(ours, 0)
+    _set_grads(ref, 0)
+    opt.grad_scale, opt.found_inf = torch.tensor(2.5, device=DEVICE), torch.zeros((), device=DEVICE)
+    opt.step()
+    for p in ref:
+        p.grad.div_(2.5)
+    opt_ref.step()
+    for p, p_ref in zip(ours, ref):
+        _close(p.detach(), p_ref.detach())
+    before = [p.detach().clone() for p in ours]
+    opt.found_inf = torch.ones((), device=DEVICE)
+    opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(ours, before))
