@@ -31,6 +31,9 @@ class KernelOps:
     # the whole MLP, mlp(x, w_fc, b_fc, w_proj, b_proj) -> y (nn.Linear's weights), for a backend that fuses across
     # its two Linears; None: the model runs the two Linears through `linear`
     mlp: Callable[..., torch.Tensor] | None = None
+    # in a whole-model Inductor graph, Inductor's own fusion of `linear`'s bias+GELU and of `add_layernorm` ran
+    # faster end to end than this backend's kernels (docs/decisions.md): they give way to the reference ops there
+    inductor_fuses_elementwise: bool = False
 
 
 REFERENCE_OPS = KernelOps(
@@ -51,9 +54,10 @@ def register_backend(name: str, factory: Callable[[bool], KernelOps]) -> None:
 def get_ops(backend: str, *, inductor_head: bool = False, whole_mlp: bool = False) -> KernelOps:
     """The ops of `backend` ("none", "triton", "cuda"); raises KernelUnavailableError if unusable.
 
-    inductor_head: torch.compile traces the LM head too (`--compile-scope model`). Inductor fuses the head's
-    matmul + cross-entropy itself, faster than the chunked kernel (docs/decisions.md), so the reference op is used
-    there.
+    inductor_head: torch.compile traces the whole model, LM head included (`--compile-scope model`). Inductor fuses
+    the head's matmul + cross-entropy itself, faster than the chunked kernel (docs/decisions.md), so the reference op
+    is used there; so are the reference bias+GELU and add+LayerNorm where the backend says Inductor fuses them
+    faster (`KernelOps.inductor_fuses_elementwise`).
 
     whole_mlp: a backend's whole-MLP op may be used (`gpt2.config.layout.whole_mlp_allowed` decides); otherwise
     `mlp` is None and nothing is built for it.
@@ -64,7 +68,11 @@ def get_ops(backend: str, *, inductor_head: bool = False, whole_mlp: bool = Fals
             f"choose one of {sorted(_BACKENDS)}")
     ops = _BACKENDS[backend](whole_mlp)
     assert whole_mlp or ops.mlp is None, f"backend {backend!r} returned a whole-MLP op it was not asked for"
-    return replace(ops, lm_cross_entropy=reference.lm_cross_entropy) if inductor_head else ops
+    if not inductor_head:
+        return ops
+    if ops.inductor_fuses_elementwise:
+        ops = replace(ops, linear=reference.linear, add_layernorm=reference.add_layernorm)
+    return replace(ops, lm_cross_entropy=reference.lm_cross_entropy)
 
 
 def _lazy_backend(module: str, factory: str) -> Callable[[bool], KernelOps]:

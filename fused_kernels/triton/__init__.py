@@ -4,7 +4,8 @@ LM cross-entropy.
 Each op is used in training only where it ran faster than what it replaces at GPT-2 Large's training shapes
 (docs/decisions.md): the one-kernel matmul+bias+GELU (`matmul_gelu`, kept for the kernel benchmark) was slower
 than cuBLAS + GELU, so the up-projection is cuBLAS followed by the Triton bias+GELU. Where Inductor compiles the
-LM head, `fused_kernels.get_ops` swaps the chunked cross-entropy for Inductor's own (faster there).
+whole model, `fused_kernels.get_ops` swaps all three for the reference ops, which Inductor fuses with their
+neighbours (faster end to end there); the set's optimizer, `fused_kernels.triton.adamw`, runs outside the graph.
 
 Each kernel is a PyTorch custom op with a fake implementation and registered autograd
 (`fused_kernels.custom_ops`), so `torch.compile` traces a model using them without graph breaks.
@@ -57,4 +58,5 @@ def triton_ops(*, whole_mlp: bool) -> KernelOps:
     """The triton backend's ops (no whole-MLP op, whatever `whole_mlp` allows); KernelUnavailableError if the
     kernels cannot run on this machine."""
     check_available(bias_gelu_fwd_kernel)
-    return KernelOps(name="triton", linear=linear, add_layernorm=add_layernorm, lm_cross_entropy=lm_cross_entropy)
+    return KernelOps(name="triton", linear=linear, add_layernorm=add_layernorm, lm_cross_entropy=lm_cross_entropy,
+                     inductor_fuses_elementwise=True)

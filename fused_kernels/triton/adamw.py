@@ -99,7 +99,10 @@ def _addresses(tensors: list[torch.Tensor], device: torch.device) -> torch.Tenso
 
 
 def _table(addresses: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(addresses, dtype=torch.int64).to(device, non_blocking=True)  # [n]
+    """[n] int64 on `device`. From pinned memory: a copy from pageable memory waits for the stream's work so far,
+    and the gradients' table is copied every step, while the backward may still run."""
+    host = torch.tensor(addresses, dtype=torch.int64, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 def _aligned(tensors: list[torch.Tensor]) -> bool:

@@ -72,6 +72,15 @@ def _chunk_rows(n_rows: int, v_padded: int) -> int:
     return max(1, min(n_rows, CHUNK_ELEMENTS // v_padded))
 
 
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b. On CUDA with 16-bit a and b, cuBLAS adds the product into the fp32 accumulator in its
+    epilogue (`addmm(out_dtype=float32)`): no 16-bit product is written, read back and rounded on the way."""
+    if acc.is_cuda and a.dtype != acc.dtype:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:  # the fp32 path, and CPU, where the out_dtype overload has no kernel
+        acc += a @ b
+
+
 def _forward_fake(hidden, weight, targets, vocab_size, compute_dtype, need_grad, chunk_rows):
     loss, correct = hidden.new_empty((), dtype=torch.float32), hidden.new_empty((), dtype=torch.int64)
     if not need_grad:
@@ -113,7 +122,7 @@ def lm_cross_entropy_forward(
             V=vocab_size, V_PADDED=v_padded, COMPUTE_GRAD=need_grad, BLOCK_V=block_v, num_warps=8)
         if need_grad:  # logits now holds dlogits
             torch.mm(logits, w, out=grad_h[s:e])  # [C, d]
-            grad_w += logits.t() @ h[s:e]  # [Vp, d]
+            _accumulate(grad_w, logits.t(), h[s:e])  # [Vp, d] += [Vp, C] @ [C, d]
     return loss_rows.sum() * inv_n, correct_rows.sum(dtype=torch.int64), grad_h, grad_w
 
 

@@ -162,14 +162,18 @@ def test_triton_ops_trace_for_the_gpu(opaque):
     assert proc.stdout.count("ok ") == 9, proc.stdout
 
 
-def test_a_compiled_lm_head_keeps_inductor_s_cross_entropy_and_the_up_projection_keeps_cublas():
+def test_a_whole_model_graph_keeps_inductor_s_ops_and_the_up_projection_keeps_cublas():
     """Each kernel is used only where it measured faster (fused_kernels.triton's docstring): the up-projection is
-    cuBLAS + the Triton bias+GELU, and where Inductor compiles the LM head its own cross-entropy stays."""
+    cuBLAS + the Triton bias+GELU, and where Inductor compiles the whole model its own cross-entropy, bias+GELU
+    and add+LayerNorm stay."""
     from fused_kernels import reference
 
     ops = get_ops("triton")
-    assert ops.lm_cross_entropy is not reference.lm_cross_entropy
-    assert get_ops("triton", inductor_head=True).lm_cross_entropy is reference.lm_cross_entropy
+    assert {ops.lm_cross_entropy, ops.linear, ops.add_layernorm}.isdisjoint(
+        {reference.lm_cross_entropy, reference.linear, reference.add_layernorm})
+    whole = get_ops("triton", inductor_head=True)
+    assert (whole.lm_cross_entropy, whole.linear, whole.add_layernorm) == (
+        reference.lm_cross_entropy, reference.linear, reference.add_layernorm)
     x, w, b = torch.randn(4, 8), torch.randn(16, 8), torch.randn(16)
     assert_close(ops.linear(x, w, b, True), reference.linear(x, w, b, True), 1e-5, "up-projection")
 
