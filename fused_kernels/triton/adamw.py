@@ -38,6 +38,7 @@ BLOCK = 2048  # elements a program updates: a few vectorised loads of each of it
 ALIGNMENT = 16  # bytes: a 16-byte access moves four fp32 elements
 Shard = Callable[[torch.Tensor], torch.Tensor]  # a parameter's (or its state's, gradient's) tensor the kernels read
 TABLES = "_triton_adamw_tables"  # the optimizer attribute holding each parameter group's _GroupTables
+GRAD_TABLES = "_triton_adamw_grad_tables"  # ... and each group's last gradient table: (addresses, device table)
 NUM_WARPS = 4  # per program: BLOCK / (32 * NUM_WARPS) elements a thread (docs/decisions.md)
 
 
@@ -169,26 +170,33 @@ def _tables(optimizer: torch.optim.AdamW, group_index: int, params: list[torch.n
 
 
 def _stepped_groups(optimizer: torch.optim.AdamW,
-                    shard: Shard) -> list[tuple[dict, list[torch.nn.Parameter], _GroupTables]]:
-    """Each group with a gradient: the group, its parameters that have one (torch's AdamW leaves the others out) and
-    their tables (the state created first, as torch's fused AdamW creates it at a parameter's first step)."""
+                    shard: Shard) -> list[tuple[int, dict, list[torch.nn.Parameter], _GroupTables]]:
+    """Each group with a gradient: its index, the group, its parameters that have one (torch's AdamW leaves the others
+    out) and their tables (the state created first, as torch's fused AdamW creates it at a parameter's first step)."""
     stepped = []
     for index, group in enumerate(optimizer.param_groups):
         params = [p for p in group["params"] if p.grad is not None]
         if params:
             assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in params), "fp32 only"
             _init_state(optimizer, params)
-            stepped.append((group, params, _tables(optimizer, index, params, shard)))
+            stepped.append((index, group, params, _tables(optimizer, index, params, shard)))
     return stepped
 
 
-def _grad_table(params: list[torch.nn.Parameter], shard: Shard) -> tuple[list[torch.Tensor], torch.Tensor, bool]:
+def _grad_table(optimizer: torch.optim.AdamW, group_index: int, params: list[torch.nn.Parameter],
+                shard: Shard) -> tuple[list[torch.Tensor], torch.Tensor, bool]:
     """The gradients as the kernels read them (contiguous, each the shape of its parameter: the group's table checked
     the numels; the caller holds the list until its launch), their device address table, and whether all of
-    them allow the 16-byte hints."""
+    them allow the 16-byte hints. The table is copied to the device only when the addresses changed since the
+    group's last table: the norm and the update of a step read the same gradients, and the caching allocator often
+    hands a step's gradients the previous step's blocks."""
     grads = [shard(p.grad).contiguous() for p in params]
-    addrs = [g.data_ptr() for g in grads]
-    return grads, _table(addrs, params[0].device), all(a % ALIGNMENT == 0 for a in addrs)
+    addrs = tuple(g.data_ptr() for g in grads)
+    cache: dict[int, tuple[tuple[int, ...], torch.Tensor]] = optimizer.__dict__.setdefault(GRAD_TABLES, {})
+    last = cache.get(group_index)
+    if last is None or last[0] != addrs:
+        last = cache[group_index] = (addrs, _table(list(addrs), params[0].device))
+    return grads, last[1], all(a % ALIGNMENT == 0 for a in addrs)
 
 
 def _launch_options(kernel: object) -> dict[str, int]:
@@ -204,8 +212,8 @@ def grad_norm(optimizer: torch.optim.AdamW, shard: Shard = _unsharded) -> torch.
     shards: the caller reduces sharded norms): one launch per group writes each block's sum of squares, then one
     sum over the blocks (a fixed order: deterministic)."""
     partials = []
-    for _, params, tables in _stepped_groups(optimizer, shard):
-        grads, grad_addrs, grads_aligned = _grad_table(params, shard)  # grads: held until the launch
+    for index, _, params, tables in _stepped_groups(optimizer, shard):
+        grads, grad_addrs, grads_aligned = _grad_table(optimizer, index, params, shard)  # grads: held until launched
         out = torch.empty(tables.block_tensor.numel(), dtype=torch.float32, device=params[0].device)  # [programs]
         sum_squares_kernel[(out.numel(),)](grad_addrs, tables.numels, tables.block_tensor, tables.block_start, out,
                                            ALIGNED=tables.aligned and grads_aligned, BLOCK=BLOCK,
@@ -223,11 +231,11 @@ def adamw_step(optimizer: torch.optim.AdamW, grad_divisor: torch.Tensor | None, 
     gradient are left out, as torch's AdamW leaves them. `shard`: the tensor of a parameter (and of its gradient and
     moments) the update runs on, e.g. a DTensor's local shard (AdamW is elementwise: the shard's update is the
     parameter's); the state itself stays what the optimizer holds."""
-    for group, params, tables in _stepped_groups(optimizer, shard):
+    for index, group, params, tables in _stepped_groups(optimizer, shard):
         assert not group["amsgrad"] and not group["maximize"], "adamw_step: plain AdamW only"
         steps = [optimizer.state[p]["step"] for p in params]
         torch._foreach_add_(steps, 1.0 - found_inf)  # counts this step unless it is skipped
-        grads, grad_addrs, grads_aligned = _grad_table(params, shard)  # grads: held until the launch
+        grads, grad_addrs, grads_aligned = _grad_table(optimizer, index, params, shard)  # grads: held until launched
         beta1, beta2 = group["betas"]
         adamw_kernel[(tables.block_tensor.numel(),)](
             tables.param_addrs, grad_addrs, tables.exp_avg_addrs, tables.exp_avg_sq_addrs,

@@ -179,3 +179,24 @@ def test_triton_adamw_step_reads_the_divisor_and_found_inf_a_caller_sets() -> No
     opt.found_inf = torch.ones((), device=DEVICE)
     opt.step()
     assert all(torch.equal(p.detach(), b) for p, b in zip(ours, before))
+
+
+def test_the_gradient_table_is_copied_only_when_the_addresses_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The norm and the update of a step share one copy of the gradients' table; new gradients at new addresses
+    get a new one (and the update reads them: the step matches torch's)."""
+    copies: list[int] = []
+    table = adamw._table
+    monkeypatch.setattr(adamw, "_table", lambda addresses, device: copies.append(len(addresses)) or table(addresses,
+                                                                                                           device))
+    ours, ref = _model(), _model()
+    opt, opt_ref = _optimizer(ours), _optimizer(ref)
+    for step in range(2):
+        _set_grads(ours, step)  # new tensors: new addresses
+        _set_grads(ref, step)
+        grad_norm(opt)
+        adamw_step(opt, None, torch.zeros((), device=DEVICE))
+        opt_ref.step()
+    state_tables = 4 * 2  # parameters, two moments and steps of each of the two groups, built once
+    assert len(copies) == state_tables + 2 * 2  # a gradient table per group and step, not two
+    for p, p_ref in zip(ours, ref):
+        _close(p.detach(), p_ref.detach())
