@@ -234,7 +234,9 @@ def adamw_step(optimizer: torch.optim.AdamW, grad_divisor: torch.Tensor | None, 
     for index, group, params, tables in _stepped_groups(optimizer, shard):
         assert not group["amsgrad"] and not group["maximize"], "adamw_step: plain AdamW only"
         steps = [optimizer.state[p]["step"] for p in params]
-        torch._foreach_add_(steps, 1.0 - found_inf)  # counts this step unless it is skipped
+        # counts this step unless it is skipped; one addend a tensor: a single device-tensor addend is read with
+        # .item() (a host sync every step)
+        torch._foreach_add_(steps, [1.0 - found_inf] * len(steps))
         grads, grad_addrs, grads_aligned = _grad_table(optimizer, index, params, shard)  # grads: held until launched
         beta1, beta2 = group["betas"]
         adamw_kernel[(tables.block_tensor.numel(),)](

@@ -200,3 +200,18 @@ def test_the_gradient_table_is_copied_only_when_the_addresses_change(monkeypatch
     assert len(copies) == state_tables + 2 * 2  # a gradient table per group and step, not two
     for p, p_ref in zip(ours, ref):
         _close(p.detach(), p_ref.detach())
+
+
+def test_a_step_reads_nothing_back_to_the_host() -> None:
+    """No `.item()` (a device sync each step, which stalled the step on a GPU) in the norm or the update."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = _model()
+    opt = TritonAdamW([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}], lr=1e-2)
+    _set_grads(params, 0)
+    opt.step()  # tables built
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        norm = opt.grad_norm()
+        opt.found_inf, opt.grad_scale = (~torch.isfinite(norm)).float(), torch.clamp(norm, min=1.0)
+        opt.step()
+    assert [e.key for e in prof.key_averages() if e.key in ("aten::item", "aten::_local_scalar_dense")] == []
