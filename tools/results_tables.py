@@ -114,6 +114,7 @@ def cells(row: Row, base: Row | None) -> dict[str, str]:
         "peak GiB": f"{float(row['peak_gib']):.1f}" if row["peak_gib"] else "",
         "ratio": f"{ratio(row, base):.2f}× #{base['id']}" if base is not None else "",
         "verdict": label(row), "call": f"{row['date']} {row['call']}",
+        "note": row["note"].replace("|", "\\|"),  # a note may hold |dloss|
     }
 
 
@@ -145,8 +146,7 @@ def simulated(rows: Mapping[int, Row]) -> str:
         common = cells(row, None)
         c = {**common, "GPUs simulated": row["gpus"], "MFU, communication free": common["MFU"],
              "device busy": f"{float(row['device_busy_pct']):.1f}%" if row["device_busy_pct"] else "",
-             "raw": f"[table](../{row['raw'].replace('.csv', '.md')})" + superseded_note(row),
-             "note": row["note"].replace("|", "\\|")}  # a note may hold |dloss|
+             "raw": f"[table](../{row['raw'].replace('.csv', '.md')})" + superseded_note(row)}
         lines.append("| " + " | ".join(c[col] for col in SIMULATED_COLUMNS) + " |")
     return "\n".join(lines) + "\n"
 
@@ -240,7 +240,9 @@ TABLES: dict[str, Table] = {
                               *pairs(30, 31, vs=30), *pairs(32, 33, vs=32), *pairs(34, 35, vs=34), (36, None),
                               *pairs(23, 20, 22, 21, 19, vs=23)]),
     "one-h200-kernels": Table([*pairs(230, 231, 232, vs=230), *pairs(235, 237, 236, vs=235),
-                               *pairs(243, 245, 244, vs=243), (246, None)]),
+                               *pairs(243, 245, 244, vs=243), (246, None), *pairs(256, 255, 257, vs=256),
+                               *pairs(260, 261, vs=260), *pairs(262, 263, vs=262), *pairs(266, 267, vs=266)],
+                              columns=(*Table.columns, "note")),
 }
 KEY = ("op", "implementation", "shape", "metric")  # a microbenchmark row's key within its call
 
