@@ -15,7 +15,7 @@ def test_the_cpu_run_writes_a_row_per_variant_with_its_bound_and_tag(tmp_path, m
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
-    # the Triton rows: seconds a call in Triton's interpreter; their kernels are checked in tests/unit/test_triton_adamw.py
+    # the Triton rows: seconds a call in the interpreter; their kernels: tests/unit/test_triton_adamw.py
     variants = [v for v in optimizer_step.VARIANTS if v not in optimizer_step.TRITON]
     rows = optimizer_step.main(["--model", "gpt2-tiny", "--device", "cpu", "--iters", "1", "--warmup", "1",
                                 "--no-compile", "--profile", "--variants", ",".join(variants), "--out", str(tmp_path)])
