@@ -33,7 +33,7 @@ Rows (N parameters, 4 bytes each; `min_GB` is what a row must move at least, eac
 - compiled-lists+clip (only when --variants names it; its compile takes minutes): the same compiled update over
   the model's own tensors, no flat buffers (Inductor: a kernel per tensor); 32N. What a compiled optimizer in
   the engines would reach without changing the parameters' layout.
-- engine-triton: the engine's step as train.py runs it with --fused-kernels triton (`RunLayout.triton_adamw`, an
+- engine-triton: the engine's step as train.py runs it with --optimizer triton (`RunLayout.triton_adamw`, an
   engine of its own): the norm by `fused_kernels.triton.adamw.grad_norm` (the update's tables), then the Triton
   update; the guard, schedule and zero_grad as in engine. 32N, the clipped-step bound. Needs a GPU, or
   TRITON_INTERPRET=1 on the CPU.
@@ -255,7 +255,7 @@ def make_variant(name: str, s: Setup) -> Variant:
     if name == "clip-mul":
         coef = torch.ones((), device=device)
         return Variant(len(s.params), 8, lambda: torch._foreach_mul_(list(s.grads.values()), coef), s.attach)
-    if name == "engine-triton":  # s: the setup of an engine built with --fused-kernels triton (`setup_for`)
+    if name == "engine-triton":  # s: the setup of an engine built with --optimizer triton (`setup_for`)
         assert s.engine.layout.triton_adamw
         return Variant(len(s.params), 32, lambda: engine.guard.record(next(s.steps), loss, engine.optimizer_step()),
                        s.attach)
@@ -299,10 +299,10 @@ def make_variant(name: str, s: Setup) -> Variant:
 
 def setup_for(name: str, setup: Setup, train_argv: list[str]) -> Setup:
     """The setup a variant steps: `setup`, or for engine-triton one of its own, over an engine built with
-    --fused-kernels triton (its own copy of the model: the same weights and gradients, by the same seeds)."""
+    --optimizer triton (its own copy of the model: the same weights and gradients, by the same seeds)."""
     if name != "engine-triton":
         return setup
-    layout, ctx, _ = launch([*train_argv, "--fused-kernels", "triton"])
+    layout, ctx, _ = launch([*train_argv, "--optimizer", "triton"])
     return Setup(build_engine(layout, ctx), setup.clip)
 
 

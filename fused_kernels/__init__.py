@@ -51,13 +51,17 @@ def register_backend(name: str, factory: Callable[[bool], KernelOps]) -> None:
     _BACKENDS[name] = factory
 
 
-def get_ops(backend: str, *, inductor_head: bool = False, whole_mlp: bool = False) -> KernelOps:
+def get_ops(backend: str, *, inductor_head: bool = False, inductor_elementwise: bool = False,
+            whole_mlp: bool = False) -> KernelOps:
     """The ops of `backend` ("none", "triton", "cuda"); raises KernelUnavailableError if unusable.
 
-    inductor_head: torch.compile traces the whole model, LM head included (`--compile-scope model`). Inductor fuses
-    the head's matmul + cross-entropy itself, faster than the chunked kernel (docs/decisions.md), so the reference op
-    is used there; so are the reference bias+GELU and add+LayerNorm where the backend says Inductor fuses them
-    faster (`KernelOps.inductor_fuses_elementwise`).
+    inductor_head: Inductor compiles the LM head with the rest of the model (`--compile-scope model`, DeepCompile).
+    It fuses the head's matmul + cross-entropy itself, faster than the chunked kernel (docs/decisions.md), so the
+    reference op is used there.
+
+    inductor_elementwise: torch.compile traces the whole model as one graph (`--compile-scope model`; DeepCompile's
+    graph is not measured): the reference bias+GELU and add+LayerNorm are used where the backend says Inductor fuses
+    them faster there (`KernelOps.inductor_fuses_elementwise`).
 
     whole_mlp: a backend's whole-MLP op may be used (`gpt2.config.layout.whole_mlp_allowed` decides); otherwise
     `mlp` is None and nothing is built for it.
@@ -68,11 +72,9 @@ def get_ops(backend: str, *, inductor_head: bool = False, whole_mlp: bool = Fals
             f"choose one of {sorted(_BACKENDS)}")
     ops = _BACKENDS[backend](whole_mlp)
     assert whole_mlp or ops.mlp is None, f"backend {backend!r} returned a whole-MLP op it was not asked for"
-    if not inductor_head:
-        return ops
-    if ops.inductor_fuses_elementwise:
+    if inductor_elementwise and ops.inductor_fuses_elementwise:
         ops = replace(ops, linear=reference.linear, add_layernorm=reference.add_layernorm)
-    return replace(ops, lm_cross_entropy=reference.lm_cross_entropy)
+    return replace(ops, lm_cross_entropy=reference.lm_cross_entropy) if inductor_head else ops
 
 
 def _lazy_backend(module: str, factory: str) -> Callable[[bool], KernelOps]:
@@ -87,6 +89,18 @@ def _lazy_backend(module: str, factory: str) -> Callable[[bool], KernelOps]:
         return getattr(backend, factory)(whole_mlp=whole_mlp)
 
     return load
+
+
+def check_triton_optimizer() -> None:
+    """KernelUnavailableError unless the Triton AdamW (`--optimizer triton`, `fused_kernels.triton.adamw`) can run
+    here; imports Triton only when asked."""
+    try:
+        from fused_kernels.triton import check_available
+        from fused_kernels.triton.adamw import adamw_kernel
+    except ImportError as e:
+        raise KernelUnavailableError(f"--optimizer triton: Triton cannot be imported here ({e}); use --optimizer "
+                                     "torch") from e
+    check_available(adamw_kernel, "--optimizer triton", "--optimizer torch")
 
 
 register_backend("triton", _lazy_backend("fused_kernels.triton", "triton_ops"))

@@ -33,25 +33,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gel
     return bias_gelu(F.linear(x, weight), bias)  # F.linear follows autocast; bias follows its output dtype
 
 
-def check_available(kernel: object) -> None:
-    """Raise KernelUnavailableError unless `kernel` can run: interpreted, or compiled with a CUDA GPU present."""
+def check_available(kernel: object, flag: str = "--fused-kernels triton", fix: str = "--fused-kernels none") -> None:
+    """Raise KernelUnavailableError unless `kernel` can run: interpreted, or compiled with a CUDA GPU present. `flag`
+    is what asked for it, `fix` what to use instead."""
     if is_interpreted(kernel):
         return
     if not torch.cuda.is_available():
         raise KernelUnavailableError(
-            "--fused-kernels triton needs a CUDA GPU, or TRITON_INTERPRET=1 set before the kernels are imported "
-            "to run them (slowly) on the CPU; use --fused-kernels none otherwise")
-    _smoke_test()
+            f"{flag} needs a CUDA GPU, or TRITON_INTERPRET=1 set before the kernels are imported to run them "
+            f"(slowly) on the CPU; use {fix} otherwise")
+    _smoke_test(flag)
 
 
-def _smoke_test() -> None:
+def _smoke_test(flag: str) -> None:
     """Compile and run one small kernel so a broken Triton/driver install fails at start-up, not mid-run."""
     x = torch.randn(4, 64, device="cuda")
     try:
         add_layernorm(x, x, torch.ones(64, device="cuda"), torch.zeros(64, device="cuda"), 1e-5)
         torch.cuda.synchronize()
     except Exception as e:  # any compiler / driver failure
-        raise KernelUnavailableError(f"--fused-kernels triton: the Triton kernels failed to compile or run: {e}") from e
+        raise KernelUnavailableError(f"{flag}: the Triton kernels failed to compile or run: {e}") from e
 
 
 def triton_ops(*, whole_mlp: bool) -> KernelOps:

@@ -7,8 +7,9 @@ the gradients right after the step), so a clipped step moves 28 bytes a paramete
 
 Many tensors, one launch: each program owns BLOCK elements of one tensor, found through tables of the tensors'
 device addresses (parameters, gradients, the two moments, the step counts) and, per program, its tensor's index and
-start. The tables of an optimizer's state are built once and kept; the gradients' addresses change every step
-(autograd allocates them anew), so their table is rebuilt each step from the host (one copy of 8 bytes a tensor).
+start. The tables of an optimizer's state are built once and kept while every address they hold stays the same;
+the gradients' table is copied from the host (8 bytes a tensor) when their addresses differ from the last step's
+(autograd allocates gradients anew each step, though often in the same blocks).
 
     norm = grad_norm(optimizer)
     adamw_step(optimizer, grad_divisor=clip_divisor(norm, 1.0), found_inf=(~torch.isfinite(norm)).float())
@@ -19,7 +20,8 @@ step's first pass, 4 bytes a parameter, with 16-byte loads where the update has 
 The update is `torch.optim.AdamW`'s (`amsgrad=False`, `maximize=False`), on the optimizer's own state: the same
 `exp_avg`, `exp_avg_sq` and per-parameter `step` tensors as its fused implementation keeps, so checkpoints and
 `optimizer.step()` can take over from here and back. A step whose `found_inf` is non-zero changes nothing, step
-counts included. fp32 parameters only.
+counts included. fp32 parameters only, and the step counts on the parameters' device (fused AdamW's state:
+`TritonAdamW` is built fused, so that `load_state_dict` puts them there).
 """
 
 from __future__ import annotations
@@ -99,10 +101,10 @@ def _addresses(tensors: list[torch.Tensor], device: torch.device) -> torch.Tenso
     return _table([t.data_ptr() for t in tensors], device)
 
 
-def _table(addresses: list[int], device: torch.device) -> torch.Tensor:
-    """[n] int64 on `device`. From pinned memory: a copy from pageable memory waits for the stream's work so far,
-    and the gradients' table is copied every step, while the backward may still run."""
-    host = torch.tensor(addresses, dtype=torch.int64, pin_memory=device.type == "cuda")
+def _table(values: list[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """[n] on `device`. From pinned memory: a copy from pageable memory waits for the stream's work so far, and the
+    gradients' table may be copied while the backward still runs."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
 
 
@@ -117,7 +119,7 @@ class _GroupTables:
     not move between steps."""
 
     param_ids: tuple[int, ...]
-    state_ptrs: tuple[int, ...]  # the first moments' addresses the tables were built for
+    addresses: tuple[int, ...]  # what the tables were built for: `_addresses_of`
     param_addrs: torch.Tensor  # [n] int64
     exp_avg_addrs: torch.Tensor  # [n] int64
     exp_avg_sq_addrs: torch.Tensor  # [n] int64
@@ -134,17 +136,23 @@ class _GroupTables:
         blocks = [(i, start) for i, w in enumerate(weights) for start in range(0, w.numel(), BLOCK)]
         exp_avgs = [shard(state[p]["exp_avg"]) for p in params]
         exp_avg_sqs = [shard(state[p]["exp_avg_sq"]) for p in params]
-        return cls(tuple(map(id, params)), _state_ptrs(params, state, shard), _addresses(weights, device),
-                   _addresses(exp_avgs, device), _addresses(exp_avg_sqs, device),
-                   _addresses([state[p]["step"] for p in params], device),
-                   torch.tensor([w.numel() for w in weights], dtype=torch.int64, device=device),
-                   torch.tensor([i for i, _ in blocks], dtype=torch.int32, device=device),
-                   torch.tensor([s for _, s in blocks], dtype=torch.int64, device=device),
+        steps = [state[p]["step"] for p in params]
+        assert all(t.device == device and t.dtype == torch.float32 for t in steps), (
+            "step counts must be float32 on the parameters' device (fused AdamW's state)")
+        return cls(tuple(map(id, params)), _addresses_of(params, state, shard), _addresses(weights, device),
+                   _addresses(exp_avgs, device), _addresses(exp_avg_sqs, device), _addresses(steps, device),
+                   _table([w.numel() for w in weights], device),
+                   _table([i for i, _ in blocks], device, torch.int32),
+                   _table([s for _, s in blocks], device),
                    _aligned([*weights, *exp_avgs, *exp_avg_sqs]))
 
 
-def _state_ptrs(params: list[torch.nn.Parameter], state: dict, shard: Shard) -> tuple[int, ...]:
-    return tuple(shard(state[p]["exp_avg"]).data_ptr() for p in params)
+def _addresses_of(params: list[torch.nn.Parameter], state: dict, shard: Shard) -> tuple[int, ...]:
+    """Every address a group's tables hold: each parameter's (its shard's), its moments' and its step count's. A
+    parameter whose storage was swapped (`.data =`, `load_state_dict(assign=True)`, FSDP2 resharding) or a state
+    tensor replaced changes it."""
+    return tuple(a for p in params for a in (shard(p).data_ptr(), shard(state[p]["exp_avg"]).data_ptr(),
+                                             shard(state[p]["exp_avg_sq"]).data_ptr(), state[p]["step"].data_ptr()))
 
 
 def _init_state(optimizer: torch.optim.AdamW, params: list[torch.nn.Parameter]) -> None:
@@ -159,12 +167,12 @@ def _init_state(optimizer: torch.optim.AdamW, params: list[torch.nn.Parameter]) 
 
 def _tables(optimizer: torch.optim.AdamW, group_index: int, params: list[torch.nn.Parameter],
             shard: Shard) -> _GroupTables:
-    """The group's tables, rebuilt when its parameters or their state tensors are not those they were built for
-    (a first step, a loaded state dict)."""
+    """The group's tables, rebuilt when its parameters, or any address the tables hold, are not those they were
+    built for (a first step, a loaded state dict, a parameter's storage swapped)."""
     cache: dict[int, _GroupTables] = optimizer.__dict__.setdefault(TABLES, {})
     tables = cache.get(group_index)
     if (tables is None or tables.param_ids != tuple(map(id, params))
-            or tables.state_ptrs != _state_ptrs(params, optimizer.state, shard)):
+            or tables.addresses != _addresses_of(params, optimizer.state, shard)):
         tables = cache[group_index] = _GroupTables.build(params, optimizer.state, shard)
     return tables
 
@@ -207,10 +215,16 @@ def _unsharded(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _device(optimizer: torch.optim.AdamW) -> torch.device:
+    """The device of the optimizer's parameters (its first one, whichever group holds it)."""
+    return next(p for group in optimizer.param_groups for p in group["params"]).device
+
+
 def grad_norm(optimizer: torch.optim.AdamW, shard: Shard = _unsharded) -> torch.Tensor:
     """The L2 norm (an fp32 device scalar) of the gradients `adamw_step` would read (with `shard`, of this rank's
     shards: the caller reduces sharded norms): one launch per group writes each block's sum of squares, then one
-    sum over the blocks (a fixed order: deterministic)."""
+    sum over the blocks (a fixed order: deterministic). Like a first `adamw_step`, it creates the optimizer's state
+    where a parameter has none (its tables point at the moments)."""
     partials = []
     for index, _, params, tables in _stepped_groups(optimizer, shard):
         grads, grad_addrs, grads_aligned = _grad_table(optimizer, index, params, shard)  # grads: held until launched
@@ -220,7 +234,7 @@ def grad_norm(optimizer: torch.optim.AdamW, shard: Shard = _unsharded) -> torch.
                                            **_launch_options(sum_squares_kernel))
         partials.append(out)
     if not partials:
-        return torch.zeros((), dtype=torch.float32, device=optimizer.param_groups[0]["params"][0].device)
+        return torch.zeros((), dtype=torch.float32, device=_device(optimizer))
     return torch.cat(partials).sum().sqrt()  # [sum of programs] -> []
 
 
@@ -249,18 +263,20 @@ def adamw_step(optimizer: torch.optim.AdamW, grad_divisor: torch.Tensor | None, 
 class TritonAdamW(torch.optim.AdamW):
     """torch's AdamW (its state, hyperparameters and checkpoints) whose `step()` is `adamw_step`. Like torch's fused
     AdamW, the step reads the optimizer's `grad_scale` (the divisor) and `found_inf` attributes where a caller set
-    them (`gpt2.engines.guard.step_if_finite`). `shard`: as in `adamw_step`; the other arguments are AdamW's."""
+    them (`gpt2.engines.guard.step_if_finite`). `shard`: as in `adamw_step`; the other arguments are AdamW's. Built
+    fused (torch's fused state: `load_state_dict` puts the step counts on the parameters' device as float32, where
+    the kernel reads them) unless told otherwise."""
 
     def __init__(self, params: Any, *, shard: Shard = _unsharded, **adamw: Any):
-        super().__init__(params, **adamw)
+        super().__init__(params, **{"fused": True, **adamw})
         self.shard = shard
 
     @torch.no_grad()
-    def step(self, closure: None = None) -> None:
+    def step(self, closure: Callable[[], float] | None = None) -> None:
         assert closure is None, "TritonAdamW.step takes no closure"
         found_inf = getattr(self, "found_inf", None)
         if found_inf is None:
-            found_inf = torch.zeros((), dtype=torch.float32, device=self.param_groups[0]["params"][0].device)
+            found_inf = torch.zeros((), dtype=torch.float32, device=_device(self))
         adamw_step(self, getattr(self, "grad_scale", None), found_inf, shard=self.shard)
 
     def grad_norm(self) -> torch.Tensor:

@@ -247,8 +247,16 @@ def check_flags_act(args: argparse.Namespace) -> None:
                           "first launch starts from --init-from, a requeued one from its checkpoint)")
 
 
+def check_optimizer(args: argparse.Namespace) -> None:
+    """`--optimizer triton` steps torch's AdamW state (single, DDP, FSDP2); DeepSpeed steps its own partitions."""
+    if args.optimizer == "triton" and args.mode == "hybrid" and args.zero_engine != "fsdp2":
+        raise ConfigError("--optimizer triton steps torch's AdamW state, which DeepSpeed does not keep (it steps its "
+                          "own flat partitions); drop --optimizer triton or add --zero-engine fsdp2")
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     check_zero_engine(args)
+    check_optimizer(args)
     check_deepcompile(args)
     check_flags_act(args)
     if args.use_fused_kernel and args.fused_kernels not in ("none", "cuda"):

@@ -132,6 +132,12 @@ def inductor_compiles_head(cfg: RunConfig) -> bool:
     return compile_label(cfg.train.compile, cfg.train.compile_scope, cfg.train.compiler) in ("model", "deepcompile")
 
 
+def torch_compiles_whole_model(cfg: RunConfig) -> bool:
+    """Whether torch.compile traces the whole model as one graph (`--compile-scope model`): there Inductor's own
+    fusion replaces a fused-kernel backend's elementwise ops where it measured faster (`fused_kernels.get_ops`)."""
+    return compile_label(cfg.train.compile, cfg.train.compile_scope, cfg.train.compiler) == "model"
+
+
 def whole_mlp_allowed(cfg: RunConfig) -> bool:
     """A fused-kernel backend may run each MLP as one op reading both Linears' weights (`fused_kernels.KernelOps.mlp`):
     only where the Linears stay whole modules (no TP shards, no ZeRO-3 partitions) and in compiled runs, the only
@@ -273,10 +279,10 @@ class RunLayout:
 
     @property
     def triton_adamw(self) -> bool:
-        """The optimizer step by `fused_kernels.triton.adamw` (the norm and the clipped update over torch's AdamW
-        state) instead of torch's fused AdamW: with --fused-kernels triton, in the engines whose optimizer is torch's
-        (single, DDP, FSDP2). DeepSpeed steps its own flat partitions."""
-        return self.cfg.train.fused_kernels == "triton" and (self.mode != "hybrid" or self.fsdp2)
+        """`--optimizer triton`: the update by `fused_kernels.triton.adamw` over torch's AdamW state, and its norm
+        where the engine's norm is a plain one (no TP, no FSDP2), instead of torch's fused AdamW. Single, DDP and
+        FSDP2 only (`gpt2.config.cli.check_optimizer`): DeepSpeed steps its own flat partitions."""
+        return self.cfg.train.optimizer == "triton"
 
     @property
     def fsdp2(self) -> bool:

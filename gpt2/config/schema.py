@@ -321,6 +321,10 @@ class TrainConfig:
                                 parse=non_negative_int)
     fused_kernels: Literal["none", "triton", "cuda"] = option(
         "none", "fused-kernel backend (fused_kernels/); --use-fused-kernel is an alias of cuda", KERNELS)
+    optimizer: Literal["torch", "triton"] = option(
+        "torch", "AdamW's implementation: torch = torch's fused AdamW; triton = fused_kernels/triton/adamw.py (the "
+                 "clipped update, and without TP or FSDP2 the norm, one launch each per parameter group, on the same "
+                 "state; single, DDP and FSDP2)", KERNELS)
     attn: AttnChoice = option(
         "sdpa", "sdpa: PyTorch's SDPA picks its kernel; auto: on CUDA, the fastest SDPA kernel (flash, cuDNN, "
                 "memory-efficient) at this run's shape that matches an fp64 reference, timed once at model build "

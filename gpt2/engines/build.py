@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fused_kernels import KernelUnavailableError
+from fused_kernels import KernelUnavailableError, check_triton_optimizer
 from fused_kernels.attention import check_device, get_attention
 from gpt2.config.layout import RunLayout
 from gpt2.config.schema import ConfigError, RunConfig
@@ -19,6 +19,8 @@ def check_backends(cfg: RunConfig) -> None:
     """A fused-kernel or attention backend that cannot run here is a ConfigError now, not a failure later."""
     try:
         kernel_ops(cfg)  # builds what the run will use
+        if cfg.train.optimizer == "triton":
+            check_triton_optimizer()
         get_attention(cfg.train.attn)
         on_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
         check_device(cfg.train.attn, "cuda" if on_cuda else "cpu")

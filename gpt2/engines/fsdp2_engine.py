@@ -51,15 +51,15 @@ A bf16 policy on the root too would cast the residual stream to bf16: another fu
 model is (--zero-precision deepspeed), so it is not offered.
 
 The step: fused AdamW over the sharded DTensor parameters (`parallelize.param_groups`: the same groups and weight
-decay as every engine) run on their local shards (`LocalShardAdamW`), the LambdaLR schedule, TP-aware clipping
-(`parallel.grads.grad_norm`: local sums of squares, one all-reduce over DP x TP; replicated ones counted
-once; the fused AdamW divides the gradients by the clip divisor as it reads them), the non-finite guard
-(`step_if_finite`: the fused AdamW skips the step on the device when the global norm is not finite). Gradient
-accumulation: `set_requires_gradient_sync(False)` on every micro-step but the last (FSDP2 keeps the unsharded
-gradients and reduce-scatters their sum once). --sequence-parallel: the marked parameters'
-gradients are summed over the TP group after the last micro-step's reduce-scatter, on this rank's DP shard (both
-TP ranks of a DP position hold the same shard of a replicated parameter; sums commute with the DP average).
---compile compiles each unit's (and the final LayerNorm's and LM head's) forward before `fully_shard`
+decay as every engine) run on their local shards (`LocalShardAdamW`; with --optimizer triton the Triton AdamW on the
+same shards), the LambdaLR schedule, TP-aware clipping (`parallel.grads.grad_norm`: local sums of squares, one
+all-reduce over DP x TP; replicated ones counted once; the fused AdamW divides the gradients by the clip divisor as
+it reads them), the non-finite guard (`step_if_finite`: the fused AdamW skips the step on the device when the global
+norm is not finite). Gradient accumulation: `set_requires_gradient_sync(False)` on every micro-step but the last
+(FSDP2 keeps the unsharded gradients and reduce-scatters their sum once). --sequence-parallel: the marked
+parameters' gradients are summed over the TP group after the last micro-step's reduce-scatter, on this rank's DP
+shard (both TP ranks of a DP position hold the same shard of a replicated parameter; sums commute with the DP
+average). --compile compiles each unit's (and the final LayerNorm's and LM head's) forward before `fully_shard`
 (`gpt2.runtime.compiling.compile_forwards`): one graph a unit and pass, not one a block, so the per-graph host costs
 (guards, the compiled function's wrappers) are paid once a unit, as FSDP2's hooks are; the hooks stay eager, outside
 the graphs (launch code in C++ where --compile-wrapper auto says: on CUDA at ZeRO-3 without sequence parallelism or
@@ -221,8 +221,8 @@ class FSDP2Engine(TorchEngine):
     schedule, the guard, evaluation) with FSDP2's sharding where DDP would wrap; `module` is our GPT (its units
     FSDPModules)."""
 
-    def optimizer_class(self) -> Callable[..., torch.optim.AdamW]:
-        """LocalShardAdamW, or with --fused-kernels triton the Triton AdamW on the same local shards."""
+    def optimizer_factory(self) -> Callable[..., torch.optim.AdamW]:
+        """LocalShardAdamW, or with --optimizer triton the Triton AdamW on the same local shards."""
         if self.layout.triton_adamw:
             from fused_kernels.triton.adamw import TritonAdamW
 

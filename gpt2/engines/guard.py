@@ -165,8 +165,9 @@ def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor,
                    grad_divisor: torch.Tensor | None = None) -> None:
     """optimizer.step(), which a fused optimizer turns into a no-op on the device when `grad_norm` is not finite:
     it reads GradScaler's `found_inf` attribute and leaves parameters, moments and step counts as they were.
-    `grad_divisor` (a device scalar, or None): the fused kernel divides each gradient by it as it reads it and
-    stores the result back (GradScaler's `grad_scale` attribute, here the clipping: `clip_divisor`)."""
+    `grad_divisor` (a device scalar, or None): the fused kernel divides each gradient by it as it reads it (GradScaler's
+    `grad_scale` attribute, here the clipping: `clip_divisor`); torch's stores the quotient back, the Triton AdamW
+    (`fused_kernels.triton.adamw.TritonAdamW`) does not."""
     optimizer.found_inf = (~torch.isfinite(grad_norm)).float()  # type: ignore[attr-defined]
     if grad_divisor is not None:
         optimizer.grad_scale = grad_divisor  # type: ignore[attr-defined]

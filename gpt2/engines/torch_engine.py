@@ -40,11 +40,11 @@ from parallel.grads import allreduce_sequence_parallel_grads, grad_norm
 
 class TorchEngine:
     """Single-device or DDP training with autocast, GradScaler (fp16), clipping, fused AdamW (the Triton one with
-    --fused-kernels triton: `RunLayout.triton_adamw`) and the non-finite guard (`gpt2.engines.guard`): a step whose
+    --optimizer triton: `RunLayout.triton_adamw`) and the non-finite guard (`gpt2.engines.guard`): a step whose
     global gradient norm is not finite updates nothing."""
 
-    def optimizer_class(self) -> Callable[..., torch.optim.AdamW]:
-        """torch's AdamW (fused), or with --fused-kernels triton its Triton step (imported only then: Triton)."""
+    def optimizer_factory(self) -> Callable[..., torch.optim.AdamW]:
+        """torch's AdamW, or with --optimizer triton the Triton AdamW (imported only then: Triton)."""
         if self.layout.triton_adamw:
             from fused_kernels.triton.adamw import TritonAdamW
 
@@ -65,8 +65,9 @@ class TorchEngine:
             self.model = compile_whole(self.model, layout.inductor_cpp_wrapper)
         self.dtype = layout.autocast_dtype
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.dtype == torch.float16)
-        # fused on every device: it skips a non-finite step on the device (`step_if_finite`)
-        self.optimizer = self.optimizer_class()(
+        # fused on every device: it skips a non-finite step on the device (`step_if_finite`); the Triton AdamW
+        # keeps fused AdamW's state (step counts on the device, where its kernel reads them)
+        self.optimizer = self.optimizer_factory()(
             param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_at(s, t) / t.lr)
         self._step_lr = self.scheduler.get_last_lr()[0]  # the lr of the last optimizer step

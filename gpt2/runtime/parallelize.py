@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from fused_kernels import KernelOps, get_ops
 from fused_kernels.attention import AttentionChoice, AttentionShape, resolve_attention
-from gpt2.config.layout import RunLayout, inductor_compiles_head, whole_mlp_allowed
+from gpt2.config.layout import RunLayout, inductor_compiles_head, torch_compiles_whole_model, whole_mlp_allowed
 from gpt2.config.schema import RunConfig
 from gpt2.model.gpt import GPT, Block, applies_weight_decay
 from gpt2.observe.run_logging import log
@@ -44,7 +44,8 @@ def tp_comm_stats(layout: RunLayout) -> CommStats | None:
 def kernel_ops(cfg: RunConfig) -> KernelOps:
     """The fused-kernel ops the model runs. The start-up check (`gpt2.engines.build.check_backends`) builds them
     through this function too, so it checks exactly what the model will use."""
-    return get_ops(cfg.train.fused_kernels, inductor_head=inductor_compiles_head(cfg), whole_mlp=whole_mlp_allowed(cfg))
+    return get_ops(cfg.train.fused_kernels, inductor_head=inductor_compiles_head(cfg),
+                   inductor_elementwise=torch_compiles_whole_model(cfg), whole_mlp=whole_mlp_allowed(cfg))
 
 
 def build_model(layout: RunLayout, device: torch.device, dims: ParallelDims,

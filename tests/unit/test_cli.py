@@ -89,6 +89,8 @@ def test_every_float_flag_must_be_finite(value: str, capsys: pytest.CaptureFixtu
         # --zero-engine fsdp2 (gpt2.engines.fsdp2_engine): what FSDP2 cannot take, before any work
         (["--mode", "baseline", "--zero-engine", "fsdp2"], "--mode baseline shards nothing: use --mode hybrid"),
         (["--mode", "hybrid", "--zero-engine", "fsdp2", "--zero-stage", "1"], "has no FSDP2 equivalent"),
+        (["--mode", "hybrid", "--optimizer", "triton"],
+         "--optimizer triton steps torch's AdamW state, which DeepSpeed does not keep"),
         (["--mode", "hybrid", "--zero-engine", "fsdp2", "--precision", "fp16"], "use --precision bf16"),
         (["--mode", "hybrid", "--zero-engine", "fsdp2", "--ds-config", "ds_configs/zero3.json"],
          "--ds-config: DeepSpeed settings, which --zero-engine fsdp2 does not read; drop it or use --zero-engine"),

@@ -171,9 +171,11 @@ def test_a_whole_model_graph_keeps_inductor_s_ops_and_the_up_projection_keeps_cu
     ops = get_ops("triton")
     assert {ops.lm_cross_entropy, ops.linear, ops.add_layernorm}.isdisjoint(
         {reference.lm_cross_entropy, reference.linear, reference.add_layernorm})
-    whole = get_ops("triton", inductor_head=True)
+    whole = get_ops("triton", inductor_head=True, inductor_elementwise=True)
     assert (whole.lm_cross_entropy, whole.linear, whole.add_layernorm) == (
         reference.lm_cross_entropy, reference.linear, reference.add_layernorm)
+    deepcompile = get_ops("triton", inductor_head=True)  # one graph too, its elementwise ops not measured: kept
+    assert deepcompile.lm_cross_entropy is reference.lm_cross_entropy and deepcompile.linear is ops.linear
     x, w, b = torch.randn(4, 8), torch.randn(16, 8), torch.randn(16)
     assert_close(ops.linear(x, w, b, True), reference.linear(x, w, b, True), 1e-5, "up-projection")
 
@@ -186,3 +188,16 @@ def test_triton_launch_repro_measures_every_case():
     results = measure(iters=2, device=DEVICE)
     assert len(results) == 8 and all(us > 0 for us in results.values())
     assert {"fwd triton", "fwd+bwd custom-op, backward on the calling thread"} <= results.keys()
+
+
+@pytest.mark.parametrize("scope, inductor_s", [("model", True), ("blocks", False)])
+def test_the_model_s_ops_follow_the_compile_scope(scope: str, inductor_s: bool) -> None:
+    """`gpt2.runtime.parallelize.kernel_ops`: Inductor's bias+GELU and add+LayerNorm in torch.compile's whole-model
+    graph only; per-block graphs keep the set's kernels."""
+    from fused_kernels import reference
+    from gpt2.config.cli import parse_args
+    from gpt2.runtime.parallelize import kernel_ops
+
+    ops = kernel_ops(parse_args(["--fused-kernels", "triton", "--compile", "--compile-scope", scope]))
+    assert (ops.add_layernorm is reference.add_layernorm) is inductor_s
+    assert (ops.linear is reference.linear) is inductor_s

@@ -140,7 +140,7 @@ def test_a_shard_is_stepped_as_its_part_of_the_whole() -> None:
     def rows_after_first(t: torch.Tensor) -> torch.Tensor:
         return t[1:]  # contiguous: rows 1.. of a contiguous tensor
 
-    shapes = [(5, 129), (3, BLOCK + 4), (2,)]
+    shapes = [(5, 129), (3, BLOCK + 4), (2,), (1,)]  # the last one's shard is empty
     ours, ref = _model(shapes=shapes), _model(shapes=shapes)
     opt = TritonAdamW([{"params": ours[:2], "weight_decay": 0.1}, {"params": ours[2:], "weight_decay": 0.0}],
                       lr=1e-2, betas=(0.9, 0.95), shard=rows_after_first)
@@ -182,22 +182,25 @@ def test_triton_adamw_step_reads_the_divisor_and_found_inf_a_caller_sets() -> No
 
 
 def test_the_gradient_table_is_copied_only_when_the_addresses_change(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The norm and the update of a step share one copy of the gradients' table; new gradients at new addresses
-    get a new one (and the update reads them: the step matches torch's)."""
+    """The norm and the update of a step share one copy of the gradients' table; the same gradients again (DDP's
+    bucket views) need none; new gradients at new addresses get a new one, which the update reads (the steps match
+    torch's)."""
     copies: list[int] = []
     table = adamw._table
-    monkeypatch.setattr(adamw, "_table", lambda addresses, device: copies.append(len(addresses)) or table(addresses,
-                                                                                                           device))
+    monkeypatch.setattr(adamw, "_table", lambda values, *args: copies.append(len(values)) or table(values, *args))
     ours, ref = _model(), _model()
     opt, opt_ref = _optimizer(ours), _optimizer(ref)
-    for step in range(2):
-        _set_grads(ours, step)  # new tensors: new addresses
-        _set_grads(ref, step)
+    per_step = []
+    for seed, new_tensors in [(0, True), (1, True), (1, False)]:  # the last step: step 1's gradient tensors again
+        if new_tensors:
+            _set_grads(ours, seed)
+        _set_grads(ref, seed)
+        copies.clear()
         grad_norm(opt)
         adamw_step(opt, None, torch.zeros((), device=DEVICE))
         opt_ref.step()
-    state_tables = 4 * 2  # parameters, two moments and steps of each of the two groups, built once
-    assert len(copies) == state_tables + 2 * 2  # a gradient table per group and step, not two
+        per_step.append(len(copies))
+    assert per_step[1:] == [2, 0]  # a gradient table per group at step 1, none at step 2 (step 0 built the rest)
     for p, p_ref in zip(ours, ref):
         _close(p.detach(), p_ref.detach())
 
@@ -215,3 +218,30 @@ def test_a_step_reads_nothing_back_to_the_host() -> None:
         opt.found_inf, opt.grad_scale = (~torch.isfinite(norm)).float(), torch.clamp(norm, min=1.0)
         opt.step()
     assert [e.key for e in prof.key_averages() if e.key in ("aten::item", "aten::_local_scalar_dense")] == []
+
+
+def test_tables_follow_a_parameter_or_state_tensor_swapped_in_place_of_another() -> None:
+    """`.data =` (or load_state_dict(assign=True), FSDP2 resharding) moves a parameter's storage, and a state tensor
+    can be replaced alone: the next step updates the new tensors, not the freed ones."""
+    ours, ref = _model(), _model()
+    opt, opt_ref = _optimizer(ours), _optimizer(ref)
+    for step in range(3):
+        if step == 1:
+            ours[0].data = ours[0].data.clone()
+            opt.state[ours[2]]["exp_avg_sq"] = opt.state[ours[2]]["exp_avg_sq"].clone()
+        _set_grads(ours, step)
+        _set_grads(ref, step)
+        adamw_step(opt, None, torch.zeros((), device=DEVICE))
+        opt_ref.step()
+    for p, p_ref in zip(ours, ref):
+        _close(p.detach(), p_ref.detach())
+        _close(opt.state[p]["exp_avg_sq"], opt_ref.state[p_ref]["exp_avg_sq"])
+
+
+def test_an_empty_first_group_and_no_gradients() -> None:
+    params = _model()
+    opt = TritonAdamW([{"params": []}, {"params": params}], lr=1e-2)
+    assert float(opt.grad_norm()) == 0.0  # no gradient yet
+    _set_grads(params, 0)
+    opt.step()
+    assert all(float(opt.state[p]["step"]) == 1.0 for p in params)

@@ -1,4 +1,4 @@
-"""The engines' optimizer step with `--fused-kernels triton` (`RunLayout.triton_adamw`): the Triton norm and
+"""The engines' optimizer step with `--optimizer triton` (`RunLayout.triton_adamw`): the Triton norm and
 update (`fused_kernels.triton.adamw`) step the engine's own AdamW state as torch's fused AdamW steps it, clipping and
 the non-finite guard included. Both engines get the same weights and the same gradients, so only the step differs.
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fused_kernels.triton.adamw import TABLES
+from fused_kernels.triton.adamw import GRAD_TABLES, TABLES
 from gpt2.config.cli import parse_args
 from gpt2.engines.build import build_engine
 from gpt2.engines.fsdp2_engine import FSDP2Engine
@@ -24,12 +24,12 @@ TINY = ["--model", "gpt2-tiny", "--n-layer", "1", "--n-embd", "16", "--batch-siz
 FSDP2 = ["--mode", "hybrid", "--zero-engine", "fsdp2"]
 
 
-def _engine(kernels: str, mode: list[str] = []) -> TorchEngine:  # noqa: B006 (read only)
+def _engine(optimizer: str, mode: list[str] = []) -> TorchEngine:  # noqa: B006 (read only)
     torch.manual_seed(0)
-    device = "cpu" if mode else DEVICE.type  # FSDP2 here: one gloo rank, on the CPU
-    engine = build_engine(*init_distributed(parse_args([*TINY, *mode, "--device", device, "--fused-kernels", kernels])))
-    assert isinstance(engine, FSDP2Engine if mode else TorchEngine)
-    assert engine.layout.triton_adamw is (kernels == "triton")
+    device = "cpu" if mode else DEVICE.type  # FSDP2 and DDP here: one gloo rank, on the CPU
+    engine = build_engine(*init_distributed(parse_args([*TINY, *mode, "--device", device, "--optimizer", optimizer])))
+    assert isinstance(engine, FSDP2Engine if mode == FSDP2 else TorchEngine)
+    assert engine.layout.triton_adamw is (optimizer == "triton")
     return engine
 
 
@@ -71,7 +71,7 @@ def _check_triton_step_matches_the_fused_adamw_step(ours: TorchEngine, ref: Torc
 
 
 def test_triton_step_matches_the_fused_adamw_step_with_clip_and_guard() -> None:
-    _check_triton_step_matches_the_fused_adamw_step(_engine("triton"), _engine("none"), triton_norm=True)
+    _check_triton_step_matches_the_fused_adamw_step(_engine("triton"), _engine("torch"), triton_norm=True)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="one gloo rank: FSDP2 on the CPU, kernels interpreted")
@@ -81,14 +81,39 @@ def test_fsdp2_triton_step_runs_on_the_local_shards(gloo_world, monkeypatch: pyt
     for var, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(var, value)
-    ours, ref = _engine("triton", FSDP2), _engine("none", FSDP2)
+    ours, ref = _engine("triton", FSDP2), _engine("torch", FSDP2)
     _check_triton_step_matches_the_fused_adamw_step(ours, ref, triton_norm=False)
     assert all(isinstance(ours.optimizer.state[p]["exp_avg"], DTensor) for p in _params(ours))
 
 
-@pytest.mark.parametrize("kernels", ["none", "triton"])
-def test_only_the_triton_set_steps_with_the_triton_adamw(kernels: str) -> None:
-    engine = _engine(kernels)
+@pytest.mark.parametrize("optimizer", ["torch", "triton"])
+def test_only_optimizer_triton_steps_with_the_triton_adamw(optimizer: str) -> None:
+    engine = _engine(optimizer)
     _set_grads(engine, 0, 1e-3)
     engine.optimizer_step()
-    assert (TABLES in engine.optimizer.__dict__) is (kernels == "triton")
+    assert (TABLES in engine.optimizer.__dict__) is (optimizer == "triton")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="one gloo rank: DDP on the CPU, kernels interpreted")
+def test_ddp_triton_steps_match_with_gradients_in_ddp_buckets(gloo_world, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DDP (one gloo rank) with real backwards: the gradients are views into DDP's buckets, at the same addresses
+    every step once DDP has rebuilt them, so the kernels' gradient table is reused; the steps still match torch's."""
+    for var, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(var, value)
+    engines = [_engine(optimizer, ["--mode", "baseline"]) for optimizer in ("triton", "torch")]
+    x = torch.randint(0, 512, (3, 2, 16), generator=torch.Generator().manual_seed(0))
+    ours, ref = engines
+    first_tables = None
+    for step in range(3):
+        norms = []
+        for engine in engines:
+            engine.forward_backward(x[step], x[(step + 1) % 3], last_micro_step=True)
+            norms.append(engine.optimizer_step())
+        torch.testing.assert_close(norms[0], norms[1], rtol=1e-4, atol=0)
+        tables = [table for _, table in ours.optimizer.__dict__[GRAD_TABLES].values()]
+        if step == 1:  # DDP rebuilds its buckets once, after the first step
+            first_tables = tables
+        assert len(tables) == 2 and (step < 2 or all(a is b for a, b in zip(tables, first_tables)))  # no copy since
+    for t, t_ref in zip(_state(ours), _state(ref), strict=True):
+        torch.testing.assert_close(t, t_ref, rtol=1e-4, atol=1e-6)
