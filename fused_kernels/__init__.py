@@ -91,17 +91,5 @@ def _lazy_backend(module: str, factory: str) -> Callable[[bool], KernelOps]:
     return load
 
 
-def check_triton_optimizer() -> None:
-    """KernelUnavailableError unless the Triton AdamW (`--optimizer triton`, `fused_kernels.triton.adamw`) can run
-    here; imports Triton only when asked."""
-    try:
-        from fused_kernels.triton import check_available
-        from fused_kernels.triton.adamw import adamw_kernel
-    except ImportError as e:
-        raise KernelUnavailableError(f"--optimizer triton: Triton cannot be imported here ({e}); use --optimizer "
-                                     "torch") from e
-    check_available(adamw_kernel, "--optimizer triton", "--optimizer torch")
-
-
 register_backend("triton", _lazy_backend("fused_kernels.triton", "triton_ops"))
 register_backend("cuda", _lazy_backend("fused_kernels.cuda", "cuda_ops"))

@@ -134,7 +134,8 @@ def inductor_compiles_head(cfg: RunConfig) -> bool:
 
 def torch_compiles_whole_model(cfg: RunConfig) -> bool:
     """Whether torch.compile traces the whole model as one graph (`--compile-scope model`): there Inductor's own
-    fusion replaces a fused-kernel backend's elementwise ops where it measured faster (`fused_kernels.get_ops`)."""
+    fusion replaces a fused-kernel backend's elementwise ops where it ran faster (`fused_kernels.get_ops`,
+    docs/decisions.md)."""
     return compile_label(cfg.train.compile, cfg.train.compile_scope, cfg.train.compiler) == "model"
 
 

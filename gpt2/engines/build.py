@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fused_kernels import KernelUnavailableError, check_triton_optimizer
+from fused_kernels import KernelUnavailableError
 from fused_kernels.attention import check_device, get_attention
 from gpt2.config.layout import RunLayout
 from gpt2.config.schema import ConfigError, RunConfig
@@ -26,6 +26,18 @@ def check_backends(cfg: RunConfig) -> None:
         check_device(cfg.train.attn, "cuda" if on_cuda else "cpu")
     except KernelUnavailableError as err:
         raise ConfigError(str(err)) from err
+
+
+def check_triton_optimizer() -> None:
+    """`--optimizer triton`: KernelUnavailableError unless its kernels (`fused_kernels.triton.adamw`) can run here;
+    Triton is imported only then."""
+    try:
+        from fused_kernels.triton import check_available
+        from fused_kernels.triton.adamw import adamw_kernel
+    except ImportError as e:
+        raise KernelUnavailableError(f"--optimizer triton: Triton cannot be imported here ({e}); use --optimizer "
+                                     "torch") from e
+    check_available(adamw_kernel, "--optimizer triton", "--optimizer torch")
 
 
 def build_engine(layout: RunLayout, ctx: DistContext) -> Engine:

@@ -210,9 +210,10 @@ def test_triton_backend_without_gpu_or_interpreter_is_a_clear_error():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
 def test_triton_optimizer_without_gpu_or_interpreter_is_a_clear_error():
-    code = ("import fused_kernels\n"
-            "try:\n    fused_kernels.check_triton_optimizer()\n"
-            "except fused_kernels.KernelUnavailableError as e:\n    print(e)\n")
+    code = ("from gpt2.config.cli import parse_args\nfrom gpt2.config.schema import ConfigError\n"
+            "from gpt2.engines.build import check_backends\n"
+            "try:\n    check_backends(parse_args(['--optimizer', 'triton']))\n"
+            "except ConfigError as e:\n    print(e)\n")
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.startswith("--optimizer triton needs a CUDA GPU") and "use --optimizer torch" in out, out
