@@ -235,9 +235,10 @@ def make_variant(name: str, s: Setup) -> Variant:
     device = s.params[0].device
     hyper = dict(lr=t.lr, betas=(t.beta1, t.beta2))
     loss = torch.ones((), device=device)
-    if name == "engine":
-        return Variant(len(s.params), 36, lambda: engine.guard.record(next(s.steps), loss, engine.optimizer_step()),
-                       s.attach)
+    if name in ("engine", "engine-triton"):  # engine-triton: s is an engine built with --optimizer triton (`setup_for`)
+        assert engine.layout.triton_adamw is (name == "engine-triton")
+        return Variant(len(s.params), 32 if engine.layout.triton_adamw else 36,
+                       lambda: engine.guard.record(next(s.steps), loss, engine.optimizer_step()), s.attach)
     if name == "clip-first":
         def clip_first() -> None:
             engine.scaler.unscale_(opt)
@@ -255,10 +256,6 @@ def make_variant(name: str, s: Setup) -> Variant:
     if name == "clip-mul":
         coef = torch.ones((), device=device)
         return Variant(len(s.params), 8, lambda: torch._foreach_mul_(list(s.grads.values()), coef), s.attach)
-    if name == "engine-triton":  # s: the setup of an engine built with --optimizer triton (`setup_for`)
-        assert s.engine.layout.triton_adamw
-        return Variant(len(s.params), 32, lambda: engine.guard.record(next(s.steps), loss, engine.optimizer_step()),
-                       s.attach)
     if name == "triton-norm":
         from fused_kernels.triton.adamw import grad_norm
 

@@ -37,6 +37,15 @@ def gloo_world():
     gc.collect()
 
 
+@pytest.fixture
+def gloo_launch(gloo_world, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gloo_world` with torchrun's variables of its one rank set, so `init_distributed` takes that group as a
+    launched run's: an engine of a multi-process mode (DDP, FSDP2) built in this process."""
+    for var, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(var, value)
+
+
 @pytest.fixture(scope="session")
 def single_reference(tmp_path_factory) -> ReferenceRun:
     """The `--mode single` run of REFERENCE_ARGS that the TP and mode tests compare with, trained once per session

@@ -21,11 +21,8 @@ FSDP2_ARGS = ["--mode", "hybrid", "--zero-engine", "fsdp2", "--model", "gpt2-tin
 
 
 @pytest.fixture
-def engine(gloo_world, monkeypatch: pytest.MonkeyPatch) -> FSDP2Engine:
+def engine(gloo_launch) -> FSDP2Engine:
     """The FSDP2 engine of a launch of one rank (the group exists: init_distributed uses it), after one step."""
-    for var, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": "29500"}.items():
-        monkeypatch.setenv(var, value)
     torch.manual_seed(0)
     engine = build_engine(*init_distributed(parse_args(FSDP2_ARGS)))
     assert isinstance(engine, FSDP2Engine)

@@ -75,12 +75,9 @@ def test_triton_step_matches_the_fused_adamw_step_with_clip_and_guard() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="one gloo rank: FSDP2 on the CPU, kernels interpreted")
-def test_fsdp2_triton_step_runs_on_the_local_shards(gloo_world, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fsdp2_triton_step_runs_on_the_local_shards(gloo_launch) -> None:
     """FSDP2 (one rank): the parameters, gradients and moments are DTensors; the Triton step reads their local
     shards and the state stays DTensors, as LocalShardAdamW's does. The norm stays the engine's (over DP, TP-aware)."""
-    for var, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": "29500"}.items():
-        monkeypatch.setenv(var, value)
     ours, ref = _engine("triton", FSDP2), _engine("torch", FSDP2)
     _check_triton_step_matches_the_fused_adamw_step(ours, ref, triton_norm=False)
     assert all(isinstance(ours.optimizer.state[p]["exp_avg"], DTensor) for p in _params(ours))
@@ -95,12 +92,9 @@ def test_only_optimizer_triton_steps_with_the_triton_adamw(optimizer: str) -> No
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="one gloo rank: DDP on the CPU, kernels interpreted")
-def test_ddp_triton_steps_match_with_gradients_in_ddp_buckets(gloo_world, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ddp_triton_steps_match_with_gradients_in_ddp_buckets(gloo_launch) -> None:
     """DDP (one gloo rank) with real backwards: the gradients are views into DDP's buckets, at the same addresses
     every step once DDP has rebuilt them, so the kernels' gradient table is reused; the steps still match torch's."""
-    for var, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": "29500"}.items():
-        monkeypatch.setenv(var, value)
     engines = [_engine(optimizer, ["--mode", "baseline"]) for optimizer in ("triton", "torch")]
     x = torch.randint(0, 512, (3, 2, 16), generator=torch.Generator().manual_seed(0))
     ours, ref = engines
