@@ -58,6 +58,7 @@ def one_device_rows() -> list[Row]:
     for backend in ("triton", "cuda"):
         rows += [Row(backend, ("--fused-kernels", backend)),
                  Row(f"{backend}-compile", ("--fused-kernels", backend, "--compile"))]
+    rows.append(Row("triton-adamw-compile", ("--optimizer", "triton", "--compile")))
     rows += [Row("attn-flash", ("--attn", "flash")), Row("attn-auto", ("--attn", "auto")),
              *(Row(f"attn-{k}", ("--attn", f"sdpa-{k}")) for k in ("cudnn", "efficient")),  # flash: sdpa's pick
              Row("act-ckpt", ("--activation-checkpointing",)),

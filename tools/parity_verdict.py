@@ -9,7 +9,8 @@ The API `tools.parity` builds its table with, and that `tools.train_sweep` reads
     verdict_of(run_dir, verdicts)                              # "pass" | "fail" | ... | "none" (never checked)
 
 A configuration is named by `config_key` (model, layout, world size, kernels, attention, compile scope,
-activation checkpointing, precision): a throughput run and a parity row with the same key ran the same code.
+activation checkpointing, precision, and the optimizer where it is not torch's): a throughput run and a parity row
+with the same key ran the same code.
 
 Also a CLI for the GPU result scripts, which make run folders outside the sweep:
 
@@ -150,6 +151,8 @@ def config_key(config: dict[str, Any], world_size: int, fsdp2_gather: str | None
         key += f" gather={fsdp2_gather or p.get('fsdp2_gather', 'fp32')}"
     if compile_wrapper:
         key += f" wrapper={compile_wrapper}"
+    if t.get("optimizer", "torch") != "torch":  # another update's losses; torch's keys stay as they were
+        key += f" opt={t['optimizer']}"
     return key
 
 

@@ -485,6 +485,12 @@ def test_config_key_names_the_code_path():
     # batch, accumulation and learning rate do not change the code path
     assert config_key(_config(["--batch-size", "2", "--grad-accum", "4", "--lr", "1e-3"]), 1) == config_key(
         _config([]), 1)
+    # another AdamW is another update: its own key, torch's keys as they were (configs from before --optimizer too)
+    assert config_key(_config(["--compile", "--optimizer", "triton"]), 1).endswith(" bf16 opt=triton")
+    torch_adamw = _config(["--compile"])
+    assert "opt=" not in config_key(torch_adamw, 1)
+    del torch_adamw["train"]["optimizer"]
+    assert config_key(torch_adamw, 1) == config_key(_config(["--compile"]), 1)
 
 
 def test_sweep_records_parity_and_publishes_only_passing_runs(tmp_path, monkeypatch):
