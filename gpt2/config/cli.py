@@ -247,16 +247,21 @@ def check_flags_act(args: argparse.Namespace) -> None:
                           "first launch starts from --init-from, a requeued one from its checkpoint)")
 
 
-def check_optimizer(args: argparse.Namespace) -> None:
-    """`--optimizer triton` steps torch's AdamW state (single, DDP, FSDP2); DeepSpeed steps its own partitions."""
-    if args.optimizer == "triton" and args.mode == "hybrid" and args.zero_engine != "fsdp2":
+def resolve_optimizer(args: argparse.Namespace) -> None:
+    """`--optimizer auto` becomes the implementation the run steps with, so config.json and the parity key name it:
+    the Triton AdamW in the triton kernel set wherever it can step (torch's AdamW state: single, DDP, FSDP2), torch's
+    elsewhere. An explicit `--optimizer triton` under DeepSpeed is refused: DeepSpeed steps its own partitions."""
+    keeps_torch_state = args.mode != "hybrid" or args.zero_engine == "fsdp2"
+    if args.optimizer == "auto":
+        args.optimizer = "triton" if args.fused_kernels == "triton" and keeps_torch_state else "torch"
+    elif args.optimizer == "triton" and not keeps_torch_state:
         raise ConfigError("--optimizer triton steps torch's AdamW state, which DeepSpeed does not keep (it steps its "
                           "own flat partitions); drop --optimizer triton or add --zero-engine fsdp2")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     check_zero_engine(args)
-    check_optimizer(args)
+    resolve_optimizer(args)
     check_deepcompile(args)
     check_flags_act(args)
     if args.use_fused_kernel and args.fused_kernels not in ("none", "cuda"):

@@ -306,6 +306,21 @@ def test_fsdp2_gathers_bf16_where_it_was_measured_unless_asked(flags: list[str],
     assert RunLayout.resolve(parse_args(argv), world_size=2, device=device).fsdp2_gather_dtype is gathered
 
 
+@pytest.mark.parametrize("flags, optimizer", [
+    ([], "torch"),
+    (["--fused-kernels", "triton"], "triton"),  # auto: the set's AdamW where torch's state is stepped
+    (["--fused-kernels", "triton", "--mode", "baseline"], "triton"),
+    (["--fused-kernels", "triton", "--mode", "hybrid", "--zero-engine", "fsdp2"], "triton"),
+    (["--fused-kernels", "triton", "--mode", "hybrid"], "torch"),  # DeepSpeed steps its own partitions
+    (["--fused-kernels", "cuda"], "torch"),
+    (["--fused-kernels", "triton", "--optimizer", "torch"], "torch"),
+    (["--optimizer", "triton"], "triton"),
+])
+def test_the_optimizer_is_resolved_in_the_config(flags: list[str], optimizer: str) -> None:
+    """config.json names the AdamW a run stepped with (the parity key reads it), never `auto`."""
+    assert parse_args(flags).train.optimizer == optimizer
+
+
 def test_only_fsdp2_has_a_gather_dtype() -> None:
     assert RunLayout.resolve(parse_args(["--mode", "hybrid"]), 2, "cuda").fsdp2_gather is None  # DeepSpeed
 
