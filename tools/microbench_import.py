@@ -63,7 +63,7 @@ def kernels(raw: str, benchmark: str, call: str, commit: str = "") -> Iterator[R
                 "implementation": KERNEL_IMPLS[r["impl"]], "shape": r["shape"].replace("gpt2-large-train ", ""),
                 "raw": raw}
         for column, metric in (("ms", "ms"), ("GB/s", "GB/s"), ("TFLOP/s", "TFLOP/s"), ("peak_mem_MiB", "MiB")):
-            if r[column]:
+            if r.get(column):  # a CSV of one kernel has only the columns it measured
                 yield {**base, "metric": metric, "value": r[column]}
 
 
@@ -183,7 +183,7 @@ def per_op(raw: str, call: str) -> Iterator[Row]:
         if r["group"] == "summary" and "whole block" not in r["op"]:
             continue  # the model estimate is arithmetic, not a measurement
         for column, metric in (("fwd_ms", "fwd ms"), ("bwd_ms", "bwd ms"), ("total_ms", "fwd+bwd ms")):
-            if r[column]:
+            if r.get(column):  # a CSV of one kernel has only the columns it measured
                 yield {"date": day(r["date"]), "call": call, "device": r["device"], "benchmark": "per-op",
                        "op": r["op"], "implementation": "eager", "shape": f"batch {r['batch']}, seq {r['seq']}",
                        "metric": metric, "value": r[column], "raw": raw}
@@ -233,6 +233,7 @@ SOURCES: tuple[tuple[Callable[..., Iterator[Row]], tuple[Any, ...]], ...] = (
         ("h200x2-2026-11-29/C_zero3-flat-u4-b8_profile_breakdown.json", 196),
         ("h200x2-2026-11-29/D_zero3-tp2-flat-u4-b8_profile_breakdown.json", 200))),
     (kernels, (R + "kernels/h200-2026-12-02-c1/kernels.csv", "liger", "h200-2026-12-02-c1", "0e27a99")),
+    (kernels, (R + "kernels/e2e-h200-2026-12-02-e2/ce/kernels.csv", "liger", "h200-2026-12-02-e2", "66c634a")),
 )
 
 

@@ -241,7 +241,9 @@ TABLES: dict[str, Table] = {
                               *pairs(23, 20, 22, 21, 19, vs=23)]),
     "one-h200-kernels": Table([*pairs(230, 231, 232, vs=230), *pairs(235, 237, 236, vs=235),
                                *pairs(243, 245, 244, vs=243), (246, None), *pairs(256, 255, 257, vs=256),
-                               *pairs(260, 261, vs=260), *pairs(262, 263, vs=262), *pairs(266, 267, vs=266)],
+                               *pairs(260, 261, vs=260), *pairs(262, 263, vs=262), *pairs(266, 267, vs=266),
+                               *pairs(271, 272, 273, vs=271), *pairs(274, 275, vs=274), *pairs(280, 281, vs=280),
+                               *pairs(278, 279, vs=278)],
                               columns=(*Table.columns, "note")),
 }
 KEY = ("op", "implementation", "shape", "metric")  # a microbenchmark row's key within its call
