@@ -38,10 +38,12 @@ TP2 = ("--tp-size", "2")
 SP, COMPILE = "--sequence-parallel", "--compile"
 DEEPCOMPILE = ("--compile", "--compiler", "deepcompile")  # ZeRO-3 under DeepSpeed's DeepCompile (CUDA only)
 # DeepSpeed ZeRO-3's other gathers beside its default (flat tensors, gpt2.runtime.flat_blocks, in units of 4 blocks,
-# gpt2.runtime.block_units): each block's own parameters one block a leaf (the default before flat units), and flat
-# tensors one block a leaf
+# gpt2.runtime.block_units): each block's own parameters one block a leaf (the default before flat units), flat
+# tensors one block a leaf, and flat units of 12 blocks
 PER_BLOCK = ("--zero3-fetch", "block", "--zero3-unit-blocks", "1")
 FLAT_U1 = ("--zero3-fetch", "flat", "--zero3-unit-blocks", "1")
+# flat units of 12 blocks: a third of the hooks and graph calls of the default's, for the host-bound TP layouts
+FLAT_U12 = ("--zero3-fetch", "flat", "--zero3-unit-blocks", "12")
 FSDP2 = ("--mode", "hybrid", "--zero-engine", "fsdp2")  # ZeRO-3 by PyTorch FSDP2 (gpt2.engines.fsdp2_engine)
 
 
@@ -66,7 +68,8 @@ def one_device_rows() -> list[Row]:
     for name, flags in [("ddp", DDP)] + [(f"zero{s}", _zero(s)) for s in (1, 2, 3)] + [("fsdp2", FSDP2)]:
         rows += [Row(name, flags, nproc=1), Row(f"{name}-compile", (*flags, "--compile"), nproc=1)]
     rows += [Row("zero3-block-compile", (*_zero(3), *PER_BLOCK, COMPILE), nproc=1),
-             Row("zero3-flat-u1-compile", (*_zero(3), *FLAT_U1, COMPILE), nproc=1)]
+             Row("zero3-flat-u1-compile", (*_zero(3), *FLAT_U1, COMPILE), nproc=1),
+             Row("zero3-flat-u12-compile", (*_zero(3), *FLAT_U12, COMPILE), nproc=1)]
     return rows + [Row("zero3-deepcompile", (*_zero(3), *DEEPCOMPILE), nproc=1)]
 
 
@@ -88,10 +91,12 @@ def multi_device_rows(world: int) -> list[Row]:
     for name, flags in (("ddp", DDP), ("zero3", _zero(3)), ("zero3-tp2", (*_zero(3), *TP2)), ("fsdp2", FSDP2),
                         ("fsdp2-tp2", (*FSDP2, *TP2))):
         rows.append(Row(f"{name}-cuda-compile{w}", (*flags, "--fused-kernels", "cuda", COMPILE), world))
-    # ZeRO-3's other gathers (one block a leaf, its own parameters or flat tensors), without and with TP 2
+    # ZeRO-3's other gathers (one block a leaf, its own parameters or flat tensors; flat units of 12), without and
+    # with TP 2
     for name, flags in (("zero3", _zero(3)), ("zero3-tp2", (*_zero(3), *TP2))):
         rows += [Row(f"{name}-block-compile{w}", (*flags, *PER_BLOCK, COMPILE), world),
-                 Row(f"{name}-flat-u1-compile{w}", (*flags, *FLAT_U1, COMPILE), world)]
+                 Row(f"{name}-flat-u1-compile{w}", (*flags, *FLAT_U1, COMPILE), world),
+                 Row(f"{name}-flat-u12-compile{w}", (*flags, *FLAT_U12, COMPILE), world)]
     if world % 4 == 0:
         rows += [Row(f"ddp-tp4{w}", (*DDP, "--tp-size", "4"), world),
                  Row(f"zero3-tp4{w}", (*_zero(3), "--tp-size", "4"), world)]

@@ -464,7 +464,7 @@ def test_config_key_names_the_code_path():
     assert config_key(deepspeed16, 4).endswith("zprec=deepspeed")
     assert config_key(_config(["--mode", "baseline", "--tp-size", "2", "--sequence-parallel",
                                "--fused-kernels", "triton", "--activation-checkpointing"]), 2) == (
-        "gpt2-large ddp-tp2-sp w2 kernels=triton attn=sdpa compile=off ckpt=on bf16")
+        "gpt2-large ddp-tp2-sp w2 kernels=triton attn=sdpa compile=off ckpt=on bf16 opt=triton")  # the set's AdamW
     # FSDP2: the gather dtype the run resolved (summary.json; a parity row resolves it for its device); without it,
     # as asked for, and fp32 for a config from before --fsdp2-gather
     fsdp2 = _config(["--mode", "hybrid", "--zero-engine", "fsdp2", "--compile"])
