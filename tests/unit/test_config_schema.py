@@ -29,11 +29,12 @@ def test_every_flag_comes_from_one_field_and_has_help() -> None:
 
 def test_no_flags_give_the_dataclass_defaults() -> None:
     """A field's default is written once: argv without flags parses to the dataclasses' own defaults (the model
-    shape from its --model preset, the compile scope that `auto` resolves to for single)."""
+    shape from its --model preset, the compile scope and the optimizer that `auto` resolves to for single)."""
     cfg = parse_args([])
     defaults = RunConfig(train=SECTIONS["train"](), model=SECTIONS["model"](**MODEL_PRESETS["gpt2-tiny"]),
                          data=SECTIONS["data"](), parallel=SECTIONS["parallel"](), log=SECTIONS["log"]())
-    assert cfg.to_dict() == {**defaults.to_dict(), "train": {**defaults.to_dict()["train"], "compile_scope": "model"}}
+    resolved = {"compile_scope": "model", "optimizer": "torch"}
+    assert cfg.to_dict() == {**defaults.to_dict(), "train": {**defaults.to_dict()["train"], **resolved}}
 
 
 @pytest.mark.parametrize("section, name", [(s, f.name) for s, f in _flagged_fields() if flag_of(f).given_only])
