@@ -183,7 +183,7 @@ def per_op(raw: str, call: str) -> Iterator[Row]:
         if r["group"] == "summary" and "whole block" not in r["op"]:
             continue  # the model estimate is arithmetic, not a measurement
         for column, metric in (("fwd_ms", "fwd ms"), ("bwd_ms", "bwd ms"), ("total_ms", "fwd+bwd ms")):
-            if r.get(column):  # a CSV of one kernel has only the columns it measured
+            if r[column]:
                 yield {"date": day(r["date"]), "call": call, "device": r["device"], "benchmark": "per-op",
                        "op": r["op"], "implementation": "eager", "shape": f"batch {r['batch']}, seq {r['seq']}",
                        "metric": metric, "value": r[column], "raw": raw}
