@@ -65,7 +65,7 @@ def configuration(row: Row) -> str:
     elif engine == "nanogpt":
         text = "nanoGPT-style reference, DDP"
     elif engine == "fsdp2":
-        text = f"FSDP2 (units of {row['zero3_unit']})"
+        text = f"FSDP2 ({'flat, ' if row['zero3_fetch'] == 'flat' else ''}units of {row['zero3_unit']})"
     elif engine == "deepspeed" and row["zero_stage"] == "3":
         layout = {"block": "per block", "flat": "flat"}.get(row["zero3_fetch"], row["zero3_fetch"])
         unit = f", units of {row['zero3_unit']}" if row["zero3_fetch"] == "flat" else ""
@@ -245,6 +245,7 @@ TABLES: dict[str, Table] = {
                                *pairs(271, 272, 273, vs=271), *pairs(274, 275, vs=274), *pairs(280, 281, vs=280),
                                *pairs(278, 279, vs=278)],
                               columns=(*Table.columns, "note")),
+    "one-h200-ws1": Table([*pairs(289, 290, 291, 292, vs=289)], columns=(*Table.columns, "note")),
 }
 KEY = ("op", "implementation", "shape", "metric")  # a microbenchmark row's key within its call
 
