@@ -207,7 +207,7 @@ def pairs(*ids: int, vs: int | None = None) -> list[tuple[int, int | None]]:
 
 TABLES: dict[str, Table] = {
     "headline": Table(
-        [*pairs(191, 190, 192, vs=191), *pairs(153, 154, 155, vs=153), *pairs(131, 132, vs=131), (246, None),
+        [*pairs(191, 190, 192, vs=191), *pairs(153, 154, 155, vs=153), *pairs(289, 290, vs=289), (246, None),
          *pairs(37, 94, vs=37)],
         columns=("row", "configuration", "devices", "batch", "tok/s", "MFU", "peak GiB", "ratio", "verdict")),
     "two-gpus": Table([*pairs(191, 190, 192, vs=191), *pairs(194, 193, vs=194), (200, None), (198, None),
