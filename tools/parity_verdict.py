@@ -149,6 +149,8 @@ def config_key(config: dict[str, Any], world_size: int, fsdp2_gather: str | None
         key += f" zprec={p.get('zero_precision', 'deepspeed')}"
     if fsdp2:
         key += f" gather={fsdp2_gather or p.get('fsdp2_gather', 'fp32')}"
+        if p.get("fsdp2_params", "tensors") != "tensors":  # other tensors; the per-tensor keys stay as they were
+            key += f" params={p['fsdp2_params']}"
     if compile_wrapper:
         key += f" wrapper={compile_wrapper}"
     if t.get("optimizer", "torch") != "torch":  # another update's losses; torch's keys stay as they were

@@ -316,6 +316,8 @@ def table_row(r: RunResult) -> dict[str, Any]:
         unit = flag_value(flags, "--zero3-unit-blocks")
         gather = flag_value(flags, "--zero3-fetch"), int(unit) if unit else None
     label = (mode.label if mode else r.mode) + zero3_gather_suffix(*gather)
+    if s.get("fsdp2_params") == "flat":  # --fsdp2-params flat, given through --extra-args
+        label += " (flat)"
     return {
         "configuration": label, "fused_kernels": r.fused if not mode or mode.takes_fused
         else "-", "batch_per_gpu": r.batch, "batch_choice": r.batch_choice, "gpus": s.get("world_size"),
@@ -334,6 +336,7 @@ def table_row(r: RunResult) -> dict[str, Any]:
         "compile_wrapper": s.get("compile_wrapper"), "zero3_fetch": s.get("zero3_fetch"),
         "zero3_unit_blocks": s.get("zero3_unit_blocks"), "fsdp2_unit_blocks": s.get("fsdp2_unit_blocks"),
         "fsdp2_gather": s.get("fsdp2_gather"), "fsdp2_forward_prefetch": s.get("fsdp2_forward_prefetch"),
+        "fsdp2_params": s.get("fsdp2_params"),
     }
 
 

@@ -170,7 +170,8 @@ def check_zero_engine(args: argparse.Namespace) -> None:
     if args.zero_engine != "fsdp2":
         fsdp2_only = [flag for flag, value in (("--fsdp2-unit-blocks", args.fsdp2_unit_blocks),
                                                ("--fsdp2-gather", args.fsdp2_gather),
-                                               ("--fsdp2-forward-prefetch", args.fsdp2_forward_prefetch))
+                                               ("--fsdp2-forward-prefetch", args.fsdp2_forward_prefetch),
+                                               ("--fsdp2-params", args.fsdp2_params))
                       if value is not None]
         if fsdp2_only:
             one = len(fsdp2_only) == 1
@@ -337,6 +338,11 @@ def validate(cfg: RunConfig) -> None:
     if t.compile and cfg.zero_stage == 3 and cfg.parallel.zero3_fetch == "module":
         raise ConfigError("--compile with ZeRO-3 needs --zero3-fetch block or flat (per-module gather hooks inside a "
                           "block break graph capture); drop --zero3-fetch module or --compile")
+    unit = cfg.parallel.fsdp2_unit_blocks  # at or above n_layer: one unit holds every block
+    if t.mode == "hybrid" and cfg.parallel.fsdp2_params == "flat" and unit < m.n_layer and m.n_layer % unit:
+        divisors = [n for n in range(1, m.n_layer + 1) if m.n_layer % n == 0]  # one flat layout for every unit
+        raise ConfigError(f"--fsdp2-params flat needs units of one size, and {unit}-block units do not divide the "
+                          f"model's {m.n_layer} blocks; pass --fsdp2-unit-blocks with one of {divisors}")
     if (t.compile and t.compile_scope == "model" and t.compiler == "torch"
             and (t.mode == "hybrid" or cfg.parallel.tp_size > 1)):
         raise ConfigError("--compile-scope model (one graph cut at DDP buckets) is for single/baseline without TP; "

@@ -360,6 +360,17 @@ class RunLayout:
         return self.zero3_blocks and self.cfg.parallel.zero3_fetch == "flat"
 
     @property
+    def fsdp2_flat(self) -> bool:
+        """FSDP2 units whose parameters are a few flat tensors (--fsdp2-params flat, gpt2.runtime.flat_blocks)."""
+        return self.fsdp2 and self.cfg.parallel.fsdp2_params == "flat"
+
+    @property
+    def flat_params(self) -> bool:
+        """Each entry of `model.blocks` keeps its parameters in flat tensors (a FlatBlock): the ZeRO engine's
+        --zero3-fetch flat or --fsdp2-params flat."""
+        return self.zero3_flat or self.fsdp2_flat
+
+    @property
     def ds_config_path(self) -> Path:
         return ds_config_file(self.cfg.parallel)
 

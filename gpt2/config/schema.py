@@ -191,6 +191,13 @@ class ParallelConfig:
            "each unit's all-gather issued by its own pre-forward hook; N: the next N units' issued when a unit's "
            "forward starts, holding N more units gathered; backward always prefetches one unit)", PARALLEL,
         parse=non_negative_int, given_only=True)
+    # FSDP2's per-parameter host work (a DTensor, hooks and copies per tensor) over 3-5 flat tensors a unit instead of
+    # 12 a block: gpt2.runtime.flat_blocks, which DeepSpeed's --zero3-fetch flat uses too
+    fsdp2_params: Literal["tensors", "flat"] = option(
+        "tensors", "--zero-engine fsdp2: what FSDP2 shards: tensors = each parameter of a unit on its own (FSDP2's "
+                   "way); flat = each unit's parameters in 3-5 flat tensors (less host work a step; checkpoints "
+                   "hold the flat tensors and depend on --fsdp2-unit-blocks, export restores the names)", PARALLEL,
+        given_only=True)
     # left out: gpt2.config.layout.zero3_unit_blocks_of (ZERO3_UNIT_BLOCKS, where it divides the blocks)
     zero3_unit_blocks: int | None = option(
         None, "hybrid mode, ZeRO-3 with --zero3-fetch block or flat: transformer blocks per DeepSpeed leaf module (one "

@@ -21,6 +21,13 @@ new communicator). With --tp-size N the TP groups are consecutive ranks and the 
 TP shard as a plain tensor; FSDP2 then shards that shard over the DP group (dim 0), so a weight is split tp x dp
 ways, as under DeepSpeed with the mpu. Both TP ranks of a DP position hold the same FSDP2 layout.
 
+--fsdp2-params flat: each unit's parameters are first moved into 3-5 flat tensors (`gpt2.runtime.flat_blocks`'s
+FlatBlock around the unit, DeepSpeed's --zero3-fetch flat layout: grouped by Linear or not, weight decay and the TP
+plan's marks), so FSDP2 shards, gathers and hooks a few tensors a unit instead of 12 a block. FSDP2's host work is
+per parameter (a DTensor each, the swap of sharded and unsharded tensors into their modules, the copy in and out of
+the all-gather buffer), so a flat unit costs less host time; the values are the members', the forward runs the same
+blocks on views of them.
+
 --zero-stage (FSDP2's `reshard_after_forward`):
 - 3 (default): True. Parameters are freed after each unit's forward and gathered again for its backward:
   ZeRO-3's memory and traffic (2 all-gathers + 1 reduce-scatter of the weights a step).
@@ -74,13 +81,17 @@ modules included. `torch.distributed.checkpoint` writes the model and optimizer 
 folder per TP rank, `fsdp2/tp00`, `fsdp2/tp01`, ..., each by that TP rank's DP group (its ranks' shards, the same
 keys on every TP rank: one folder for them all would merge different tensors under one name), and rank 0 writes
 `fsdp2/schedule.pt` (LR schedule and step, weights_only). `python -m gpt2.train.export` reads the folders on the CPU
-without a process group (`read_model_state`) and joins the TP shards by the TP plan.
+without a process group (`read_model_state`) and joins the TP shards by the TP plan. Under --fsdp2-params flat the
+checkpoint holds each unit's flat tensors (`blocks.U.matmul.decay_tp`), so it resumes only with the same
+--fsdp2-params and --fsdp2-unit-blocks (gpt2.train.checkpoint says so), and rank 0 writes their layout beside them
+(FLAT_LAYOUT_FILE), by which export splits them back into the blocks' names.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -101,6 +112,7 @@ from gpt2.model.gpt import GPT
 from gpt2.observe.run_logging import log
 from gpt2.runtime.block_units import block_key
 from gpt2.runtime.distributed import DistContext
+from gpt2.runtime.flat_blocks import DECAYS, FLAT_LAYOUT_FILE
 from parallel.grads import grad_norm, local_shard
 from parallel.tp_plan import PARAM_MARKS
 
@@ -131,10 +143,11 @@ def shard_model(model: GPT, mesh: DeviceMesh, *, reshard_after_forward: bool,
     `gpt2.runtime.parallelize`, or a block; `reshard_after_forward` as --zero-stage says; one FSDP2 unit: one
     all-gather, one reduce-scatter, one set of hooks; weights gathered in `block_gather_dtype`, None: fp32), then the
     root (embeddings, final LayerNorm, tied LM head; gathered fp32, never resharded after forward), in place; the TP
-    plan's marks move to the new DTensor parameters; each unit's forward prefetches the next `forward_prefetch` block
-    units (set_forward_prefetch). Returns the units, root last."""
-    # fully_shard replaces every Parameter by a DTensor one, so the TP plan's marks are carried over by name
-    marks = {name: {m: getattr(p, m) for m in PARAM_MARKS if hasattr(p, m)} for name, p in model.named_parameters()}
+    plan's marks (and a flat tensor's weight-decay answer) move to the new DTensor parameters; each unit's forward
+    prefetches the next `forward_prefetch` block units (set_forward_prefetch). Returns the units, root last."""
+    # fully_shard replaces every Parameter by a DTensor one, so the marks are carried over by name
+    marks = {name: {m: getattr(p, m) for m in (*PARAM_MARKS, DECAYS) if hasattr(p, m)}
+             for name, p in model.named_parameters()}
     for unit in model.blocks:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward,
                     mp_policy=mixed_precision(block_gather_dtype))
@@ -281,11 +294,14 @@ class FSDP2Engine(TorchEngine):
 
     def save_state(self, folder: Path, step: int) -> None:
         """Model and optimizer shards by torch.distributed.checkpoint into folder/fsdp2/tpXX (each TP rank's DP
-        group writes its own), the schedule and step by rank 0 (collective)."""
+        group writes its own), the schedule and step by rank 0 (collective); under --fsdp2-params flat, rank 0 also
+        writes the flat tensors' layout (FLAT_LAYOUT_FILE) for export."""
         dims = self.ctx.dims
         dcp.save(self._state(), checkpoint_id=tp_dir(folder, dims.tp_rank), process_group=dims.dp_group)
         if self.ctx.is_main:
             torch.save({"scheduler": self.scheduler.state_dict(), "step": step}, folder / FSDP2_DIR / SCHEDULE_FILE)
+            if self.layout.fsdp2_flat:
+                (folder / FLAT_LAYOUT_FILE).write_text(json.dumps(self.module.blocks[0].layout(), indent=1))
 
     def load_state(self, folder: Path) -> int | None:
         """Load this TP rank's shards into the model and optimizer, the schedule; returns the step it records."""

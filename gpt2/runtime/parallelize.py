@@ -107,8 +107,8 @@ def choose_attention(layout: RunLayout, device: torch.device) -> AttentionChoice
 def parallelize(model: GPT, layout: RunLayout, dims: ParallelDims, stats: CommStats | None = None) -> GPT:
     """The build order up to the data-parallel wrapper, in place: the tensor-parallel plan (this rank keeps its
     shards; nothing to cut for tp 1) -> activation checkpointing -> block units (--zero3-unit-blocks' or
-    --fsdp2-unit-blocks': `gpt2.runtime.block_units`) -> --zero3-fetch flat's flat block (or unit) tensors
-    (`gpt2.runtime.flat_blocks`)
+    --fsdp2-unit-blocks': `gpt2.runtime.block_units`) -> --zero3-fetch flat's or --fsdp2-params flat's flat block
+    (or unit) tensors (`gpt2.runtime.flat_blocks`)
     -> ZeRO-3 leaf modules (one coalesced gather per block or unit, registered before
     DeepSpeed's hooks) -> torch.compile of each block (or unit) and the head (`--compile-scope
     blocks`; forwards only, hooks left eager, under ZeRO-3's leaf gathers). The engine adds DDP (then a
@@ -122,9 +122,10 @@ def parallelize(model: GPT, layout: RunLayout, dims: ParallelDims, stats: CommSt
     unit = "transformer block" if unit_blocks == 1 else f"unit of {unit_blocks} transformer blocks"  # for the logs
     if unit_blocks > 1:
         group_blocks(model, unit_blocks, checkpoint_layers=layout.checkpoints_in_units)
-    if layout.zero3_flat:  # after the TP plan (its marks and layer types decide the groups)
+    if layout.flat_params:  # after the TP plan (its marks and layer types decide the groups)
         layout_of_block = flatten_blocks(model)
-        log.info("ZeRO-3 flat parameters: %d tensors a %s (%s)", len(layout_of_block), unit, ", ".join(layout_of_block))
+        log.info("%s flat parameters: %d tensors a %s (%s)", "FSDP2" if layout.fsdp2 else "ZeRO-3",
+                 len(layout_of_block), unit, ", ".join(layout_of_block))
     if layout.zero3_blocks:  # before deepspeed.initialize, which registers the hooks: one per block instead of ~10
         from deepspeed.utils import set_z3_leaf_modules
 

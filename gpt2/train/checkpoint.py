@@ -159,6 +159,8 @@ def build_meta(layout: RunLayout, step: int) -> dict[str, Any]:
     }
     if layout.fsdp2:  # absent from DeepSpeed's (and older) hybrid checkpoints: check_compatible reads that as deepspeed
         meta["zero_engine"] = layout.zero_engine
+        meta["fsdp2_params"] = layout.cfg.parallel.fsdp2_params  # flat: another set of tensors (absent: tensors)
+        meta["fsdp2_unit_blocks"] = layout.fsdp2_unit_blocks  # flat tensors are per unit
     elif layout.mode == "hybrid":
         meta["deepspeed_version"] = importlib.metadata.version("deepspeed")  # no import: it picks an accelerator
         meta["zero3_fetch"] = layout.zero3_fetch  # what ZeRO-3's hooks gathered (None: no hooks; absent: before it)
@@ -215,6 +217,20 @@ def _zero3_unit_diffs(meta: dict[str, Any], layout: RunLayout) -> list[str]:
     return diffs
 
 
+def _fsdp2_diffs(meta: dict[str, Any], layout: RunLayout) -> list[str]:
+    """How a checkpoint's FSDP2 parameter set differs from this run's, with the flag that resumes it: flat tensors
+    (--fsdp2-params flat) are per unit, per-tensor checkpoints hold the blocks' own names at any unit size."""
+    params, ours = meta.get("fsdp2_params", "tensors"), layout.cfg.parallel.fsdp2_params
+    if params != ours:
+        return [f"fsdp2_params: checkpoint {params!r}, this run {ours!r} (--fsdp2-params flat keeps each unit's "
+                f"parameters in flat tensors; resume it with --fsdp2-params {params})"]
+    unit = meta.get("fsdp2_unit_blocks")
+    if params == "flat" and unit != layout.fsdp2_unit_blocks:
+        return [f"fsdp2_unit_blocks: checkpoint {unit}, this run {layout.fsdp2_unit_blocks} (a flat tensor holds one "
+                f"unit's parameters; resume it with --fsdp2-unit-blocks {unit})"]
+    return []
+
+
 def check_compatible(meta: dict[str, Any], layout: RunLayout, where: Path) -> None:
     """Model config and parallel layout must match the checkpoint's (the error lists every difference), and
     the checkpoint must lie before --max-steps."""
@@ -232,7 +248,7 @@ def check_compatible(meta: dict[str, Any], layout: RunLayout, where: Path) -> No
             diffs.append(f"zero_engine: checkpoint {meta.get('zero_engine', 'deepspeed')!r}, this run "
                          f"{layout.zero_engine!r} (--zero-engine)")
         else:
-            diffs += _zero3_unit_diffs(meta, layout)
+            diffs += _fsdp2_diffs(meta, layout) if layout.fsdp2 else _zero3_unit_diffs(meta, layout)
     if diffs:
         raise CheckpointError(
             f"checkpoint {where} does not match this run: " + "; ".join(diffs)

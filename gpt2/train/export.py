@@ -85,6 +85,10 @@ def consolidated_state_dict(step_dir: Path) -> tuple[ModelConfig, dict[str, torc
         from gpt2.engines.fsdp2_engine import read_model_state
 
         shards = [read_model_state(step_dir, r) for r in range(tp)]
+        if meta.get("fsdp2_params") == "flat":  # each unit's flat tensors -> blocks.U.layers.J -> blocks.N
+            layout = json.loads((step_dir / FLAT_LAYOUT_FILE).read_text())
+            shards = [ungroup_state_dict(unflatten_state_dict(sd, layout), meta["fsdp2_unit_blocks"])
+                      for sd in shards]
         for sd in shards:
             sd.setdefault("lm_head.weight", sd["wte.weight"])  # tied: one tensor, whichever key it is kept under
         if tp == 1:

@@ -16,6 +16,8 @@ Runs (10 steps each; the same global batch of 4 sequences):
     tp-compile       --tp-size 2 --compile (each unit's forward compiled, FSDP2's hooks eager) on 4 ranks, batch 2,
                      --comm-log, an evaluation mid-run (the plain blocks' compiled graph is ZeRO-3's in
                      tests/integration/test_zero.py: one launch fewer here)
+    flat             tp-compile with --sequence-parallel over flat tensors (--fsdp2-params flat), checkpoint at step
+                     5; resumed from it
 Tolerances (measured on CPU, torch 2.13, in brackets): per-step loss vs single <= 1e-5 relative
 (tests/train_runs.LOSS_REL_TOL) [2.0e-7 on 2 ranks, 2.9e-7 with TP], pre-clip gradient norm (the global norm the clip
 uses: DTensor gradients reduced over DP, TP shards over TP) <= 2e-4 relative at tp 1, as the DeepSpeed tests
@@ -195,6 +197,42 @@ def test_fsdp2_tp_compile_matches_single(single_reference: ReferenceRun, tmp_pat
     s = assert_default_units(tmp_path / "tp-compile", "reshard_after_forward=True: ZeRO-3")
     assert (s["tp_size"], s["dp_size"], s["compile_wrapper"]) == (2, 2, "python")
     assert_comm_log_is_the_plan(s)
+
+
+def test_fsdp2_flat_tp_sp_compile_matches_single_resumes_and_exports(single_reference: ReferenceRun,
+                                                                     tmp_path: Path) -> None:
+    """--fsdp2-params flat: each unit's parameters in flat tensors (their TP and SP marks and weight-decay answer
+    carried through fully_shard), TP 2 x DP 2 with sequence parallelism, each unit's forward compiled; the
+    checkpoint holds the flat tensors and their layout, resumes exactly, refuses a run of other tensors or units,
+    and exports to the blocks' own names."""
+    from gpt2.config.cli import parse_args
+    from gpt2.config.layout import RunLayout
+    from gpt2.runtime.flat_blocks import FLAT_LAYOUT_FILE
+    from gpt2.train.checkpoint import CheckpointError, check_compatible, read_meta
+
+    args = FSDP2 + ["--tp-size", "2", "--sequence-parallel", "--compile", "--fsdp2-params", "flat", "--batch-size", "2"]
+    ck = tmp_path / "ck"
+    run_train(args + ["--run-name", "full", "--save-dir", str(ck), "--save-interval", "5", "--comm-log"], tmp_path,
+              nproc=4)
+    run_train(args + ["--run-name", "resumed", "--resume", str(ck / "step-000005")], tmp_path, nproc=4)
+    assert_matches_reference(single_reference, tmp_path / "full", TP_GRAD_NORM_REL_TOL)
+    assert_resume_exact(tmp_path / "full", tmp_path / "resumed", at=5)
+    s = assert_default_units(tmp_path / "full", "reshard_after_forward=True: ZeRO-3")
+    assert (s["tp_size"], s["fsdp2_params"], s["compile_wrapper"]) == (2, "flat", "python")
+    assert_comm_log_is_the_plan(s)
+    console = (tmp_path / "full" / "console.log").read_text()
+    assert ("FSDP2 flat parameters: 4 tensors a unit of 2 transformer blocks (other.no_decay_sp, matmul.decay_tp, "
+            "matmul.no_decay_tp, matmul.no_decay_sp)") in console
+    step5 = ck / "step-000005"
+    assert (step5 / FLAT_LAYOUT_FILE).is_file()
+    meta = read_meta(step5)
+    assert (meta["fsdp2_params"], meta["fsdp2_unit_blocks"]) == ("flat", 2)
+    for other, wrong in ((["--fsdp2-params", "tensors"], "fsdp2_params: checkpoint 'flat', this run 'tensors'"),
+                         (["--fsdp2-unit-blocks", "1"], "fsdp2_unit_blocks: checkpoint 2, this run 1")):
+        layout = RunLayout.resolve(parse_args([*args, *other]), 4, "cpu")
+        with pytest.raises(CheckpointError, match=re.escape(wrong)):
+            check_compatible(meta, layout, step5)
+    assert_weights_match(ck / "step-000010", single_reference.checkpoint, atol=5e-4)  # export's reader, unflattened
 
 
 CLIP = 0.05  # below this model's gradient norm (asserted): the clip scales every gradient
