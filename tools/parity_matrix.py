@@ -45,7 +45,8 @@ FLAT_U1 = ("--zero3-fetch", "flat", "--zero3-unit-blocks", "1")
 # flat units of 12 blocks: a third of the hooks and graph calls of the default's, for the host-bound TP layouts
 FLAT_U12 = ("--zero3-fetch", "flat", "--zero3-unit-blocks", "12")
 FSDP2 = ("--mode", "hybrid", "--zero-engine", "fsdp2")  # ZeRO-3 by PyTorch FSDP2 (gpt2.engines.fsdp2_engine)
-FSDP2_FLAT = ("--fsdp2-params", "flat")  # FSDP2 over each unit's flat tensors (gpt2.runtime.flat_blocks)
+# FSDP2 over each parameter on its own, beside its default of each unit's flat tensors (gpt2.runtime.flat_blocks)
+FSDP2_TENSORS = ("--fsdp2-params", "tensors")
 
 
 def _zero(stage: int) -> tuple[str, ...]:
@@ -71,7 +72,7 @@ def one_device_rows() -> list[Row]:
     rows += [Row("zero3-block-compile", (*_zero(3), *PER_BLOCK, COMPILE), nproc=1),
              Row("zero3-flat-u1-compile", (*_zero(3), *FLAT_U1, COMPILE), nproc=1),
              Row("zero3-flat-u12-compile", (*_zero(3), *FLAT_U12, COMPILE), nproc=1),
-             Row("fsdp2-flat-compile", (*FSDP2, *FSDP2_FLAT, COMPILE), nproc=1)]
+             Row("fsdp2-tensors-compile", (*FSDP2, *FSDP2_TENSORS, COMPILE), nproc=1)]
     return rows + [Row("zero3-deepcompile", (*_zero(3), *DEEPCOMPILE), nproc=1)]
 
 
@@ -79,8 +80,8 @@ def multi_device_rows(world: int) -> list[Row]:
     """DDP and ZeRO at `world` processes, DDP and ZeRO-3 also compiled (the configurations the 4-GPU speed table
     times); tensor parallelism under DDP and ZeRO-3: TP 2 +- sequence parallel, each eager and compiled, and TP 4
     where 4 divides the world; FSDP2 (--zero-engine fsdp2) and FSDP2 + TP 2 +- sequence parallel, each eager,
-    compiled and compiled over flat tensors (--fsdp2-params flat); and each compiled mode of the speed table with
-    `--fused-kernels cuda`."""
+    compiled and compiled over their own tensors (--fsdp2-params tensors); and each compiled mode of the speed table
+    with `--fused-kernels cuda`."""
     w = f"-w{world}"
     rows = [Row("ddp" + w, DDP, world)] + [Row(f"zero{s}{w}", _zero(s), world) for s in (1, 2, 3)]
     rows += [Row(f"ddp-compile{w}", (*DDP, COMPILE), world), Row(f"zero3-compile{w}", (*_zero(3), COMPILE), world)]
@@ -90,7 +91,7 @@ def multi_device_rows(world: int) -> list[Row]:
     # FSDP2 beside DeepSpeed ZeRO-3: the same rows, eager and compiled, without and with TP 2 (+- sequence parallel)
     for name, flags in (("fsdp2", FSDP2), ("fsdp2-tp2", (*FSDP2, *TP2)), ("fsdp2-tp2-sp", (*FSDP2, *TP2, SP))):
         rows += [Row(f"{name}{w}", flags, world), Row(f"{name}-compile{w}", (*flags, COMPILE), world),
-                 Row(f"{name}-flat-compile{w}", (*flags, *FSDP2_FLAT, COMPILE), world)]
+                 Row(f"{name}-tensors-compile{w}", (*flags, *FSDP2_TENSORS, COMPILE), world)]
     # the fused CUDA kernels in each compiled mode of the 4-GPU speed table (its `--fused cuda` rows)
     for name, flags in (("ddp", DDP), ("zero3", _zero(3)), ("zero3-tp2", (*_zero(3), *TP2)), ("fsdp2", FSDP2),
                         ("fsdp2-tp2", (*FSDP2, *TP2))):

@@ -245,7 +245,8 @@ TABLES: dict[str, Table] = {
                                *pairs(271, 272, 273, vs=271), *pairs(274, 275, vs=274), *pairs(280, 281, vs=280),
                                *pairs(278, 279, vs=278)],
                               columns=(*Table.columns, "note")),
-    "one-h200-ws1": Table([*pairs(289, 290, 291, 292, vs=289), *pairs(296, 297, 298, vs=296)], columns=(*Table.columns, "note")),
+    "one-h200-ws1": Table([*pairs(289, 290, 291, 292, vs=289), *pairs(296, 297, 298, vs=296)],
+                          columns=(*Table.columns, "note")),
 }
 KEY = ("op", "implementation", "shape", "metric")  # a microbenchmark row's key within its call
 

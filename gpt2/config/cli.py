@@ -338,11 +338,12 @@ def validate(cfg: RunConfig) -> None:
     if t.compile and cfg.zero_stage == 3 and cfg.parallel.zero3_fetch == "module":
         raise ConfigError("--compile with ZeRO-3 needs --zero3-fetch block or flat (per-module gather hooks inside a "
                           "block break graph capture); drop --zero3-fetch module or --compile")
-    unit = cfg.parallel.fsdp2_unit_blocks  # at or above n_layer: one unit holds every block
-    if t.mode == "hybrid" and cfg.parallel.fsdp2_params == "flat" and unit < m.n_layer and m.n_layer % unit:
+    unit = cfg.parallel.fsdp2_unit_blocks  # given (left out: a divisor, gpt2.config.layout.fsdp2_unit_blocks_of)
+    if cfg.parallel.fsdp2_params == "flat" and unit is not None and m.n_layer % unit:
         divisors = [n for n in range(1, m.n_layer + 1) if m.n_layer % n == 0]  # one flat layout for every unit
-        raise ConfigError(f"--fsdp2-params flat needs units of one size, and {unit}-block units do not divide the "
-                          f"model's {m.n_layer} blocks; pass --fsdp2-unit-blocks with one of {divisors}")
+        raise ConfigError(f"--fsdp2-params flat (the default) needs units of one size, and {unit}-block units do "
+                          f"not divide the model's {m.n_layer} blocks; pass --fsdp2-unit-blocks with one of "
+                          f"{divisors}, or --fsdp2-params tensors")
     if (t.compile and t.compile_scope == "model" and t.compiler == "torch"
             and (t.mode == "hybrid" or cfg.parallel.tp_size > 1)):
         raise ConfigError("--compile-scope model (one graph cut at DDP buckets) is for single/baseline without TP; "

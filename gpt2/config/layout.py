@@ -21,6 +21,7 @@ import torch
 from gpt2.config.deepspeed_file import ds_config_file, read_ds_file
 from gpt2.config.schema import (
     DEEPCOMPILE_RECOMPILE_STEP,
+    FSDP2_UNIT_BLOCKS,
     PROFILED_STEPS,
     ZERO3_UNIT_BLOCKS,
     ConfigError,
@@ -94,6 +95,17 @@ def zero3_unit_blocks_of(fetch: str | None, given: int | None, n_layer: int) -> 
     if fetch not in LEAF_FETCHES:
         return 1
     return given if given is not None else max(n for n in range(1, ZERO3_UNIT_BLOCKS + 1) if n_layer % n == 0)
+
+
+def fsdp2_unit_blocks_of(flat: bool, given: int | None, n_layer: int) -> int:
+    """Transformer blocks per FSDP2 unit: `given` (--fsdp2-unit-blocks), at most the model's `n_layer` blocks (a value
+    given above it is refused by gpt2.config.cli); left out, FSDP2_UNIT_BLOCKS capped at `n_layer`, or over `flat`
+    tensors (one flat layout for every unit) the largest divisor of `n_layer` up to it (4 for every GPT-2 size)."""
+    if given is not None:
+        return min(given, n_layer)
+    if flat:
+        return max(n for n in range(1, FSDP2_UNIT_BLOCKS + 1) if n_layer % n == 0)
+    return min(FSDP2_UNIT_BLOCKS, n_layer)
 
 
 DEEPCOMPILE_MIN_TORCH = (2, 6)  # deepspeed/compile/util.py is_deepcompile_supported (0.19.8)
@@ -293,9 +305,9 @@ class RunLayout:
 
     @property
     def fsdp2_unit_blocks(self) -> int:
-        """Transformer blocks per FSDP2 unit: --fsdp2-unit-blocks, at most the model's layer count (a value given
-        above it is refused by gpt2.config.cli; the default is capped for smaller models)."""
-        return min(self.cfg.parallel.fsdp2_unit_blocks, self.cfg.model.n_layer)
+        """Transformer blocks per FSDP2 unit (fsdp2_unit_blocks_of)."""
+        p = self.cfg.parallel
+        return fsdp2_unit_blocks_of(p.fsdp2_params == "flat", p.fsdp2_unit_blocks, self.cfg.model.n_layer)
 
     @property
     def fsdp2_gather(self) -> str | None:
@@ -350,8 +362,16 @@ class RunLayout:
         """Whether --activation-checkpointing recomputes each block on its own inside its BlockUnit (FSDP2's units:
         backward holds one block's activations at a time, as before FSDP2's units were modules; inside a compiled
         unit the checkpoints are traced into its graph) instead of GPT.forward checkpointing each unit whole
-        (DeepSpeed's leaf units, whose memory the planner counts so)."""
-        return self.cfg.train.activation_checkpointing and self.fsdp2 and self.block_unit_blocks > 1
+        (DeepSpeed's leaf units, and FSDP2's over flat tensors: a block recomputed in backward would run outside its
+        unit's functional_call over the flat tensors' views, on parameters that are not there)."""
+        return (self.cfg.train.activation_checkpointing and self.fsdp2 and not self.fsdp2_flat
+                and self.block_unit_blocks > 1)
+
+    @property
+    def checkpointed_blocks(self) -> int:
+        """Transformer blocks per --activation-checkpointing segment: each entry of `model.blocks` (a block, or a
+        unit GPT.forward checkpoints whole), or one block where the units checkpoint their blocks themselves."""
+        return 1 if self.checkpoints_in_units else self.block_unit_blocks
 
     @property
     def zero3_flat(self) -> bool:

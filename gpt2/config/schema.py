@@ -152,6 +152,8 @@ class DataConfig:
 # DeepSpeed's host work is per unit, so fewer units step faster; the gain shrinks with each doubling, and a unit's
 # gathered weights stay resident while it runs, so larger units buy little (docs/decisions.md).
 ZERO3_UNIT_BLOCKS = 4
+# FSDP2's default unit (--fsdp2-unit-blocks left out), for the same reason (docs/decisions.md)
+FSDP2_UNIT_BLOCKS = 4
 
 
 @dataclass
@@ -172,11 +174,14 @@ class ParallelConfig:
                      "forward to backward; no stage 1)", PARALLEL, given_only=True)
     # FSDP2's unit: the blocks one module (a BlockUnit) and one `fully_shard` call group (one all-gather, one
     # reduce-scatter, one set of hooks and under --compile one graph per unit and pass; gpt2.engines.fsdp2_engine)
-    fsdp2_unit_blocks: int = option(
-        4, "--zero-engine fsdp2: transformer blocks per FSDP2 unit (one all-gather, reduce-scatter, hook set and, "
-           "under --compile, compiled graph per unit: fewer, larger units cost less host time and hold more "
-           "gathered weights)", PARALLEL,
-        parse=positive_int, given_only=True)
+    # left out: gpt2.config.layout.fsdp2_unit_blocks_of (FSDP2_UNIT_BLOCKS; over flat tensors, where it divides)
+    fsdp2_unit_blocks: int | None = option(
+        None, "--zero-engine fsdp2: transformer blocks per FSDP2 unit (one all-gather, reduce-scatter, hook set and, "
+              "under --compile, compiled graph per unit: fewer, larger units cost less host time and hold more "
+              "gathered weights; under --fsdp2-params flat it must divide the model's blocks)", PARALLEL,
+        parse=positive_int, given_only=True,
+        default_text=f"{FSDP2_UNIT_BLOCKS}, at most the model's blocks; under --fsdp2-params flat the largest divisor "
+                     f"of the model's blocks up to {FSDP2_UNIT_BLOCKS}")
     # the dtype FSDP2 gathers the blocks' weights in (gpt2.config.layout.RunLayout.fsdp2_gather_dtype resolves auto)
     fsdp2_gather: Literal["auto", "bf16", "fp32"] = option(
         "auto", "--zero-engine fsdp2: the dtype the transformer blocks' weights are all-gathered in: bf16 = the "
@@ -192,11 +197,12 @@ class ParallelConfig:
            "forward starts, holding N more units gathered; backward always prefetches one unit)", PARALLEL,
         parse=non_negative_int, given_only=True)
     # FSDP2's per-parameter host work (a DTensor, hooks and copies per tensor) over 3-5 flat tensors a unit instead of
-    # 12 a block: gpt2.runtime.flat_blocks, which DeepSpeed's --zero3-fetch flat uses too
+    # 12 a block: gpt2.runtime.flat_blocks, which DeepSpeed's --zero3-fetch flat uses too (docs/decisions.md)
     fsdp2_params: Literal["tensors", "flat"] = option(
-        "tensors", "--zero-engine fsdp2: what FSDP2 shards: tensors = each parameter of a unit on its own (FSDP2's "
-                   "way); flat = each unit's parameters in 3-5 flat tensors (less host work a step; checkpoints "
-                   "hold the flat tensors and depend on --fsdp2-unit-blocks, export restores the names)", PARALLEL,
+        "flat", "--zero-engine fsdp2: what FSDP2 shards: flat = each unit's parameters in 3-5 flat tensors (less "
+                "host work a step; the units must divide the model's blocks; checkpoints hold the flat tensors and "
+                "depend on --fsdp2-unit-blocks, export restores the names); tensors = each parameter on its own "
+                "(FSDP2's way; checkpoints under the blocks' own names, at any unit size)", PARALLEL,
         given_only=True)
     # left out: gpt2.config.layout.zero3_unit_blocks_of (ZERO3_UNIT_BLOCKS, where it divides the blocks)
     zero3_unit_blocks: int | None = option(

@@ -21,12 +21,13 @@ new communicator). With --tp-size N the TP groups are consecutive ranks and the 
 TP shard as a plain tensor; FSDP2 then shards that shard over the DP group (dim 0), so a weight is split tp x dp
 ways, as under DeepSpeed with the mpu. Both TP ranks of a DP position hold the same FSDP2 layout.
 
---fsdp2-params flat: each unit's parameters are first moved into 3-5 flat tensors (`gpt2.runtime.flat_blocks`'s
-FlatBlock around the unit, DeepSpeed's --zero3-fetch flat layout: grouped by Linear or not, weight decay and the TP
-plan's marks), so FSDP2 shards, gathers and hooks a few tensors a unit instead of 12 a block. FSDP2's host work is
-per parameter (a DTensor each, the swap of sharded and unsharded tensors into their modules, the copy in and out of
-the all-gather buffer), so a flat unit costs less host time; the values are the members', the forward runs the same
-blocks on views of them.
+--fsdp2-params flat (the default): each unit's parameters are first moved into 3-5 flat tensors
+(`gpt2.runtime.flat_blocks`'s FlatBlock around the unit, DeepSpeed's --zero3-fetch flat layout: grouped by Linear or
+not, weight decay and the TP plan's marks), so FSDP2 shards, gathers and hooks a few tensors a unit instead of 12 a
+block. FSDP2's host work is per parameter (a DTensor each, the swap of sharded and unsharded tensors into their
+modules, the copy in and out of the all-gather buffer), so a flat unit costs less host time; the values are the
+members', the forward runs the same blocks on views of them. --fsdp2-params tensors leaves each parameter its own
+FSDP2 tensor.
 
 --zero-stage (FSDP2's `reshard_after_forward`):
 - 3 (default): True. Parameters are freed after each unit's forward and gathered again for its backward:
@@ -70,21 +71,23 @@ average). --compile compiles each unit's (and the final LayerNorm's and LM head'
 (`gpt2.runtime.compiling.compile_forwards`): one graph a unit and pass, not one a block, so the per-graph host costs
 (guards, the compiled function's wrappers) are paid once a unit, as FSDP2's hooks are; the hooks stay eager, outside
 the graphs (launch code in C++ where --compile-wrapper auto says: on CUDA at ZeRO-3 without sequence parallelism or
-fused kernels). --activation-checkpointing checkpoints each block inside its unit (`RunLayout.checkpoints_in_units`:
-backward recomputes one block at a time, as it did before units were modules; under --compile the checkpoints are
-traced into the unit's graph, which AOTAutograd's partitioner recomputes block by block).
+fused kernels). --activation-checkpointing under --fsdp2-params tensors checkpoints each block inside its unit
+(`RunLayout.checkpoints_in_units`: backward recomputes one block at a time, as it did before units were modules; under
+--compile the checkpoints are traced into the unit's graph, which AOTAutograd's partitioner recomputes block by
+block); over flat tensors GPT.forward checkpoints each unit whole, as DeepSpeed's leaf units (a block's recompute
+would run outside its unit's views of the flat tensors).
 
 Checkpoints (through `save_state`/`load_state`, so `gpt2.train.checkpoint`'s kill-safe folder protocol, manifest
-and resume apply unchanged): under the blocks' own parameter names (`blocks.N.<name>`: the units' names are mapped by
-`renamed` on save and load), so a checkpoint resumes at any --fsdp2-unit-blocks, checkpoints from before units were
-modules included. `torch.distributed.checkpoint` writes the model and optimizer state sharded, one DCP
-folder per TP rank, `fsdp2/tp00`, `fsdp2/tp01`, ..., each by that TP rank's DP group (its ranks' shards, the same
-keys on every TP rank: one folder for them all would merge different tensors under one name), and rank 0 writes
-`fsdp2/schedule.pt` (LR schedule and step, weights_only). `python -m gpt2.train.export` reads the folders on the CPU
-without a process group (`read_model_state`) and joins the TP shards by the TP plan. Under --fsdp2-params flat the
-checkpoint holds each unit's flat tensors (`blocks.U.matmul.decay_tp`), so it resumes only with the same
---fsdp2-params and --fsdp2-unit-blocks (gpt2.train.checkpoint says so), and rank 0 writes their layout beside them
-(FLAT_LAYOUT_FILE), by which export splits them back into the blocks' names.
+and resume apply unchanged): under --fsdp2-params tensors, under the blocks' own parameter names (`blocks.N.<name>`:
+the units' names are mapped by `renamed` on save and load), so such a checkpoint resumes at any
+--fsdp2-unit-blocks, checkpoints from before units were modules included. `torch.distributed.checkpoint` writes the
+model and optimizer state sharded, one DCP folder per TP rank, `fsdp2/tp00`, `fsdp2/tp01`, ..., each by that TP rank's
+DP group (its ranks' shards, the same keys on every TP rank: one folder for them all would merge different tensors under
+one name), and rank 0 writes `fsdp2/schedule.pt` (LR schedule and step, weights_only). `python -m gpt2.train.export`
+reads the folders on the CPU without a process group (`read_model_state`) and joins the TP shards by the TP plan. Under
+--fsdp2-params flat the checkpoint holds each unit's flat tensors (`blocks.U.matmul.decay_tp`), so it resumes only with
+the same --fsdp2-params and --fsdp2-unit-blocks (gpt2.train.checkpoint says so), and rank 0 writes their layout beside
+them (FLAT_LAYOUT_FILE), by which export splits them back into the blocks' names.
 """
 
 from __future__ import annotations

@@ -352,7 +352,7 @@ def predict_memory(layout: RunLayout) -> MemoryPlan:
     b, seq, d, t, sp = tc.batch_size, tc.seq_len, cfg.n_embd, layout.tp_size, layout.sequence_parallel
     sbh_shard = seq * b * d / (t if sp else 1)  # one replicated [b, s, h] element count
     layer = layer_activation_bytes(cfg, b, seq, t, sp, activation_bytes=e, residual_bytes=r)
-    unit = layout.zero3_unit_blocks  # GPT.forward checkpoints each entry of model.blocks: a block or a ZeRO-3 unit
+    unit = layout.checkpointed_blocks  # blocks a checkpoint recomputes: a block, or a ZeRO-3 (or flat FSDP2) unit
     # a unit of several blocks compiled as one graph (DeepSpeed's leaf units, FSDP2's units): every block but a unit's
     # first keeps its residual-stream tensor in fp32, not the 16 bits above (module docstring: measured, mechanism not
     # pinned down)
@@ -489,7 +489,7 @@ def predict_communication(layout: RunLayout) -> list[CommOp]:
             # tensor (its last MLP c_proj input), so that MLP output's all-reduce / reduce-scatter is not rerun
             # (its dropout mask would be); inside a unit the other blocks' are
             skip = "activation reduce-scatter (SP)" if layout.sequence_parallel else "activation all-reduce"
-            segments = cfg.n_layer // layout.zero3_unit_blocks
+            segments = cfg.n_layer // layout.checkpointed_blocks
             ops = [replace(op, calls=op.calls - m * segments) if op.name == skip else op for op in ops]
         act = tokens * cfg.n_embd * num.states.activation_bytes
         ops.append(CommOp("top-1 all-reduce (int64)", "tp", "all_reduce", t, tokens * 8, m))

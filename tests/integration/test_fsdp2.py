@@ -4,20 +4,19 @@ most steps, so a wrong gradient norm changes the updates).
 
 Runs (10 steps each; the same global batch of 4 sequences):
     fsdp2            2 ranks, batch 1 x accum 2 (set_requires_gradient_sync off on the first micro-step),
-                     --fsdp2-unit-blocks 1, --activation-checkpointing (each block recomputed in backward, its FSDP2
-                     gather inside the recomputed call), checkpoints at steps 5 and 10, --comm-log; fsdp2-resumed
-                     from step 5 at --fsdp2-unit-blocks 2 (one launch checks both that the resume is exact and that a
-                     checkpoint of ungrouped blocks resumes into BlockUnits, each block checkpointed inside its unit:
-                     the engine saves and loads under the blocks' own names)
+                     --fsdp2-params tensors (each parameter its own FSDP2 tensor; the others run the default, each
+                     unit's flat tensors), --fsdp2-unit-blocks 1, --activation-checkpointing (each block recomputed
+                     in backward, its FSDP2 gather inside the recomputed call), checkpoints at steps 5 and 10,
+                     --comm-log; fsdp2-resumed from step 5 at --fsdp2-unit-blocks 2 (one launch checks both that the
+                     resume is exact and that a checkpoint of ungrouped blocks resumes into BlockUnits, each block
+                     checkpointed inside its unit: the engine saves and loads under the blocks' own names)
     ds-launcher      --zero-stage 2 (reshard_after_forward=False) under the deepspeed launcher, 2 ranks, batch 2,
                      --comm-log, an evaluation mid-run
     fsdp2-tp2dp2-sp  --tp-size 2 --sequence-parallel on 4 ranks (DP groups [0, 2] and [1, 3]), batch 2, checkpoint
-                     at step 5; resumed from it
+                     at step 5 (flat tensors and their layout); resumed from it
     tp-compile       --tp-size 2 --compile (each unit's forward compiled, FSDP2's hooks eager) on 4 ranks, batch 2,
                      --comm-log, an evaluation mid-run (the plain blocks' compiled graph is ZeRO-3's in
                      tests/integration/test_zero.py: one launch fewer here)
-    flat             tp-compile with --sequence-parallel over flat tensors (--fsdp2-params flat), checkpoint at step
-                     5; resumed from it
 Tolerances (measured on CPU, torch 2.13, in brackets): per-step loss vs single <= 1e-5 relative
 (tests/train_runs.LOSS_REL_TOL) [2.0e-7 on 2 ranks, 2.9e-7 with TP], pre-clip gradient norm (the global norm the clip
 uses: DTensor gradients reduced over DP, TP shards over TP) <= 2e-4 relative at tp 1, as the DeepSpeed tests
@@ -60,11 +59,11 @@ TP_GRAD_NORM_REL_TOL = 1e-3  # with TP, as tests/integration/test_tp_modes.py
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """FSDP2 with accumulation, activation checkpointing and checkpoints, one block a unit (the other tests run the
-    default unit, both blocks of the reference model), and its resume from step 5 at two blocks a unit (the
-    regrouped resume: test_fsdp2_checkpoint_resumes_at_another_unit_size)."""
+    """FSDP2 over its own tensors with accumulation, activation checkpointing and checkpoints, one block a unit (the
+    other tests run the default unit, both blocks of the reference model, over flat tensors), and its resume from step
+    5 at two blocks a unit (the regrouped resume: test_fsdp2_checkpoint_resumes_at_another_unit_size)."""
     root = tmp_path_factory.mktemp("fsdp2")
-    args = FSDP2 + ["--batch-size", "1", "--grad-accum", "2", "--activation-checkpointing"]
+    args = FSDP2 + ["--batch-size", "1", "--grad-accum", "2", "--activation-checkpointing", "--fsdp2-params", "tensors"]
     run_train(args + ["--fsdp2-unit-blocks", "1", "--run-name", "fsdp2", "--save-dir", str(root / "ck"),
                       "--save-interval", "5", "--comm-log"], root, nproc=2)
     run_train(args + ["--fsdp2-unit-blocks", "2", "--run-name", "fsdp2-resumed", "--resume",
@@ -102,9 +101,9 @@ def test_fsdp2_resume_is_exact(runs: Path) -> None:
 
 
 def test_fsdp2_checkpoint_resumes_at_another_unit_size(runs: Path) -> None:
-    """--fsdp2-unit-blocks changes how blocks are grouped, not the checkpoint's names or shards: a checkpoint saved at
-    one block a unit (no BlockUnits, as every checkpoint before units were modules) resumes at two (the fixture's
-    fsdp2-resumed, whose exactness test_fsdp2_resume_is_exact checks)."""
+    """Under --fsdp2-params tensors, --fsdp2-unit-blocks changes how blocks are grouped, not the checkpoint's names or
+    shards: a checkpoint saved at one block a unit (no BlockUnits, as every checkpoint before units were modules)
+    resumes at two (the fixture's fsdp2-resumed, whose exactness test_fsdp2_resume_is_exact checks)."""
     s = summary(runs / "fsdp2-resumed")
     assert (s["fsdp2_unit_blocks"], summary(runs / "fsdp2")["fsdp2_unit_blocks"]) == (2, 1)
     assert "FSDP2: 2 units (transformer blocks in units of at most 2, + embeddings/head)" in (
@@ -175,64 +174,46 @@ def test_fsdp2_zero2_under_the_deepspeed_launcher_matches_single(single_referenc
 
 
 def test_fsdp2_tp_sp_matches_single_resumes_and_exports(single_reference: ReferenceRun, tmp_path: Path) -> None:
-    """TP 2 x DP 2: our TP shards, FSDP2-sharded over the strided DP groups; the TP-aware global norm, the
-    sequence-parallel sum over TP after the reduce-scatter, one DCP folder per TP rank, and the export joining them."""
-    args = FSDP2 + ["--tp-size", "2", "--sequence-parallel", "--batch-size", "2"]
-    ck = tmp_path / "ck"
-    run_train(args + ["--run-name", "full", "--save-dir", str(ck), "--save-interval", "5"], tmp_path, nproc=4)
-    assert sorted(p.name for p in (ck / "step-000005" / "fsdp2").iterdir()) == ["schedule.pt", "tp00", "tp01"]
-    run_train(args + ["--run-name", "resumed", "--resume", str(ck / "step-000005")], tmp_path, nproc=4)
-    assert_matches_reference(single_reference, tmp_path / "full", TP_GRAD_NORM_REL_TOL)
-    assert_resume_exact(tmp_path / "full", tmp_path / "resumed", at=5)
-    # lr 3e-3: Adam turns the TP reduction order's noise into more drift than at tp 1
-    assert_weights_match(ck / "step-000010", single_reference.checkpoint, atol=5e-4)
-
-
-def test_fsdp2_tp_compile_matches_single(single_reference: ReferenceRun, tmp_path: Path) -> None:
-    """The parity row fsdp2-tp2-compile-wW on CPU: TP 2 x DP 2 with each unit's forward compiled (FSDP2's hooks
-    eager), an evaluation mid-run; --comm-log's bytes are the plan's under compile too."""
-    run_train(FSDP2 + ["--tp-size", "2", "--compile", "--batch-size", "2", "--comm-log", "--eval-interval", "5",
-                       "--run-name", "tp-compile"], tmp_path, nproc=4)
-    assert_matches_reference(single_reference, tmp_path / "tp-compile", TP_GRAD_NORM_REL_TOL)
-    s = assert_default_units(tmp_path / "tp-compile", "reshard_after_forward=True: ZeRO-3")
-    assert (s["tp_size"], s["dp_size"], s["compile_wrapper"]) == (2, 2, "python")
-    assert_comm_log_is_the_plan(s)
-
-
-def test_fsdp2_flat_tp_sp_compile_matches_single_resumes_and_exports(single_reference: ReferenceRun,
-                                                                     tmp_path: Path) -> None:
-    """--fsdp2-params flat: each unit's parameters in flat tensors (their TP and SP marks and weight-decay answer
-    carried through fully_shard), TP 2 x DP 2 with sequence parallelism, each unit's forward compiled; the
-    checkpoint holds the flat tensors and their layout, resumes exactly, refuses a run of other tensors or units,
-    and exports to the blocks' own names."""
+    """TP 2 x DP 2: our TP shards in flat unit tensors (their TP and SP marks and weight-decay answer carried through
+    fully_shard), FSDP2-sharded over the strided DP groups; the TP-aware global norm, the sequence-parallel sum over
+    TP after the reduce-scatter, one DCP folder per TP rank and the flat tensors' layout; a resume of other tensors
+    or units refused, naming the flag; and the export splitting the flat tensors and joining the TP shards."""
     from gpt2.config.cli import parse_args
     from gpt2.config.layout import RunLayout
     from gpt2.runtime.flat_blocks import FLAT_LAYOUT_FILE
     from gpt2.train.checkpoint import CheckpointError, check_compatible, read_meta
 
-    args = FSDP2 + ["--tp-size", "2", "--sequence-parallel", "--compile", "--fsdp2-params", "flat", "--batch-size", "2"]
+    args = FSDP2 + ["--tp-size", "2", "--sequence-parallel", "--batch-size", "2"]
     ck = tmp_path / "ck"
-    run_train(args + ["--run-name", "full", "--save-dir", str(ck), "--save-interval", "5", "--comm-log"], tmp_path,
-              nproc=4)
-    run_train(args + ["--run-name", "resumed", "--resume", str(ck / "step-000005")], tmp_path, nproc=4)
+    run_train(args + ["--run-name", "full", "--save-dir", str(ck), "--save-interval", "5"], tmp_path, nproc=4)
+    step5 = ck / "step-000005"
+    assert sorted(p.name for p in (step5 / "fsdp2").iterdir()) == ["schedule.pt", "tp00", "tp01"]
+    assert (step5 / FLAT_LAYOUT_FILE).is_file()
+    run_train(args + ["--run-name", "resumed", "--resume", str(step5)], tmp_path, nproc=4)
     assert_matches_reference(single_reference, tmp_path / "full", TP_GRAD_NORM_REL_TOL)
     assert_resume_exact(tmp_path / "full", tmp_path / "resumed", at=5)
-    s = assert_default_units(tmp_path / "full", "reshard_after_forward=True: ZeRO-3")
-    assert (s["tp_size"], s["fsdp2_params"], s["compile_wrapper"]) == (2, "flat", "python")
-    assert_comm_log_is_the_plan(s)
-    console = (tmp_path / "full" / "console.log").read_text()
+    assert summary(tmp_path / "full")["fsdp2_params"] == "flat"
     assert ("FSDP2 flat parameters: 4 tensors a unit of 2 transformer blocks (other.no_decay_sp, matmul.decay_tp, "
-            "matmul.no_decay_tp, matmul.no_decay_sp)") in console
-    step5 = ck / "step-000005"
-    assert (step5 / FLAT_LAYOUT_FILE).is_file()
+            "matmul.no_decay_tp, matmul.no_decay_sp)") in (tmp_path / "full" / "console.log").read_text()
     meta = read_meta(step5)
     assert (meta["fsdp2_params"], meta["fsdp2_unit_blocks"]) == ("flat", 2)
     for other, wrong in ((["--fsdp2-params", "tensors"], "fsdp2_params: checkpoint 'flat', this run 'tensors'"),
                          (["--fsdp2-unit-blocks", "1"], "fsdp2_unit_blocks: checkpoint 2, this run 1")):
-        layout = RunLayout.resolve(parse_args([*args, *other]), 4, "cpu")
         with pytest.raises(CheckpointError, match=re.escape(wrong)):
-            check_compatible(meta, layout, step5)
-    assert_weights_match(ck / "step-000010", single_reference.checkpoint, atol=5e-4)  # export's reader, unflattened
+            check_compatible(meta, RunLayout.resolve(parse_args([*args, *other]), 4, "cpu"), step5)
+    # lr 3e-3: Adam turns the TP reduction order's noise into more drift than at tp 1
+    assert_weights_match(ck / "step-000010", single_reference.checkpoint, atol=5e-4)
+
+
+def test_fsdp2_tp_compile_matches_single(single_reference: ReferenceRun, tmp_path: Path) -> None:
+    """The parity row fsdp2-tp2-compile-wW on CPU: TP 2 x DP 2 with each unit's forward compiled over its flat tensors
+    (FSDP2's hooks eager), an evaluation mid-run; --comm-log's bytes are the plan's under compile too."""
+    run_train(FSDP2 + ["--tp-size", "2", "--compile", "--batch-size", "2", "--comm-log", "--eval-interval", "5",
+                       "--run-name", "tp-compile"], tmp_path, nproc=4)
+    assert_matches_reference(single_reference, tmp_path / "tp-compile", TP_GRAD_NORM_REL_TOL)
+    s = assert_default_units(tmp_path / "tp-compile", "reshard_after_forward=True: ZeRO-3")
+    assert (s["tp_size"], s["dp_size"], s["compile_wrapper"], s["fsdp2_params"]) == (2, 2, "python", "flat")
+    assert_comm_log_is_the_plan(s)
 
 
 CLIP = 0.05  # below this model's gradient norm (asserted): the clip scales every gradient

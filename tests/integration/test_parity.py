@@ -466,17 +466,20 @@ def test_config_key_names_the_code_path():
                                "--fused-kernels", "triton", "--activation-checkpointing"]), 2) == (
         "gpt2-large ddp-tp2-sp w2 kernels=triton attn=sdpa compile=off ckpt=on bf16 opt=triton")  # the set's AdamW
     # FSDP2: the gather dtype the run resolved (summary.json; a parity row resolves it for its device); without it,
-    # as asked for, and fp32 for a config from before --fsdp2-gather
+    # as asked for, and fp32 for a config from before --fsdp2-gather; flat unit tensors (the default) named, its own
+    # tensors not (the keys of the verdicts from before --fsdp2-params)
     fsdp2 = _config(["--mode", "hybrid", "--zero-engine", "fsdp2", "--compile"])
     assert config_key(fsdp2, 4, "bf16") == (
-        "gpt2-large fsdp2 w4 kernels=none attn=sdpa compile=blocks ckpt=off bf16 gather=bf16")
-    assert config_key(fsdp2, 4).endswith(" gather=auto")
+        "gpt2-large fsdp2 w4 kernels=none attn=sdpa compile=blocks ckpt=off bf16 gather=bf16 params=flat")
+    assert config_key(fsdp2, 4).endswith(" gather=auto params=flat")
     del fsdp2["parallel"]["fsdp2_gather"]
-    assert config_key(fsdp2, 4).endswith(" gather=fp32")
+    assert config_key(fsdp2, 4).endswith(" gather=fp32 params=flat")
+    assert config_key(_config(["--mode", "hybrid", "--zero-engine", "fsdp2", "--fsdp2-params", "tensors"]), 4,
+                      "bf16").endswith(" gather=bf16")
     row = Row("fsdp2-w4", ("--mode", "hybrid", "--zero-engine", "fsdp2", "--compile"), 4)
     common = ["--model", "gpt2-large"]
-    assert plan(row, "gpt2-large", common, 32, 2, "cuda").key.endswith(" gather=bf16 wrapper=cpp")  # auto, GPU
-    assert plan(row, "gpt2-large", common, 32, 2, "cpu").key.endswith(" gather=fp32 wrapper=python")  # CPU: fp32
+    assert plan(row, "gpt2-large", common, 32, 2, "cuda").key.endswith(" gather=bf16 params=flat wrapper=cpp")  # GPU
+    assert plan(row, "gpt2-large", common, 32, 2, "cpu").key.endswith(" gather=fp32 params=flat wrapper=python")
     # the compiled graphs' host code as resolved: a verdict holds for the wrapper it ran with; eager names none
     tp = Row("zero3-tp2-w2", ("--mode", "hybrid", "--tp-size", "2", "--compile", "--compile-wrapper", "cpp"), 2)
     assert plan(tp, "gpt2-large", common, 32, 2, "cuda").key.endswith(" zprec=autocast wrapper=cpp")

@@ -283,12 +283,25 @@ def test_the_zero3_gather_defaults_to_flat_units_of_4(flags: list[str], fetch: s
     assert (layout.zero3_fetch, layout.zero3_unit_blocks) == (fetch, unit)
 
 
-def test_the_fsdp2_unit_is_capped_at_the_model_depth() -> None:
-    fsdp2 = ["--mode", "hybrid", "--zero-engine", "fsdp2"]
-    assert RunLayout.resolve(parse_args(fsdp2 + ["--model", "gpt2"]), 2, "cpu").fsdp2_unit_blocks == 4  # default
-    assert RunLayout.resolve(parse_args(fsdp2 + ["--model", "gpt2-tiny"]), 2, "cpu").fsdp2_unit_blocks == 2
-    assert RunLayout.resolve(parse_args(fsdp2 + ["--model", "gpt2", "--fsdp2-unit-blocks", "3"]), 2,
-                             "cpu").fsdp2_unit_blocks == 3
+@pytest.mark.parametrize("flags, unit", [
+    (["--model", "gpt2"], 4),  # the default
+    (["--model", "gpt2-tiny"], 2),  # capped at the model's depth
+    (["--model", "gpt2", "--n-layer", "6"], 3),  # flat tensors (the default): the largest divisor up to 4
+    (["--model", "gpt2", "--n-layer", "6", "--fsdp2-params", "tensors"], 4),  # its own tensors: a short last unit
+    (["--model", "gpt2", "--fsdp2-unit-blocks", "3"], 3),  # given: kept
+])
+def test_the_fsdp2_unit_defaults_to_4_blocks(flags: list[str], unit: int) -> None:
+    layout = RunLayout.resolve(parse_args(["--mode", "hybrid", "--zero-engine", "fsdp2", *flags]), 2, "cpu")
+    assert layout.fsdp2_unit_blocks == unit
+
+
+def test_flat_fsdp2_units_must_divide_the_blocks() -> None:
+    fsdp2 = ["--mode", "hybrid", "--zero-engine", "fsdp2", "--model", "gpt2", "--fsdp2-unit-blocks", "5"]
+    with pytest.raises(ConfigError, match=re.escape("5-block units do not divide the model's 12 blocks; pass "
+                                                    "--fsdp2-unit-blocks with one of [1, 2, 3, 4, 6, 12], or "
+                                                    "--fsdp2-params tensors")):
+        parse_args(fsdp2)
+    assert RunLayout.resolve(parse_args(fsdp2 + ["--fsdp2-params", "tensors"]), 2, "cpu").fsdp2_unit_blocks == 5
 
 
 @pytest.mark.parametrize("flags, device, gathered", [

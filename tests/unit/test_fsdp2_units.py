@@ -17,10 +17,12 @@ from gpt2.config.schema import MODEL_PRESETS, ModelConfig
 from gpt2.engines.fsdp2_engine import renamed, shard_model
 from gpt2.model.gpt import GPT
 from gpt2.runtime.block_units import BlockUnit, block_key, group_blocks
+from gpt2.runtime.flat_blocks import FlatBlock, unflatten_state_dict
 from gpt2.runtime.parallelize import parallelize
 from parallel.dims import ParallelDims
 
-FSDP2_ARGS = ["--mode", "hybrid", "--zero-engine", "fsdp2", "--model", "gpt2-tiny"]
+# FSDP2 over its own tensors: the units' modules and names (the flat tensors' test is below)
+FSDP2_ARGS = ["--mode", "hybrid", "--zero-engine", "fsdp2", "--model", "gpt2-tiny", "--fsdp2-params", "tensors"]
 
 
 def test_blocks_are_sharded_in_groups_of_the_unit_size(gloo_world) -> None:
@@ -72,7 +74,10 @@ def loss_and_grads(model: GPT) -> tuple[float, dict[str, torch.Tensor]]:
     x = torch.randint(0, 50257, (2, 16))
     loss, _ = model(x, x)
     loss.backward()
-    return loss.item(), {block_key(n, 2): p.grad.full_tensor() for n, p in model.named_parameters()}
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    if isinstance(model.blocks[0], FlatBlock):  # --fsdp2-params flat: the members' gradients, by their names
+        grads = unflatten_state_dict(grads, model.blocks[0].layout())
+    return loss.item(), {block_key(n, 2): grad for n, grad in grads.items()}
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -114,6 +119,30 @@ def test_checkpointing_recomputes_each_block_inside_its_unit(gloo_world, monkeyp
     model, _ = fsdp2_model(["--activation-checkpointing"])
     loss_and_grads(model)
     assert calls == list(model.blocks[0].layers)
+
+
+def test_flat_units_are_checkpointed_whole_and_train_the_eager_function(gloo_world,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--activation-checkpointing over flat unit tensors (--fsdp2-params flat): GPT.forward checkpoints each unit
+    whole (a block's recompute inside the unit would run outside its views of the flat tensors, on parameters that
+    are not there), and loss and gradients are the tensors layout's without checkpointing."""
+    calls: list[torch.nn.Module] = []
+    real = torch.utils.checkpoint.checkpoint
+
+    def recorded(fn: torch.nn.Module, *args, **kwargs) -> torch.Tensor:
+        calls.append(fn)
+        return real(fn, *args, **kwargs)
+
+    reference, reference_grads = loss_and_grads(fsdp2_model([])[0])
+    monkeypatch.setattr("gpt2.runtime.block_units.checkpoint", recorded)
+    monkeypatch.setattr("gpt2.model.gpt.checkpoint", recorded)
+    model, _ = fsdp2_model(["--fsdp2-params", "flat", "--activation-checkpointing"])
+    assert isinstance(model.blocks[0], FlatBlock) and model.activation_checkpointing
+    loss, grads = loss_and_grads(model)
+    assert calls == [model.blocks[0]] and abs(loss - reference) < 1e-5
+    assert grads.keys() == reference_grads.keys()
+    for name, grad in reference_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_checkpoint_names_are_the_blocks_own() -> None:

@@ -214,7 +214,8 @@ def test_fsdp2_terms_by_hand():
     block = local_block_params(z3)
     assert last_unit == 4 * block
     for unit_blocks, blocks in ((1, 1), (5, 1), (18, 18), (36, 36)):  # 36 = 7 x 5 + 1: the last unit holds one
-        assert fsdp2_units(planned(fsdp2 + ["--fsdp2-unit-blocks", str(unit_blocks)]))[0] == blocks * block
+        given = ["--fsdp2-params", "tensors", "--fsdp2-unit-blocks", str(unit_blocks)]  # flat units divide the blocks
+        assert fsdp2_units(planned(fsdp2 + given))[0] == blocks * block
     assert 36 * block + root == N_LARGE  # every parameter once
     deepspeed = predict_memory(planned(LARGE + ["--mode", "hybrid"]))
     m3, m2 = predict_memory(z3), predict_memory(z2)
