@@ -151,6 +151,44 @@ def simulated(rows: Mapping[int, Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# the host-path cuts of issue 53, each measured against what it replaced on one simulated rank in one call:
+# (row before, row after, the cut)
+SIMULATED_CUTS: tuple[tuple[int, int, str], ...] = (
+    (282, 283, "DeepSpeed leaf units of 12 blocks (`--zero3-unit-blocks 12`)"),
+    (299, 300, "FSDP2 over flat unit tensors (`--fsdp2-params flat`)"),
+)
+CUT_COLUMNS = ("cut", "layout (rank 0 of 4)", "rows", "MFU, communication free", "ratio", "device busy",
+               "step (profiled)", "host op time", "GEMM", "elementwise", "collective calls", "call")
+
+
+def profile_of(row: Row) -> dict[str, str]:
+    """The simulated row's line of its call's table (benchmarks.simulated_ranks' CSV, the `raw` file): its profile
+    breakdown, found by the row's tokens/s."""
+    lines = read_rows(ROOT / row["raw"])
+    return next(line for line in lines if float(line["tokens_per_s"]) == float(row["tokens_per_s"]))
+
+
+def simulated_cuts(rows: Mapping[int, Row]) -> str:
+    """SIMULATED_CUTS: each cut's simulated rank before and after, in one call, with the profile's host and device
+    time a step (ms, of the profiled steps) beside the MFU of the timed ones."""
+    lines = ["| " + " | ".join(CUT_COLUMNS) + " |", "|" + "---|" * len(CUT_COLUMNS)]
+    for before_id, after_id, cut in SIMULATED_CUTS:
+        before, after = rows[before_id], rows[after_id]
+        mfu = ratio(after, before, "mfu")  # refuses two calls
+        p, q = profile_of(before), profile_of(after)
+
+        def pair(column: str, unit: str = " ms", line_p: dict = p, line_q: dict = q) -> str:
+            return f"{float(line_p[column]):.1f} -> {float(line_q[column]):.1f}{unit}"
+
+        c = {"cut": cut, "layout (rank 0 of 4)": configuration(after), "rows": f"#{before_id} -> #{after_id}",
+             "MFU, communication free": pair("mfu_pct", "%"), "ratio": f"{mfu:.2f}×",
+             "device busy": pair("device_busy_pct", "%"), "step (profiled)": pair("step_ms"),
+             "host op time": pair("host_op_ms"), "GEMM": pair("gemm_ms"), "elementwise": pair("elementwise/other_ms"),
+             "collective calls": pair("collective_calls", ""), "call": f"{after['date']} {after['call']}"}
+        lines.append("| " + " | ".join(c[col] for col in CUT_COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def by_id(rows: Iterable[Row]) -> dict[int, Row]:
     return {int(r["id"]): r for r in rows}
 
@@ -373,6 +411,7 @@ MICRO_TABLES: dict[str, MicroTable] = {
 }
 PAGES = {ROOT / "README.md": ("headline",), ROOT / "docs" / "results.md": (*(t for t in TABLES if t != "headline"),
                                                                              "targets", "span", "simulated",
+                                                                             "simulated-cuts",
                                                                              *MICRO_TABLES)}
 BLOCK = "<!-- generated:{0} -->\n(.*?)<!-- end generated:{0} -->"
 
@@ -387,6 +426,8 @@ def block(name: str, rows: Mapping[int, Row], page: Path, micro: Sequence[Row] =
         return span(rows)
     if name == "simulated":
         return simulated(rows)
+    if name == "simulated-cuts":
+        return simulated_cuts(rows)
     return render(TABLES[name], rows, link_prefix=prefix)
 
 

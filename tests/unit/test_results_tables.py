@@ -136,6 +136,17 @@ def test_simulated_table_marks_a_superseded_rank() -> None:
     assert "superseded by #2" in lines[2] and "superseded" not in lines[3]
 
 
+def test_simulated_cuts_pair_rows_of_one_call_with_their_profiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each cut's line holds its two rows' profile breakdowns from the call's table (found by tokens/s), and a pair
+    from two calls is refused."""
+    rows = rt.by_id(read_rows())
+    line = rt.simulated_cuts(rows).splitlines()[3]  # the FSDP2 cut (call f2)
+    assert "| 21.6 -> 32.5% | 1.51× | 52.0 -> 62.0% | 113.0 -> 94.9 ms |" in line
+    monkeypatch.setattr(rt, "SIMULATED_CUTS", ((282, 300, "two calls"),))
+    with pytest.raises(rt.CrossCallRatio):
+        rt.simulated_cuts(rows)
+
+
 def test_append_rows_assigns_ids_and_refuses_unknown_columns(tmp_path: Path) -> None:
     store = tmp_path / "runs.csv"
     assert append_rows([{"kind": "throughput", "parity": "pass"}, {"kind": "parity"}], store) == [1, 2]
