@@ -316,8 +316,8 @@ def table_row(r: RunResult) -> dict[str, Any]:
         unit = flag_value(flags, "--zero3-unit-blocks")
         gather = flag_value(flags, "--zero3-fetch"), int(unit) if unit else None
     label = (mode.label if mode else r.mode) + zero3_gather_suffix(*gather)
-    if s.get("fsdp2_params") == "flat":  # --fsdp2-params flat, given through --extra-args
-        label += " (flat)"
+    if s.get("fsdp2_params") == "tensors":  # FSDP2 over its own tensors, not its default flat unit tensors
+        label += " (tensors)"
     return {
         "configuration": label, "fused_kernels": r.fused if not mode or mode.takes_fused
         else "-", "batch_per_gpu": r.batch, "batch_choice": r.batch_choice, "gpus": s.get("world_size"),

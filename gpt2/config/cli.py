@@ -341,9 +341,9 @@ def validate(cfg: RunConfig) -> None:
     unit = cfg.parallel.fsdp2_unit_blocks  # given (left out: a divisor, gpt2.config.layout.fsdp2_unit_blocks_of)
     if cfg.parallel.fsdp2_params == "flat" and unit is not None and m.n_layer % unit:
         divisors = [n for n in range(1, m.n_layer + 1) if m.n_layer % n == 0]  # one flat layout for every unit
-        raise ConfigError(f"--fsdp2-params flat (the default) needs units of one size, and {unit}-block units do "
-                          f"not divide the model's {m.n_layer} blocks; pass --fsdp2-unit-blocks with one of "
-                          f"{divisors}, or --fsdp2-params tensors")
+        raise ConfigError(f"--fsdp2-params flat needs units of one size, and {unit}-block units do not divide the "
+                          f"model's {m.n_layer} blocks; pass --fsdp2-unit-blocks with one of {divisors}, or "
+                          f"--fsdp2-params tensors")
     if (t.compile and t.compile_scope == "model" and t.compiler == "torch"
             and (t.mode == "hybrid" or cfg.parallel.tp_size > 1)):
         raise ConfigError("--compile-scope model (one graph cut at DDP buckets) is for single/baseline without TP; "

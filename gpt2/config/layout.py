@@ -88,13 +88,18 @@ def run_precision(requested: str, device_type: str) -> str:
 LEAF_FETCHES = ("block", "flat")  # --zero3-fetch values that make transformer blocks DeepSpeed leaf modules
 
 
+def largest_divisor_up_to(n_layer: int, cap: int) -> int:
+    """The largest unit of at most `cap` blocks that divides the model's `n_layer` blocks into units of one size."""
+    return max(n for n in range(1, cap + 1) if n_layer % n == 0)
+
+
 def zero3_unit_blocks_of(fetch: str | None, given: int | None, n_layer: int) -> int:
     """Transformer blocks per DeepSpeed ZeRO-3 leaf module: 1 unless `fetch` (--zero3-fetch as it applies; None: no
     gather hooks) makes blocks leaves; else `given` (--zero3-unit-blocks), or where it is left out the largest divisor
     of the model's `n_layer` blocks up to ZERO3_UNIT_BLOCKS (4 for every GPT-2 size; 2 for gpt2-tiny)."""
     if fetch not in LEAF_FETCHES:
         return 1
-    return given if given is not None else max(n for n in range(1, ZERO3_UNIT_BLOCKS + 1) if n_layer % n == 0)
+    return given if given is not None else largest_divisor_up_to(n_layer, ZERO3_UNIT_BLOCKS)
 
 
 def fsdp2_unit_blocks_of(flat: bool, given: int | None, n_layer: int) -> int:
@@ -104,7 +109,7 @@ def fsdp2_unit_blocks_of(flat: bool, given: int | None, n_layer: int) -> int:
     if given is not None:
         return min(given, n_layer)
     if flat:
-        return max(n for n in range(1, FSDP2_UNIT_BLOCKS + 1) if n_layer % n == 0)
+        return largest_divisor_up_to(n_layer, FSDP2_UNIT_BLOCKS)
     return min(FSDP2_UNIT_BLOCKS, n_layer)
 
 

@@ -196,10 +196,10 @@ class ParallelConfig:
            "each unit's all-gather issued by its own pre-forward hook; N: the next N units' issued when a unit's "
            "forward starts, holding N more units gathered; backward always prefetches one unit)", PARALLEL,
         parse=non_negative_int, given_only=True)
-    # FSDP2's per-parameter host work (a DTensor, hooks and copies per tensor) over 3-5 flat tensors a unit instead of
+    # FSDP2's per-parameter host work (a DTensor, hooks and copies per tensor) over 3-4 flat tensors a unit instead of
     # 12 a block: gpt2.runtime.flat_blocks, which DeepSpeed's --zero3-fetch flat uses too (docs/decisions.md)
     fsdp2_params: Literal["tensors", "flat"] = option(
-        "flat", "--zero-engine fsdp2: what FSDP2 shards: flat = each unit's parameters in 3-5 flat tensors (less "
+        "flat", "--zero-engine fsdp2: what FSDP2 shards: flat = each unit's parameters in 3-4 flat tensors (less "
                 "host work a step; the units must divide the model's blocks; checkpoints hold the flat tensors and "
                 "depend on --fsdp2-unit-blocks, export restores the names); tensors = each parameter on its own "
                 "(FSDP2's way; checkpoints under the blocks' own names, at any unit size)", PARALLEL,

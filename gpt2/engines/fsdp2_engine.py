@@ -4,7 +4,8 @@ engine interface, beside DeepSpeed's (`gpt2.engines.deepspeed_engine`, the defau
     torchrun --nproc_per_node=4 train.py --mode hybrid --zero-engine fsdp2                 # ZeRO-3 by FSDP2
     deepspeed --num_gpus=4 train.py --mode hybrid --zero-engine fsdp2 --tp-size 2 --compile  # + our TP, per unit
 
-Sharding. Each group of --fsdp2-unit-blocks consecutive transformer blocks (default 4; the last takes what is left)
+Sharding. Each group of --fsdp2-unit-blocks consecutive transformer blocks (`RunLayout.fsdp2_unit_blocks`: 4, or
+over flat tensors the largest divisor of the blocks up to 4; over its own tensors the last unit takes what is left)
 is one module, a `BlockUnit` (`gpt2.runtime.block_units`, grouped by `gpt2.runtime.parallelize` as DeepSpeed's leaf
 units are: `RunLayout.block_unit_blocks`), and one `fully_shard` unit (one all-gather of its parameters before its
 forward and again before its backward, one reduce-scatter of its gradients, one set of hooks). At batch 8 the step
@@ -21,7 +22,7 @@ new communicator). With --tp-size N the TP groups are consecutive ranks and the 
 TP shard as a plain tensor; FSDP2 then shards that shard over the DP group (dim 0), so a weight is split tp x dp
 ways, as under DeepSpeed with the mpu. Both TP ranks of a DP position hold the same FSDP2 layout.
 
---fsdp2-params flat (the default): each unit's parameters are first moved into 3-5 flat tensors
+--fsdp2-params flat (the default): each unit's parameters are first moved into 3-4 flat tensors
 (`gpt2.runtime.flat_blocks`'s FlatBlock around the unit, DeepSpeed's --zero3-fetch flat layout: grouped by Linear or
 not, weight decay and the TP plan's marks), so FSDP2 shards, gathers and hooks a few tensors a unit instead of 12 a
 block. FSDP2's host work is per parameter (a DTensor each, the swap of sharded and unsharded tensors into their
@@ -143,11 +144,12 @@ def mixed_precision(gather_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
 def shard_model(model: GPT, mesh: DeviceMesh, *, reshard_after_forward: bool,
                 block_gather_dtype: torch.dtype | None = None, forward_prefetch: int = 0) -> list[nn.Module]:
     """`fully_shard` each entry of `model.blocks` (a BlockUnit of --fsdp2-unit-blocks blocks, grouped by
-    `gpt2.runtime.parallelize`, or a block; `reshard_after_forward` as --zero-stage says; one FSDP2 unit: one
-    all-gather, one reduce-scatter, one set of hooks; weights gathered in `block_gather_dtype`, None: fp32), then the
-    root (embeddings, final LayerNorm, tied LM head; gathered fp32, never resharded after forward), in place; the TP
-    plan's marks (and a flat tensor's weight-decay answer) move to the new DTensor parameters; each unit's forward
-    prefetches the next `forward_prefetch` block units (set_forward_prefetch). Returns the units, root last."""
+    `gpt2.runtime.parallelize`, or a block, either inside a FlatBlock under --fsdp2-params flat; `reshard_after_forward`
+    as --zero-stage says; one FSDP2 unit: one all-gather, one reduce-scatter, one set of hooks; weights gathered in
+    `block_gather_dtype`, None: fp32), then the root (embeddings, final LayerNorm, tied LM head; gathered fp32, never
+    resharded after forward), in place; the TP plan's marks (and a flat tensor's weight-decay answer) move to the new
+    DTensor parameters; each unit's forward prefetches the next `forward_prefetch` block units (set_forward_prefetch).
+    Returns the units, root last."""
     # fully_shard replaces every Parameter by a DTensor one, so the marks are carried over by name
     marks = {name: {m: getattr(p, m) for m in (*PARAM_MARKS, DECAYS) if hasattr(p, m)}
              for name, p in model.named_parameters()}
@@ -289,8 +291,9 @@ class FSDP2Engine(TorchEngine):
 
     def _state(self) -> dict[str, Any]:
         """The model and optimizer state under the blocks' own parameter names (`blocks.N.<name>`, not the units'
-        `blocks.U.layers.J.<name>`): a checkpoint does not depend on --fsdp2-unit-blocks (nor on whether the blocks
-        were grouped into modules when it was saved), and export reads plain GPT names."""
+        `blocks.U.layers.J.<name>`): over their own tensors a checkpoint does not depend on --fsdp2-unit-blocks (nor
+        on whether the blocks were grouped into modules when it was saved), and export reads plain GPT names; a flat
+        unit's tensors (`blocks.U.matmul.decay`) keep their unit's name."""
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
         return renamed({MODEL_KEY: model_sd, OPTIM_KEY: optim_sd},
                        lambda key: block_key(key, self.layout.block_unit_blocks))

@@ -4,15 +4,16 @@ ZeRO-3 leaf module or an FSDP2 `fully_shard` unit (`RunLayout.block_unit_blocks`
 Both engines' host work is per hooked module: each one's forward and backward hooks fetch, release and (DeepSpeed)
 trace its parameters, a fixed cost per call, and under --compile each compiled graph adds its own (guards, the
 compiled function's wrappers). A unit of N blocks has one hook set, one coalesced gather and one graph per pass
-instead of N; the price is N blocks' weights gathered at once. Under --zero3-fetch flat the unit is flattened as one
-(a few flat tensors per unit).
+instead of N; the price is N blocks' weights gathered at once. Under --zero3-fetch flat and --fsdp2-params flat the
+unit is flattened as one (a few flat tensors per unit: gpt2.runtime.flat_blocks).
 
     model.blocks[u]                 # a BlockUnit: blocks u*N .. u*N + N-1
       .layers[j]                    # the Block itself, unchanged
 
 DeepSpeed's checkpoints hold the unit names (`blocks.U.layers.J.<name>`); `ungroup_state_dict` gives back
-`blocks.{U*N+J}.<name>` for export. FSDP2's hold the blocks' own names (its engine renames by `block_key` when
-saving and loading), so they do not depend on N."""
+`blocks.{U*N+J}.<name>` for export. FSDP2's over their own tensors hold the blocks' own names (its engine renames by
+`block_key` when saving and loading), so they do not depend on N; over flat tensors they hold the unit's, as
+DeepSpeed's do."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ _UNIT_KEY = re.compile(r"blocks\.(\d+)\.layers\.(\d+)\.(.+)")  # "blocks.1.layer
 
 
 class BlockUnit(nn.Module):
-    """`layers` run in order: one DeepSpeed leaf module (under --zero3-fetch flat one FlatBlock's content) or one
-    FSDP2 unit. `checkpoint_layers`: in training, each layer is recomputed in backward on its own
+    """`layers` run in order: one DeepSpeed leaf module or FSDP2 unit (under --zero3-fetch flat or --fsdp2-params flat
+    one FlatBlock's content). `checkpoint_layers`: in training, each layer is recomputed in backward on its own
     (`RunLayout.checkpoints_in_units`), rather than GPT.forward checkpointing the whole unit."""
 
     def __init__(self, blocks: list[nn.Module], checkpoint_layers: bool = False):

@@ -1,5 +1,6 @@
-"""`--zero3-fetch flat`: each transformer block's parameters in a few flat tensors, so that DeepSpeed ZeRO-3 handles
-3-4 tensors a block instead of 12.
+"""`--zero3-fetch flat` and `--fsdp2-params flat`: each transformer block's (or unit's) parameters in a few flat
+tensors, so that DeepSpeed ZeRO-3 or FSDP2 handles 3-4 tensors a unit instead of 12 a block. The text below is
+DeepSpeed's case; FSDP2's is the same layout under `fully_shard` (gpt2.engines.fsdp2_engine).
 
 ZeRO-3's host work is per parameter tensor: fetch and release bookkeeping, a gradient hook, a reduce-scatter slot
 and a partition per tensor, each step. GPT-2 Large has 436 tensors; flattened, 112 (tp 1) or 148 (TP). Fewer
@@ -48,7 +49,7 @@ from gpt2.model.gpt import Linear, applies_weight_decay
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.tp_plan import PARAM_MARKS
 
-FLAT_LAYOUT_FILE = "flat_blocks.json"  # a checkpoint step folder's `layout()`, written by the DeepSpeed engine
+FLAT_LAYOUT_FILE = "flat_blocks.json"  # a checkpoint step folder's `layout()`, written by the ZeRO engines
 DECAYS = "decays"  # a flat tensor's weight-decay answer, read by gpt2.runtime.parallelize.param_groups
 Layout = dict[str, list[tuple[str, list[int]]]]  # flat tensor path in a block -> [(member name, member shape)]
 # every matmul module, before and after the TP plan: ZeRO gathers and reduces their weights in the autocast dtype
@@ -86,8 +87,8 @@ class MatmulFlatParams(FlatParams):
 
 
 class FlatBlock(nn.Module):
-    """`block` (a Block, or a BlockUnit of several: --zero3-unit-blocks) with its Parameters moved into one flat
-    Parameter per FlatGroup (see the module docstring)."""
+    """`block` (a Block, or a BlockUnit of several: --zero3-unit-blocks, --fsdp2-unit-blocks) with its Parameters
+    moved into one flat Parameter per FlatGroup (see the module docstring)."""
 
     def __init__(self, block: nn.Module):
         super().__init__()

@@ -141,7 +141,7 @@ def parallelize(model: GPT, layout: RunLayout, dims: ParallelDims, stats: CommSt
 
 def decays(p: nn.Parameter) -> bool:
     """`applies_weight_decay` by the parameter's full shape (a ZeRO-3 partition is 1-D: its shape is `ds_shape`); a
-    flat tensor of --zero3-fetch flat carries its members' answer."""
+    flat tensor (--zero3-fetch flat, --fsdp2-params flat) carries its members' answer."""
     return getattr(p, DECAYS) if hasattr(p, DECAYS) else applies_weight_decay(getattr(p, "ds_shape", p.shape))
 
 

@@ -10,8 +10,9 @@ Runs (10 steps each; the same global batch of 4 sequences):
                      --comm-log; fsdp2-resumed from step 5 at --fsdp2-unit-blocks 2 (one launch checks both that the
                      resume is exact and that a checkpoint of ungrouped blocks resumes into BlockUnits, each block
                      checkpointed inside its unit: the engine saves and loads under the blocks' own names)
-    ds-launcher      --zero-stage 2 (reshard_after_forward=False) under the deepspeed launcher, 2 ranks, batch 2,
-                     --comm-log, an evaluation mid-run
+    ds-launcher      --zero-stage 2 (reshard_after_forward=False) under the deepspeed launcher, 2 ranks, batch 1 x
+                     accum 2, --activation-checkpointing (each flat unit recomputed whole), --comm-log, an evaluation
+                     mid-run
     fsdp2-tp2dp2-sp  --tp-size 2 --sequence-parallel on 4 ranks (DP groups [0, 2] and [1, 3]), batch 2, checkpoint
                      at step 5 (flat tensors and their layout); resumed from it
     tp-compile       --tp-size 2 --compile (each unit's forward compiled, FSDP2's hooks eager) on 4 ranks, batch 2,
@@ -156,14 +157,16 @@ def assert_default_units(run_dir: Path, reshard: str) -> dict:
 def test_fsdp2_zero2_under_the_deepspeed_launcher_matches_single(single_reference: ReferenceRun,
                                                                  tmp_path: Path) -> None:
     """`deepspeed --num_gpus 2 train.py --mode hybrid --zero-engine fsdp2` (the launcher users start hybrid runs with;
-    CPU ranks under DS_ACCELERATOR=cpu) trains single's function as under torchrun, here at --zero-stage 2; an
-    evaluation mid-run (its forwards leave the units that are not resharded after forward gathered, until the engine
-    reshards them) changes nothing the run trains."""
+    CPU ranks under DS_ACCELERATOR=cpu) trains single's function as under torchrun, here at --zero-stage 2 over flat
+    unit tensors (the default) with accumulation and each unit checkpointed whole; an evaluation mid-run (its
+    forwards leave the units that are not resharded after forward gathered, until the engine reshards them) changes
+    nothing the run trains."""
     from tests.train_runs import ROOT, train_env
     from tools.common import free_port
 
     launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
-    proc = subprocess.run([*launcher, str(ROOT / "train.py"), *FSDP2, "--batch-size", "2", "--zero-stage", "2",
+    proc = subprocess.run([*launcher, str(ROOT / "train.py"), *FSDP2, "--batch-size", "1", "--grad-accum", "2",
+                           "--activation-checkpointing", "--zero-stage", "2",
                            "--comm-log", "--eval-interval", "5", "--run-name", "ds-launcher", "--out-dir",
                            str(tmp_path)], capture_output=True, text=True, env=train_env(), timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -197,7 +200,9 @@ def test_fsdp2_tp_sp_matches_single_resumes_and_exports(single_reference: Refere
             "matmul.no_decay_tp, matmul.no_decay_sp)") in (tmp_path / "full" / "console.log").read_text()
     meta = read_meta(step5)
     assert (meta["fsdp2_params"], meta["fsdp2_unit_blocks"]) == ("flat", 2)
-    for other, wrong in ((["--fsdp2-params", "tensors"], "fsdp2_params: checkpoint 'flat', this run 'tensors'"),
+    for other, wrong in ((["--fsdp2-params", "tensors"], "fsdp2_params: checkpoint 'flat', this run 'tensors' ("
+                          "--fsdp2-params flat keeps each unit's parameters in flat tensors; resume it with "
+                          "--fsdp2-params flat --fsdp2-unit-blocks 2)"),
                          (["--fsdp2-unit-blocks", "1"], "fsdp2_unit_blocks: checkpoint 2, this run 1")):
         with pytest.raises(CheckpointError, match=re.escape(wrong)):
             check_compatible(meta, RunLayout.resolve(parse_args([*args, *other]), 4, "cpu"), step5)

@@ -297,9 +297,9 @@ def test_the_fsdp2_unit_defaults_to_4_blocks(flags: list[str], unit: int) -> Non
 
 def test_flat_fsdp2_units_must_divide_the_blocks() -> None:
     fsdp2 = ["--mode", "hybrid", "--zero-engine", "fsdp2", "--model", "gpt2", "--fsdp2-unit-blocks", "5"]
-    with pytest.raises(ConfigError, match=re.escape("5-block units do not divide the model's 12 blocks; pass "
-                                                    "--fsdp2-unit-blocks with one of [1, 2, 3, 4, 6, 12], or "
-                                                    "--fsdp2-params tensors")):
+    with pytest.raises(ConfigError, match=re.escape("--fsdp2-params flat needs units of one size, and 5-block units "
+                                                    "do not divide the model's 12 blocks; pass --fsdp2-unit-blocks "
+                                                    "with one of [1, 2, 3, 4, 6, 12], or --fsdp2-params tensors")):
         parse_args(fsdp2)
     assert RunLayout.resolve(parse_args(fsdp2 + ["--fsdp2-params", "tensors"]), 2, "cpu").fsdp2_unit_blocks == 5
 

@@ -149,6 +149,27 @@ def test_activation_checkpointing_recomputes_a_unit_at_a_time():
         3 * layer - 27 * saved_input)
 
 
+def test_fsdp2_checkpoints_flat_units_whole_and_its_own_tensors_block_by_block():
+    """Under FSDP2, --activation-checkpointing recomputes a flat unit whole (GPT.forward's checkpoint, as ZeRO-3's
+    leaf units: RunLayout.checkpointed_blocks) but one block at a time over FSDP2's own tensors: the recomputed
+    collectives and the activations held follow."""
+    ac = LARGE + ["--mode", "hybrid", "--zero-engine", "fsdp2", "--tp-size", "2", "--batch-size", "8",
+                  "--activation-checkpointing"]
+    flat, tensors = planned(ac), planned(ac + ["--fsdp2-params", "tensors"])
+    assert (flat.checkpointed_blocks, tensors.checkpointed_blocks) == (4, 1)
+
+    def recomputed(layout: RunLayout) -> int:
+        return {op.name: op.calls for op in predict_communication(layout)}["activation all-reduce"]
+
+    assert recomputed(flat) - recomputed(tensors) == 36 - 9
+    # 9 saved unit inputs and one unit of 4 blocks recomputed, against 36 saved block inputs and one block
+    saved_input = 4 * 8 * 1024 * 1280  # one fp32 residual-stream [b, s, d] (autocast), replicated at TP 2 without SP
+    no_ac = predict_memory(planned([f for f in ac if f != "--activation-checkpointing"]))
+    layer = (no_ac.activations - predict_memory(tensors).activations + 36 * saved_input) / 35
+    assert predict_memory(flat).activations - predict_memory(tensors).activations == pytest.approx(
+        3 * layer - 27 * saved_input)
+
+
 def test_ddp_terms_by_hand():
     mem = predict_memory(planned(LARGE + ["--mode", "baseline", "--compile"]))
     # autocast over fp32 weights: 4 B weights + 4 B grads + 8 B AdamW moments, 2 B bf16 copies of the weights
