@@ -15,7 +15,8 @@ Runs (10 steps each; the same global batch of 4 sequences):
                      mid-run
     fsdp2-tp2dp2-sp  --tp-size 2 --sequence-parallel on 4 ranks (DP groups [0, 2] and [1, 3]), batch 2, checkpoint
                      at step 5 (flat tensors and their layout); resumed from it
-    tp-compile       --tp-size 2 --compile (each unit's forward compiled, FSDP2's hooks eager) on 4 ranks, batch 2,
+    tp-compile       --tp-size 2 --compile --activation-checkpointing (each flat unit's forward compiled and
+                     checkpointed whole, FSDP2's hooks eager) on 4 ranks, batch 2,
                      --comm-log, an evaluation mid-run (the plain blocks' compiled graph is ZeRO-3's in
                      tests/integration/test_zero.py: one launch fewer here)
 Tolerances (measured on CPU, torch 2.13, in brackets): per-step loss vs single <= 1e-5 relative
@@ -211,10 +212,11 @@ def test_fsdp2_tp_sp_matches_single_resumes_and_exports(single_reference: Refere
 
 
 def test_fsdp2_tp_compile_matches_single(single_reference: ReferenceRun, tmp_path: Path) -> None:
-    """The parity row fsdp2-tp2-compile-wW on CPU: TP 2 x DP 2 with each unit's forward compiled over its flat tensors
-    (FSDP2's hooks eager), an evaluation mid-run; --comm-log's bytes are the plan's under compile too."""
-    run_train(FSDP2 + ["--tp-size", "2", "--compile", "--batch-size", "2", "--comm-log", "--eval-interval", "5",
-                       "--run-name", "tp-compile"], tmp_path, nproc=4)
+    """The parity row fsdp2-tp2-compile-wW on CPU, with --activation-checkpointing: TP 2 x DP 2 with each unit's
+    forward compiled over its flat tensors (FSDP2's hooks eager) and checkpointed whole, an evaluation mid-run;
+    --comm-log's bytes are the plan's under compile too."""
+    run_train(FSDP2 + ["--tp-size", "2", "--compile", "--activation-checkpointing", "--batch-size", "2", "--comm-log",
+                       "--eval-interval", "5", "--run-name", "tp-compile"], tmp_path, nproc=4)
     assert_matches_reference(single_reference, tmp_path / "tp-compile", TP_GRAD_NORM_REL_TOL)
     s = assert_default_units(tmp_path / "tp-compile", "reshard_after_forward=True: ZeRO-3")
     assert (s["tp_size"], s["dp_size"], s["compile_wrapper"], s["fsdp2_params"]) == (2, 2, "python", "flat")
