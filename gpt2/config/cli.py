@@ -135,6 +135,11 @@ def resolve_compile_scope(requested: str, mode: str, tp_size: int, compiler: str
     return "model" if mode in ("single", "baseline") and tp_size == 1 else "blocks"
 
 
+def divisors(n_layer: int) -> list[int]:
+    """The unit sizes that split a model's `n_layer` blocks into units of one size."""
+    return [n for n in range(1, n_layer + 1) if n_layer % n == 0]
+
+
 def check_deepcompile(args: argparse.Namespace) -> None:
     """`--compiler deepcompile`: the combinations DeepSpeed's DeepCompile (0.19.8) cannot run, or this harness
     has not wired, each an error naming the fix. The CUDA and torch-version needs are `gpt2.config.layout`'s
@@ -297,9 +302,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         raise ConfigError(f"--fsdp2-unit-blocks {args.fsdp2_unit_blocks} is more blocks than the model's "
                           f"{model.n_layer}; use 1 to {model.n_layer} ({model.n_layer}: all blocks one unit)")
     if args.zero3_unit_blocks is not None and model.n_layer % args.zero3_unit_blocks:
-        divisors = [n for n in range(1, model.n_layer + 1) if model.n_layer % n == 0]
         raise ConfigError(f"--zero3-unit-blocks {args.zero3_unit_blocks} does not divide the model's {model.n_layer} "
-                          f"blocks; use one of {divisors}")
+                          f"blocks; use one of {divisors(model.n_layer)}")
     return RunConfig(train=train, model=model, data=_section(DataConfig, args),
                      parallel=_section(ParallelConfig, args), log=_section(LogConfig, args),
                      checkpoint=_section(CheckpointConfig, args), plan=_section(PlanConfig, args))
@@ -340,10 +344,9 @@ def validate(cfg: RunConfig) -> None:
                           "block break graph capture); drop --zero3-fetch module or --compile")
     unit = cfg.parallel.fsdp2_unit_blocks  # given (left out: a divisor, gpt2.config.layout.fsdp2_unit_blocks_of)
     if cfg.parallel.fsdp2_params == "flat" and unit is not None and m.n_layer % unit:
-        divisors = [n for n in range(1, m.n_layer + 1) if m.n_layer % n == 0]  # one flat layout for every unit
         raise ConfigError(f"--fsdp2-params flat needs units of one size, and {unit}-block units do not divide the "
-                          f"model's {m.n_layer} blocks; pass --fsdp2-unit-blocks with one of {divisors}, or "
-                          f"--fsdp2-params tensors")
+                          f"model's {m.n_layer} blocks; pass --fsdp2-unit-blocks with one of {divisors(m.n_layer)}, "
+                          f"or --fsdp2-params tensors")  # one flat layout for every unit
     if (t.compile and t.compile_scope == "model" and t.compiler == "torch"
             and (t.mode == "hybrid" or cfg.parallel.tp_size > 1)):
         raise ConfigError("--compile-scope model (one graph cut at DDP buckets) is for single/baseline without TP; "

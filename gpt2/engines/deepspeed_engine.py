@@ -87,7 +87,7 @@ from gpt2.model.gpt import GPT
 from gpt2.observe.run_logging import log
 from gpt2.runtime.compiling import apply_inductor_settings, deepcompile_eval_settings
 from gpt2.runtime.distributed import DistContext
-from gpt2.runtime.flat_blocks import FLAT_LAYOUT_FILE
+from gpt2.runtime.flat_blocks import save_layout
 from gpt2.runtime.parallelize import build_model, parallelize, param_groups, tp_comm_stats
 from parallel.grads import register_sequence_parallel_grad_hooks
 from parallel.mpu import ModelParallelUnit
@@ -307,7 +307,7 @@ class DeepSpeedEngine:
         for export."""
         self.engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG, client_state={"step": step}, save_latest=False)
         if self.layout.zero3_flat and self.ctx.is_main:
-            (folder / FLAT_LAYOUT_FILE).write_text(json.dumps(self.module.blocks[0].layout(), indent=1))
+            save_layout(self.module, folder)
 
     def load_state(self, folder: Path) -> int | None:
         """Load model, optimizer and scheduler shards; returns the step the client state records."""

@@ -95,7 +95,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -116,7 +115,7 @@ from gpt2.model.gpt import GPT
 from gpt2.observe.run_logging import log
 from gpt2.runtime.block_units import block_key
 from gpt2.runtime.distributed import DistContext
-from gpt2.runtime.flat_blocks import DECAYS, FLAT_LAYOUT_FILE
+from gpt2.runtime.flat_blocks import DECAYS, save_layout
 from parallel.grads import grad_norm, local_shard
 from parallel.tp_plan import PARAM_MARKS
 
@@ -307,7 +306,7 @@ class FSDP2Engine(TorchEngine):
         if self.ctx.is_main:
             torch.save({"scheduler": self.scheduler.state_dict(), "step": step}, folder / FSDP2_DIR / SCHEDULE_FILE)
             if self.layout.fsdp2_flat:
-                (folder / FLAT_LAYOUT_FILE).write_text(json.dumps(self.module.blocks[0].layout(), indent=1))
+                save_layout(self.module, folder)
 
     def load_state(self, folder: Path) -> int | None:
         """Load this TP rank's shards into the model and optimizer, the schedule; returns the step it records."""

@@ -38,8 +38,10 @@ export (`gpt2.train.export`).
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -49,7 +51,7 @@ from gpt2.model.gpt import Linear, applies_weight_decay
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.tp_plan import PARAM_MARKS
 
-FLAT_LAYOUT_FILE = "flat_blocks.json"  # a checkpoint step folder's `layout()`, written by the ZeRO engines
+FLAT_LAYOUT_FILE = "flat_blocks.json"  # a checkpoint step folder's `layout()`: save_layout, read_layout
 DECAYS = "decays"  # a flat tensor's weight-decay answer, read by gpt2.runtime.parallelize.param_groups
 Layout = dict[str, list[tuple[str, list[int]]]]  # flat tensor path in a block -> [(member name, member shape)]
 # every matmul module, before and after the TP plan: ZeRO gathers and reduces their weights in the autocast dtype
@@ -146,6 +148,16 @@ def flatten_blocks(model: nn.Module) -> Layout:
     the layer types); returns the layout, the same for every block."""
     model.blocks = nn.ModuleList(FlatBlock(block) for block in model.blocks)
     return model.blocks[0].layout()
+
+
+def save_layout(model: nn.Module, step_dir: Path) -> None:
+    """Write the flat tensors' layout (every unit's: `flatten_blocks` makes one) into a checkpoint step folder."""
+    (step_dir / FLAT_LAYOUT_FILE).write_text(json.dumps(model.blocks[0].layout(), indent=1))
+
+
+def read_layout(step_dir: Path) -> Layout:
+    """The layout `save_layout` wrote into a checkpoint step folder."""
+    return json.loads((step_dir / FLAT_LAYOUT_FILE).read_text())
 
 
 def unflatten_state_dict(state: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:

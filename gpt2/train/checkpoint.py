@@ -159,7 +159,7 @@ def build_meta(layout: RunLayout, step: int) -> dict[str, Any]:
     }
     if layout.fsdp2:  # absent from DeepSpeed's (and older) hybrid checkpoints: check_compatible reads that as deepspeed
         meta["zero_engine"] = layout.zero_engine
-        meta["fsdp2_params"] = "flat" if layout.fsdp2_flat else "tensors"  # another set of tensors (absent: tensors)
+        meta["fsdp2_params"] = layout.cfg.parallel.fsdp2_params  # flat: another set of tensors (absent: tensors)
         meta["fsdp2_unit_blocks"] = layout.fsdp2_unit_blocks  # flat tensors are per unit
     elif layout.mode == "hybrid":
         meta["deepspeed_version"] = importlib.metadata.version("deepspeed")  # no import: it picks an accelerator
@@ -220,7 +220,7 @@ def _zero3_unit_diffs(meta: dict[str, Any], layout: RunLayout) -> list[str]:
 def _fsdp2_diffs(meta: dict[str, Any], layout: RunLayout) -> list[str]:
     """How a checkpoint's FSDP2 parameter set differs from this run's, with the flag that resumes it: flat tensors
     (--fsdp2-params flat) are per unit, per-tensor checkpoints hold the blocks' own names at any unit size."""
-    params, ours = meta.get("fsdp2_params", "tensors"), "flat" if layout.fsdp2_flat else "tensors"
+    params, ours = meta.get("fsdp2_params", "tensors"), layout.cfg.parallel.fsdp2_params
     unit = meta.get("fsdp2_unit_blocks")
     if params != ours:
         units = f" --fsdp2-unit-blocks {unit}" if params == "flat" else ""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import shutil
 import signal
@@ -37,7 +36,7 @@ from gpt2.config.schema import ConfigError, ModelConfig
 from gpt2.engines.base import CHECKPOINT_TAG, state_file
 from gpt2.model.hf_weights import hf_config_for, ours_to_hf
 from gpt2.runtime.block_units import ungroup_state_dict
-from gpt2.runtime.flat_blocks import FLAT_LAYOUT_FILE, unflatten_state_dict
+from gpt2.runtime.flat_blocks import read_layout, unflatten_state_dict
 from gpt2.train.checkpoint import EXIT_SAVE_FAILED, LATEST, CheckpointError, read_meta, verify_checkpoint
 from gpt2.train.preemption import EXIT_INTERRUPTED
 from parallel.tp_plan import param_shard, unshard_tensor
@@ -86,7 +85,7 @@ def consolidated_state_dict(step_dir: Path) -> tuple[ModelConfig, dict[str, torc
 
         shards = [read_model_state(step_dir, r) for r in range(tp)]
         if meta.get("fsdp2_params") == "flat":  # each unit's flat tensors -> blocks.U.layers.J -> blocks.N
-            layout = json.loads((step_dir / FLAT_LAYOUT_FILE).read_text())
+            layout = read_layout(step_dir)
             shards = [ungroup_state_dict(unflatten_state_dict(sd, layout), meta["fsdp2_unit_blocks"])
                       for sd in shards]
         for sd in shards:
@@ -97,7 +96,7 @@ def consolidated_state_dict(step_dir: Path) -> tuple[ModelConfig, dict[str, torc
         shards = [_zero_fp32_state_dict(step_dir)] if tp == 1 else [_zero_tp_rank_state_dict(step_dir, r)
                                                                     for r in range(tp)]
         if meta.get("zero3_flat"):  # --zero3-fetch flat: each TP rank's flat tensors -> our names (by its layout)
-            layout = json.loads((step_dir / FLAT_LAYOUT_FILE).read_text())
+            layout = read_layout(step_dir)
             shards = [unflatten_state_dict(sd, layout) for sd in shards]
         if meta.get("zero3_unit_blocks", 1) > 1:  # --zero3-unit-blocks: blocks.U.layers.J -> blocks.N
             shards = [ungroup_state_dict(sd, meta["zero3_unit_blocks"]) for sd in shards]

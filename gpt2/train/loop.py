@@ -316,7 +316,7 @@ def build_summary(layout: RunLayout, ctx: DistContext, meter: ThroughputMeter, m
         # blocks are gathered in (--fsdp2-gather as resolved)
         "compile_wrapper": layout.compile_wrapper,
         "fsdp2_unit_blocks": layout.fsdp2_unit_blocks if layout.fsdp2 else None,
-        "fsdp2_params": ("flat" if layout.fsdp2_flat else "tensors") if layout.fsdp2 else None,  # FSDP2's tensors
+        "fsdp2_params": layout.cfg.parallel.fsdp2_params if layout.fsdp2 else None,  # its own tensors or flat ones
         "zero3_fetch": layout.zero3_fetch,  # DeepSpeed ZeRO-3's gather: module, block or flat (None: no such hooks)
         "zero3_unit_blocks": layout.zero3_unit_blocks if layout.zero3_blocks else None,
         "fsdp2_gather": layout.fsdp2_gather,
