@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,10 @@ CATEGORIES: list[tuple[str, re.Pattern]] = [
 COLLECTIVE_CALL_PREFIX = "c10d::"
 # host events that are not host work: waiting for the device (the step timer's and .item()'s synchronisations)
 DEVICE_WAIT = re.compile(r"Synchronize", re.I)
+# Kineto detaches CUPTI when a trace ends only if TEARDOWN_CUPTI=1 (pytorch/pytorch#144455); left attached, its
+# callbacks stay on every kernel launch, and the timed steps after the profiled ones run slower where the host
+# bounds the step. torch itself sets it to 0 only for CUDA graphs (cudagraph trees), which no run here captures.
+CUPTI_TEARDOWN_ENV = "TEARDOWN_CUPTI"
 
 
 def check_profile_window(t: TrainConfig, start_step: int) -> None:
@@ -75,6 +80,7 @@ class StepProfiler:
         self._prof = None
         if enabled and run_dir is not None:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            os.environ.setdefault(CUPTI_TEARDOWN_ENV, "1")  # a user's own setting stands
             self._prof = profile(activities=activities,
                                  schedule=schedule(wait=skip_steps, warmup=1, active=ACTIVE_STEPS, repeat=1),
                                  on_trace_ready=self._write)
