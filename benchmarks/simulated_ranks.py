@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         markdown(rows, args.command, made_on(args.runs[0]), args.commit or results_store.git_commit(), args.call))
     if args.store:
         results_store.append_rows(
-            [results_store.row_from_summary(s, call=args.call, raw=args.out / "simulated_ranks.csv")
+            [results_store.row_from_summary(s, call=args.call, raw=args.out / "simulated_ranks.csv", commit=args.commit)
              for s in summaries if s.get("simulated")], args.store)
     print((args.out / "simulated_ranks.md").read_text())
     return 0

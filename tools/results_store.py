@@ -156,8 +156,9 @@ def repo_path(path: Path | str) -> str:
 
 def row_from_summary(summary: Mapping[str, Any], *, call: str, raw: Path | str, parity: str = "none",
                      parity_file: Path | str | None = None, kind: str = "throughput", variant: str = "",
-                     note: str = "") -> dict[str, Any]:
-    """A store row from a run's summary.json (train.py's or a reference trainer's)."""
+                     note: str = "", commit: str | None = None) -> dict[str, Any]:
+    """A store row from a run's summary.json (train.py's or a reference trainer's); `commit`: the one that made the
+    run, where it is not this checkout's HEAD."""
     mode = summary.get("mode", "")
     engine = summary.get("zero_engine") or ("deepspeed" if mode == "hybrid" else "torch")
     if kind == "reference":
@@ -165,7 +166,7 @@ def row_from_summary(summary: Mapping[str, Any], *, call: str, raw: Path | str, 
     compile_ = summary.get("compile") or "eager"
     compile_ = {"off": "eager", "model": "compile", "blocks": "compile"}.get(compile_, compile_)
     return {
-        "kind": kind, "date": datetime.date.today().isoformat(), "commit": git_commit(), "call": call,
+        "kind": kind, "date": datetime.date.today().isoformat(), "commit": commit or git_commit(), "call": call,
         "device": summary.get("device", ""), "gpus": summary.get("world_size", 1), "model": summary.get("model", ""),
         "mode": mode, "engine": engine, "tp": summary.get("tp_size", 1),
         "sp": int(bool(summary.get("sequence_parallel"))),

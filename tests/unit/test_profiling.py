@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import weakref
 
 import torch
@@ -68,3 +69,15 @@ def test_step_profiler_writes_the_breakdown(tmp_path):
     assert breakdown["step_wall_ms"] > 0
     for name in ("trace.json", "profile_kernels.txt", "profile_host.txt"):
         assert (tmp_path / name).exists(), name
+
+
+def test_the_profiler_detaches_cupti_when_its_window_ends_unless_told_otherwise(tmp_path, monkeypatch):
+    # left attached, CUPTI's launch callbacks slow every timed step after the profiled ones
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    StepProfiler(False, tmp_path, skip_steps=1, device=torch.device("cpu"))
+    assert "TEARDOWN_CUPTI" not in os.environ  # no --profile, no change
+    StepProfiler(True, tmp_path, skip_steps=1, device=torch.device("cpu")).stop()
+    assert os.environ["TEARDOWN_CUPTI"] == "1"
+    monkeypatch.setenv("TEARDOWN_CUPTI", "0")
+    StepProfiler(True, tmp_path, skip_steps=1, device=torch.device("cpu")).stop()
+    assert os.environ["TEARDOWN_CUPTI"] == "0"

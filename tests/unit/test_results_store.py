@@ -40,3 +40,9 @@ def test_merge_appends_the_calls_rows_with_paths_moved(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):  # merged once: a second merge would hold its rows twice
         results_store.main(["merge", str(device), "--call", "c1", "--folder", str(tmp_path), "--commit", "x",
                             "--store", str(store)])
+
+
+def test_a_summary_row_names_the_commit_that_ran_where_given() -> None:
+    summary = {"mode": "hybrid", "world_size": 4, "simulated": True}
+    assert results_store.row_from_summary(summary, call="c1", raw="r.csv", commit="abc1234")["commit"] == "abc1234"
+    assert results_store.row_from_summary(summary, call="c1", raw="r.csv")["commit"] == results_store.git_commit()

@@ -178,3 +178,14 @@ def test_train_sweep_appends_its_finished_runs(tmp_path: Path) -> None:
     assert (r["call"], r["engine"], r["zero3_fetch"], r["zero3_unit"], r["compile"], r["parity"]) == (
         "Z", "deepspeed", "flat", "2", "eager", "none")
     assert r["raw"].endswith("sweep/sweep.csv") and r["tokens_per_s"] == "1234.5"
+
+
+def test_simulated_before_after_shows_each_layout_first_and_newest_with_profiles(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pair shows both rows' profile breakdowns (two calls, so no ratio); a layout measured once shows its row."""
+    rows = rt.by_id(read_rows())
+    monkeypatch.setattr(rt, "SIMULATED_BEFORE_AFTER", ((299, 300, "flat"), (None, 301, "")))
+    _, _, pair, alone = rt.simulated_before_after(rows).splitlines()
+    assert "| flat | #299 -> #300 | 21.6% -> 32.5% | 52.0% -> 62.0% | 113.0 ms -> 94.9 ms |" in pair
+    assert "×" not in pair
+    assert "| #301 | 10.3% | 30.6% |" in alone and "->" not in alone
