@@ -234,6 +234,7 @@ SOURCES: tuple[tuple[Callable[..., Iterator[Row]], tuple[Any, ...]], ...] = (
         ("h200x2-2026-11-29/D_zero3-tp2-flat-u4-b8_profile_breakdown.json", 200))),
     (kernels, (R + "kernels/h200-2026-12-02-c1/kernels.csv", "liger", "h200-2026-12-02-c1", "0e27a99")),
     (kernels, (R + "kernels/e2e-h200-2026-12-02-e2/ce/kernels.csv", "liger", "h200-2026-12-02-e2", "66c634a")),
+    (kernels, (R + "kernels/h200-2026-12-02-g5/kernels.csv", "liger", "h200-2026-12-02-g5", "9111245")),
 )
 
 

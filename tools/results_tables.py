@@ -415,7 +415,7 @@ MICRO_TABLES: dict[str, MicroTable] = {
                                     base={"op": "device-to-device copy", "implementation": "torch", "shape": ""}),
     "kernels-memory": MicroTable("kernels", ("eager", "inductor", "ours-triton", "ours-cuda"),
                                  where={"metric": ("MiB",)}, base={"implementation": "eager"}, ratio="over"),
-    "liger": MicroTable("liger", ("eager", "inductor", "ours-triton", "liger", "liger-fp32acc"),
+    "liger": MicroTable("liger", ("eager", "inductor", "ours-triton", "ours-cuda", "liger", "liger-fp32acc"),
                         where={"metric": ("ms", "MiB")}, base={"implementation": "ours-triton"}, ratio="over"),
     "attention": MicroTable("attention", ("sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "sdpa-math"),
                             base={"implementation": "sdpa-cudnn"}, ratio="over", ratio_metrics=("ms", "MiB")),
