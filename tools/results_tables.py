@@ -448,7 +448,8 @@ MICRO_TABLES: dict[str, MicroTable] = {
 PAGES = {ROOT / "README.md": ("headline",), ROOT / "docs" / "results.md": (*(t for t in TABLES if t != "headline"),
                                                                              "targets", "span", "simulated",
                                                                              "simulated-cuts", "simulated-before-after",
-                                                                             *MICRO_TABLES)}
+                                                                             *MICRO_TABLES),
+         ROOT / "benchmarks" / "results" / "simulated" / "README.md": ("simulated-before-after", "simulated-cuts")}
 BLOCK = "<!-- generated:{0} -->\n(.*?)<!-- end generated:{0} -->"
 
 
