@@ -19,7 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-SETTINGS = {"unset (Kineto's default: CUPTI stays attached)": None, "TEARDOWN_CUPTI=1": "1"}
+from gpt2.observe.profiling import CUPTI_TEARDOWN_ENV
+
+SETTINGS = {"unset (Kineto's default: CUPTI stays attached)": None, f"{CUPTI_TEARDOWN_ENV}=1": "1"}
 REPEATS = 5  # timed bursts per phase; the median counts
 
 
@@ -40,7 +42,7 @@ def launch_us(launches: int, device: str) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure(launches: int, device: str) -> dict[str, float]:
+def measure(launches: int, device: str) -> dict[str, float | str]:
     """Launch cost before a profiled window, and after it has ended."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -65,12 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     for label, value in SETTINGS.items():
-        env = {k: v for k, v in os.environ.items() if k != "TEARDOWN_CUPTI"}
+        env = {k: v for k, v in os.environ.items() if k != CUPTI_TEARDOWN_ENV}
         if value is not None:
-            env["TEARDOWN_CUPTI"] = value
+            env[CUPTI_TEARDOWN_ENV] = value
         out = subprocess.run([sys.executable, "-m", "benchmarks.profiler_aftereffect", "--child", "--launches",
                               str(args.launches), "--device", args.device], env=env, check=True,
-                             capture_output=True, text=True).stdout.strip().splitlines()[-1]
+                             stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]  # stderr shows
         m = json.loads(out)
         rows.append({"setting": label, "device": args.device, "torch": m["torch"], "launches": args.launches,
                      "before_us_per_launch": round(m["before_us"], 2), "after_us_per_launch": round(m["after_us"], 2),

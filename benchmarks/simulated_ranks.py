@@ -99,16 +99,17 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"no summary.json in {', '.join(missing)} (the run failed or is still running)")
     summaries = [json.loads((r / "summary.json").read_text()) for r in args.runs]
     rows = [row(r, s) for r, s in zip(args.runs, summaries)]
+    commit = args.commit or results_store.git_commit()
     args.out.mkdir(parents=True, exist_ok=True)
     with (args.out / "simulated_ranks.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
     (args.out / "simulated_ranks.md").write_text(
-        markdown(rows, args.command, made_on(args.runs[0]), args.commit or results_store.git_commit(), args.call))
+        markdown(rows, args.command, made_on(args.runs[0]), commit, args.call))
     if args.store:
         results_store.append_rows(
-            [results_store.row_from_summary(s, call=args.call, raw=args.out / "simulated_ranks.csv", commit=args.commit)
+            [results_store.row_from_summary(s, call=args.call, raw=args.out / "simulated_ranks.csv", commit=commit)
              for s in summaries if s.get("simulated")], args.store)
     print((args.out / "simulated_ranks.md").read_text())
     return 0

@@ -163,9 +163,12 @@ CUT_COLUMNS = ("cut", "layout (rank 0 of 4)", "rows", "MFU, communication free",
 
 def profile_of(row: Row) -> dict[str, str]:
     """The simulated row's line of its call's table (benchmarks.simulated_ranks' CSV, the `raw` file): its profile
-    breakdown, found by the row's tokens/s (the table rounds it to whole tokens)."""
-    lines = read_rows(ROOT / row["raw"])
-    return next(line for line in lines if abs(float(line["tokens_per_s"]) - float(row["tokens_per_s"])) <= 0.5)
+    breakdown, found by the row's tokens/s (the table rounds it to whole tokens) and batch."""
+    lines = [line for line in read_rows(ROOT / row["raw"]) if line["batch"] == row["batch"]
+             and abs(float(line["tokens_per_s"]) - float(row["tokens_per_s"])) <= 0.5]
+    if len(lines) != 1:
+        raise ValueError(f"row #{row['id']}: {len(lines)} lines of {row['raw']} match its tokens/s and batch")
+    return lines[0]
 
 
 def simulated_cuts(rows: Mapping[int, Row]) -> str:
@@ -195,9 +198,11 @@ SIMULATED_BEFORE_AFTER: tuple[tuple[int | None, int, str], ...] = (
     (222, 309, ""), (223, 308, "FSDP2 over its tensors -> flat unit tensors"), (219, 305, ""),
     (221, 313, "FSDP2 over its tensors -> flat unit tensors; CUPTI detached after the profile"), (220, 284, ""),
     (None, 301, ""), (None, 312, ""), (None, 311, ""))
-BEFORE_AFTER_COLUMNS = ("layout (rank 0 of 4)", "batch", "what changed besides the code", "rows",
-                        "MFU, communication free", "device busy",
-                        "step (profiled)", "host op time", "GEMM", "elementwise", "elementwise / GEMM", "calls")
+BEFORE_AFTER_COLUMNS = ("layout (rank 0 of 4)", "batch", "what changed", "rows", "MFU, communication free",
+                        "device busy", "step (profiled)", "host op time", "GEMM", "elementwise", "elementwise / GEMM",
+                        "calls")
+# what a before/after pair must share: one layout at one batch
+SAME_LAYOUT = ("engine", "tp", "sp", "gpus", "model", "batch", "seq_len", "compile", "kernels")
 
 
 def simulated_before_after(rows: Mapping[int, Row]) -> str:
@@ -205,22 +210,24 @@ def simulated_before_after(rows: Mapping[int, Row]) -> str:
     of the timed steps (`before -> after`, or the newest alone where no earlier row ran)."""
     lines = ["| " + " | ".join(BEFORE_AFTER_COLUMNS) + " |", "|" + "---|" * len(BEFORE_AFTER_COLUMNS)]
     for before_id, after_id, change in SIMULATED_BEFORE_AFTER:
+        ids = [i for i in (before_id, after_id) if i is not None]
+        pair = [rows[i] for i in ids]
+        if any(r["simulated"] != "1" for r in pair) or any(pair[0][k] != r[k] for r in pair for k in SAME_LAYOUT):
+            raise ValueError(f"rows {ids} are not one simulated layout at one batch ({', '.join(SAME_LAYOUT)})")
+        profiles = [profile_of(r) for r in pair]
+
+        def shown(column: str, unit: str = " ms", profiles: list[dict[str, str]] = profiles) -> str:
+            return " -> ".join(f"{float(p[column]):.1f}{unit}" for p in profiles)
+
         after = rows[after_id]
-        lines_ = [profile_of(rows[before_id]) if before_id else None, profile_of(after)]
-
-        def shown(column: str, unit: str = " ms", lines_: list = lines_) -> str:
-            return " -> ".join(f"{float(line[column]):.1f}{unit}" for line in lines_ if line is not None)
-
-        def share(line: Mapping[str, str] | None) -> str:
-            return f"{float(line['elementwise/other_ms']) / float(line['gemm_ms']):.2f}" if line else ""
-
-        c = {"layout (rank 0 of 4)": configuration(after), "batch": after["batch"],
-             "what changed besides the code": change, "rows": " -> ".join(f"#{i}" for i in (before_id, after_id) if i),
-             "MFU, communication free": shown("mfu_pct", "%"), "device busy": shown("device_busy_pct", "%"),
-             "step (profiled)": shown("step_ms"), "host op time": shown("host_op_ms"), "GEMM": shown("gemm_ms"),
+        c = {"layout (rank 0 of 4)": configuration(after), "batch": after["batch"], "what changed": change,
+             "rows": " -> ".join(f"#{i}" for i in ids), "MFU, communication free": shown("mfu_pct", "%"),
+             "device busy": shown("device_busy_pct", "%"), "step (profiled)": shown("step_ms"),
+             "host op time": shown("host_op_ms"), "GEMM": shown("gemm_ms"),
              "elementwise": shown("elementwise/other_ms"),
-             "elementwise / GEMM": " -> ".join(share(line) for line in lines_ if line is not None),
-             "calls": " -> ".join(rows[i]["call"] for i in (before_id, after_id) if i)}
+             "elementwise / GEMM": " -> ".join(f"{float(p['elementwise/other_ms']) / float(p['gemm_ms']):.2f}"
+                                               for p in profiles),
+             "calls": " -> ".join(r["call"] for r in pair)}
         lines.append("| " + " | ".join(c[col] for col in BEFORE_AFTER_COLUMNS) + " |")
     return "\n".join(lines) + "\n"
 

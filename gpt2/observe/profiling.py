@@ -45,7 +45,7 @@ COLLECTIVE_CALL_PREFIX = "c10d::"
 DEVICE_WAIT = re.compile(r"Synchronize", re.I)
 # Kineto detaches CUPTI when a trace ends only if TEARDOWN_CUPTI=1 (pytorch/pytorch#144455); left attached, its
 # callbacks stay on every kernel launch, and the timed steps after the profiled ones run slower where the host
-# bounds the step. torch itself sets it to 0 only for CUDA graphs (cudagraph trees), which no run here captures.
+# bounds the step. torch itself sets it to 0 only for CUDA graphs on CUDA < 12.6, which no run here captures.
 CUPTI_TEARDOWN_ENV = "TEARDOWN_CUPTI"
 
 

@@ -6,12 +6,27 @@ import json
 import os
 import weakref
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from gpt2.config.schema import PROFILED_STEPS
-from gpt2.observe.profiling import SUMMARY_FIELDS, StepProfiler, busy_us, count_module_hooks, summarise
+from gpt2.observe.profiling import (
+    CUPTI_TEARDOWN_ENV,
+    SUMMARY_FIELDS,
+    StepProfiler,
+    busy_us,
+    count_module_hooks,
+    summarise,
+)
+
+
+@pytest.fixture(autouse=True)
+def _cupti_teardown_env_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A profiler sets the variable for its process: each test starts without it and leaves the session as it was."""
+    monkeypatch.setenv(CUPTI_TEARDOWN_ENV, "")  # records the session's value (or its absence) for teardown
+    monkeypatch.delenv(CUPTI_TEARDOWN_ENV)
 
 
 def test_busy_is_the_union_of_overlapping_intervals():
@@ -72,12 +87,13 @@ def test_step_profiler_writes_the_breakdown(tmp_path):
 
 
 def test_the_profiler_detaches_cupti_when_its_window_ends_unless_told_otherwise(tmp_path, monkeypatch):
-    # left attached, CUPTI's launch callbacks slow every timed step after the profiled ones
-    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    # left attached, CUPTI's launch callbacks slow every timed step after the profiled ones; Kineto reads the
+    # variable when the trace ends, so it must be set once the profiler is made, before any step
     StepProfiler(False, tmp_path, skip_steps=1, device=torch.device("cpu"))
-    assert "TEARDOWN_CUPTI" not in os.environ  # no --profile, no change
+    assert CUPTI_TEARDOWN_ENV not in os.environ  # no --profile, no change
+    profiler = StepProfiler(True, tmp_path, skip_steps=1, device=torch.device("cpu"))
+    assert os.environ[CUPTI_TEARDOWN_ENV] == "1"
+    profiler.stop()
+    monkeypatch.setenv(CUPTI_TEARDOWN_ENV, "0")
     StepProfiler(True, tmp_path, skip_steps=1, device=torch.device("cpu")).stop()
-    assert os.environ["TEARDOWN_CUPTI"] == "1"
-    monkeypatch.setenv("TEARDOWN_CUPTI", "0")
-    StepProfiler(True, tmp_path, skip_steps=1, device=torch.device("cpu")).stop()
-    assert os.environ["TEARDOWN_CUPTI"] == "0"
+    assert os.environ[CUPTI_TEARDOWN_ENV] == "0"

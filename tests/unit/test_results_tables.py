@@ -189,3 +189,6 @@ def test_simulated_before_after_shows_each_layout_first_and_newest_with_profiles
     assert "| flat | #299 -> #300 | 21.6% -> 32.5% | 52.0% -> 62.0% | 113.0 ms -> 94.9 ms |" in pair
     assert "×" not in pair
     assert "| #301 | 10.3% | 30.6% |" in alone and "->" not in alone
+    monkeypatch.setattr(rt, "SIMULATED_BEFORE_AFTER", ((304, 311, ""),))  # FSDP2 + TP2 at batch 8 and at 32
+    with pytest.raises(ValueError, match="not one simulated layout"):
+        rt.simulated_before_after(rows)
