@@ -18,6 +18,7 @@ which cell a ratio divides by; the same rule holds there: a ratio across calls i
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -171,6 +172,11 @@ def profile_of(row: Row) -> dict[str, str]:
     return lines[0]
 
 
+def profile_column(profiles: Sequence[Mapping[str, str]], column: str, unit: str = " ms") -> str:
+    """One profile column of simulated rows, in order: `before -> after unit` (or one value)."""
+    return " -> ".join(f"{float(p[column]):.1f}" for p in profiles) + unit
+
+
 def simulated_cuts(rows: Mapping[int, Row]) -> str:
     """SIMULATED_CUTS: each cut's simulated rank before and after, in one call, with the profile's host and device
     time a step (ms, of the profiled steps) beside the MFU of the timed ones."""
@@ -178,11 +184,7 @@ def simulated_cuts(rows: Mapping[int, Row]) -> str:
     for before_id, after_id, cut in SIMULATED_CUTS:
         before, after = rows[before_id], rows[after_id]
         mfu = ratio(after, before, "mfu")  # refuses two calls
-        p, q = profile_of(before), profile_of(after)
-
-        def pair(column: str, unit: str = " ms", line_p: dict = p, line_q: dict = q) -> str:
-            return f"{float(line_p[column]):.1f} -> {float(line_q[column]):.1f}{unit}"
-
+        pair = functools.partial(profile_column, (profile_of(before), profile_of(after)))
         c = {"cut": cut, "layout (rank 0 of 4)": configuration(after), "rows": f"#{before_id} -> #{after_id}",
              "MFU, communication free": pair("mfu_pct", "%"), "ratio": f"{mfu:.2f}×",
              "device busy": pair("device_busy_pct", "%"), "step (profiled)": pair("step_ms"),
@@ -215,10 +217,7 @@ def simulated_before_after(rows: Mapping[int, Row]) -> str:
         if any(r["simulated"] != "1" for r in pair) or any(pair[0][k] != r[k] for r in pair for k in SAME_LAYOUT):
             raise ValueError(f"rows {ids} are not one simulated layout at one batch ({', '.join(SAME_LAYOUT)})")
         profiles = [profile_of(r) for r in pair]
-
-        def shown(column: str, unit: str = " ms", profiles: list[dict[str, str]] = profiles) -> str:
-            return " -> ".join(f"{float(p[column]):.1f}{unit}" for p in profiles)
-
+        shown = functools.partial(profile_column, profiles)
         after = rows[after_id]
         c = {"layout (rank 0 of 4)": configuration(after), "batch": after["batch"], "what changed": change,
              "rows": " -> ".join(f"#{i}" for i in ids), "MFU, communication free": shown("mfu_pct", "%"),

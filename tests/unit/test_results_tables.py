@@ -186,7 +186,7 @@ def test_simulated_before_after_shows_each_layout_first_and_newest_with_profiles
     rows = rt.by_id(read_rows())
     monkeypatch.setattr(rt, "SIMULATED_BEFORE_AFTER", ((299, 300, "flat"), (None, 301, "")))
     _, _, pair, alone = rt.simulated_before_after(rows).splitlines()
-    assert "| flat | #299 -> #300 | 21.6% -> 32.5% | 52.0% -> 62.0% | 113.0 ms -> 94.9 ms |" in pair
+    assert "| flat | #299 -> #300 | 21.6 -> 32.5% | 52.0 -> 62.0% | 113.0 -> 94.9 ms |" in pair
     assert "×" not in pair
     assert "| #301 | 10.3% | 30.6% |" in alone and "->" not in alone
     monkeypatch.setattr(rt, "SIMULATED_BEFORE_AFTER", ((304, 311, ""),))  # FSDP2 + TP2 at batch 8 and at 32
