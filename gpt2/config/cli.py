@@ -36,6 +36,7 @@ from gpt2.config.schema import (
     compile_label,
     finite_float,
     flag_of,
+    unit_divisors,
 )
 
 # RunConfig's sections, in the order the parser reads their fields
@@ -133,11 +134,6 @@ def resolve_compile_scope(requested: str, mode: str, tp_size: int, compiler: str
     if requested != "auto":
         return requested
     return "model" if mode in ("single", "baseline") and tp_size == 1 else "blocks"
-
-
-def divisors(n_layer: int) -> list[int]:
-    """The unit sizes that split a model's `n_layer` blocks into units of one size."""
-    return [n for n in range(1, n_layer + 1) if n_layer % n == 0]
 
 
 def check_deepcompile(args: argparse.Namespace) -> None:
@@ -303,7 +299,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                           f"{model.n_layer}; use 1 to {model.n_layer} ({model.n_layer}: all blocks one unit)")
     if args.zero3_unit_blocks is not None and model.n_layer % args.zero3_unit_blocks:
         raise ConfigError(f"--zero3-unit-blocks {args.zero3_unit_blocks} does not divide the model's {model.n_layer} "
-                          f"blocks; use one of {divisors(model.n_layer)}")
+                          f"blocks; use one of {unit_divisors(model.n_layer)}")
     return RunConfig(train=train, model=model, data=_section(DataConfig, args),
                      parallel=_section(ParallelConfig, args), log=_section(LogConfig, args),
                      checkpoint=_section(CheckpointConfig, args), plan=_section(PlanConfig, args))
@@ -345,8 +341,8 @@ def validate(cfg: RunConfig) -> None:
     unit = cfg.parallel.fsdp2_unit_blocks  # given (left out: a divisor, gpt2.config.layout.fsdp2_unit_blocks_of)
     if cfg.parallel.fsdp2_params == "flat" and unit is not None and m.n_layer % unit:
         raise ConfigError(f"--fsdp2-params flat needs units of one size, and {unit}-block units do not divide the "
-                          f"model's {m.n_layer} blocks; pass --fsdp2-unit-blocks with one of {divisors(m.n_layer)}, "
-                          f"or --fsdp2-params tensors")  # one flat layout for every unit
+                          f"model's {m.n_layer} blocks; pass --fsdp2-unit-blocks with one of "
+                          f"{unit_divisors(m.n_layer)}, or --fsdp2-params tensors")  # one flat layout for every unit
     if (t.compile and t.compile_scope == "model" and t.compiler == "torch"
             and (t.mode == "hybrid" or cfg.parallel.tp_size > 1)):
         raise ConfigError("--compile-scope model (one graph cut at DDP buckets) is for single/baseline without TP; "

@@ -28,6 +28,7 @@ from gpt2.config.schema import (
     ModelConfig,
     RunConfig,
     compile_label,
+    unit_divisors,
 )
 from parallel.dims import dp_size_of, tp_divides_world
 
@@ -90,7 +91,7 @@ LEAF_FETCHES = ("block", "flat")  # --zero3-fetch values that make transformer b
 
 def largest_divisor_up_to(n_layer: int, cap: int) -> int:
     """The largest unit of at most `cap` blocks that divides the model's `n_layer` blocks into units of one size."""
-    return max(n for n in range(1, cap + 1) if n_layer % n == 0)
+    return max(n for n in unit_divisors(n_layer) if n <= cap)
 
 
 def zero3_unit_blocks_of(fetch: str | None, given: int | None, n_layer: int) -> int:

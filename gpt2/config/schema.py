@@ -156,6 +156,11 @@ ZERO3_UNIT_BLOCKS = 4
 FSDP2_UNIT_BLOCKS = 4
 
 
+def unit_divisors(n_layer: int) -> list[int]:
+    """The unit sizes that split a model's `n_layer` blocks into units of one size."""
+    return [n for n in range(1, n_layer + 1) if n_layer % n == 0]
+
+
 @dataclass
 class ParallelConfig:
     tp_size: int = option(1, "tensor-parallel group size (divides the world size)", PARALLEL, parse=positive_int)
