@@ -19,6 +19,9 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from torch.profiler import ProfilerActivity, profile
+
 from gpt2.observe.profiling import CUPTI_TEARDOWN_ENV
 
 SETTINGS = {"unset (Kineto's default: CUPTI stays attached)": None, f"{CUPTI_TEARDOWN_ENV}=1": "1"}
@@ -27,7 +30,6 @@ REPEATS = 5  # timed bursts per phase; the median counts
 
 def launch_us(launches: int, device: str) -> float:
     """Median host microseconds per launch over REPEATS bursts of `launches` adds, each burst synchronised."""
-    import torch
     x = torch.zeros(256, device=device)  # [256]: small, so the host bounds the burst
     times = []
     for _ in range(REPEATS):
@@ -44,8 +46,6 @@ def launch_us(launches: int, device: str) -> float:
 
 def measure(launches: int, device: str) -> dict[str, float | str]:
     """Launch cost before a profiled window, and after it has ended."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
     launch_us(launches // 10, device)  # warm-up: the allocator, the first launches
     before = launch_us(launches, device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
