@@ -104,9 +104,8 @@ def test_each_unit_is_one_module_and_one_compiled_graph(gloo_world, monkeypatch:
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_checkpointing_recomputes_each_block_inside_its_unit(gloo_world, monkeypatch: pytest.MonkeyPatch) -> None:
-    """--activation-checkpointing under FSDP2 units: each block checkpointed on its own (backward recomputes one block
-    at a time, as before units were modules), not the whole unit."""
+def recorded_checkpoints(monkeypatch: pytest.MonkeyPatch) -> list[torch.nn.Module]:
+    """The modules `torch.utils.checkpoint` is called on from here on, by a unit (its blocks) or by GPT.forward."""
     calls: list[torch.nn.Module] = []
     real = torch.utils.checkpoint.checkpoint
 
@@ -116,6 +115,13 @@ def test_checkpointing_recomputes_each_block_inside_its_unit(gloo_world, monkeyp
 
     monkeypatch.setattr("gpt2.runtime.block_units.checkpoint", recorded)
     monkeypatch.setattr("gpt2.model.gpt.checkpoint", recorded)
+    return calls
+
+
+def test_checkpointing_recomputes_each_block_inside_its_unit(gloo_world, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--activation-checkpointing under FSDP2 units: each block checkpointed on its own (backward recomputes one block
+    at a time, as before units were modules), not the whole unit."""
+    calls = recorded_checkpoints(monkeypatch)
     model, _ = fsdp2_model(["--activation-checkpointing"])
     loss_and_grads(model)
     assert calls == list(model.blocks[0].layers)
@@ -126,16 +132,8 @@ def test_flat_units_are_checkpointed_whole_and_train_the_eager_function(gloo_wor
     """--activation-checkpointing over flat unit tensors (--fsdp2-params flat): GPT.forward checkpoints each unit
     whole (a block's recompute inside the unit would run outside its views of the flat tensors, on parameters that
     are not there), and loss and gradients are the tensors layout's without checkpointing."""
-    calls: list[torch.nn.Module] = []
-    real = torch.utils.checkpoint.checkpoint
-
-    def recorded(fn: torch.nn.Module, *args, **kwargs) -> torch.Tensor:
-        calls.append(fn)
-        return real(fn, *args, **kwargs)
-
     reference, reference_grads = loss_and_grads(fsdp2_model([])[0])
-    monkeypatch.setattr("gpt2.runtime.block_units.checkpoint", recorded)
-    monkeypatch.setattr("gpt2.model.gpt.checkpoint", recorded)
+    calls = recorded_checkpoints(monkeypatch)
     model, _ = fsdp2_model(["--fsdp2-params", "flat", "--activation-checkpointing"])
     assert isinstance(model.blocks[0], FlatBlock) and model.activation_checkpointing
     loss, grads = loss_and_grads(model)
