@@ -1,6 +1,8 @@
-"""The `cuda` backend. On Hopper (sm_90), in the runs `gpt2.config.layout.RunLayout.whole_mlp` allows, the whole MLP is
-one op on the wgmma GEMM's fused epilogues (`fused_kernels.cuda.mlp`; docs/decisions.md).
-Elsewhere the MLP up-projection's epilogue is our CUDA C++ bias+GELU kernel:
+"""The `cuda` backend. On Hopper (sm_90), in the runs `gpt2.config.layout.RunLayout.whole_mlp` allows (per-block
+graphs), the whole MLP is one op on the wgmma GEMM's fused epilogues (`fused_kernels.cuda.mlp`; docs/decisions.md).
+Elsewhere the MLP up-projection's epilogue is our CUDA C++ bias+GELU kernel, except in torch.compile's whole-model
+graph, where cuBLAS and Inductor's own bias+GELU ran faster end to end (`fused_kernels.get_ops`). The set steps with the
+Triton AdamW where the engine keeps torch's AdamW state (`--optimizer auto`, `gpt2.config.cli.resolve_optimizer`):
 
 linear(x, W, b, gelu=True) = bias_gelu(x @ W^T) with the matmul by cuBLAS (no bias) and bias + GELU
 fused in one elementwise pass, as the custom ops `gpt2_fused::cuda_bias_gelu` (with autograd) and
@@ -93,4 +95,4 @@ def cuda_ops(*, whole_mlp: bool) -> KernelOps:
         mlp.load_wgmma_extension()
         mlp_op = functools.partial(mlp.mlp, linear_pair=linear_pair)
     return KernelOps(name="cuda", linear=linear, add_layernorm=reference.add_layernorm,
-                     lm_cross_entropy=reference.lm_cross_entropy, mlp=mlp_op)
+                     lm_cross_entropy=reference.lm_cross_entropy, mlp=mlp_op, inductor_fuses_elementwise=True)

@@ -5,8 +5,8 @@ Each op is used in training only where it ran faster than what it replaces at GP
 (docs/decisions.md): the one-kernel matmul+bias+GELU (`matmul_gelu`, kept for the kernel benchmark) was slower
 than cuBLAS + GELU, so the up-projection is cuBLAS followed by the Triton bias+GELU. Where Inductor compiles the
 whole model, `fused_kernels.get_ops` swaps all three for the reference ops, which Inductor fuses with their
-neighbours (faster end to end there). The set's optimizer, the Triton AdamW (`fused_kernels.triton.adamw`), runs
-outside the graph wherever the engine keeps torch's AdamW state (`--optimizer auto`,
+neighbours (faster end to end there). The set's optimizer, the Triton AdamW (`fused_kernels.triton.adamw`; the
+cuda set's too), runs outside the graph wherever the engine keeps torch's AdamW state (`--optimizer auto`,
 `gpt2.config.cli.resolve_optimizer`).
 
 Each kernel is a PyTorch custom op with a fake implementation and registered autograd

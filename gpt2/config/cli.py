@@ -251,11 +251,13 @@ def check_flags_act(args: argparse.Namespace) -> None:
 
 def resolve_optimizer(args: argparse.Namespace) -> None:
     """`--optimizer auto` becomes the implementation the run steps with, so config.json and the parity key name it:
-    the Triton AdamW in the triton kernel set wherever it can step (torch's AdamW state: single, DDP, FSDP2), torch's
-    elsewhere. An explicit `--optimizer triton` under DeepSpeed is refused: DeepSpeed steps its own partitions."""
+    the Triton AdamW under either fused-kernel set (triton, cuda) wherever it can step (torch's AdamW state: single,
+    DDP, FSDP2), torch's elsewhere; `none` stays PyTorch's own. An explicit `--optimizer triton` under DeepSpeed is
+    refused: DeepSpeed steps its own partitions."""
     keeps_torch_state = args.mode != "hybrid" or args.zero_engine == "fsdp2"
+    fused = args.use_fused_kernel or args.fused_kernels != "none"
     if args.optimizer == "auto":
-        args.optimizer = "triton" if args.fused_kernels == "triton" and keeps_torch_state else "torch"
+        args.optimizer = "triton" if fused and keeps_torch_state else "torch"
     elif args.optimizer == "triton" and not keeps_torch_state:
         raise ConfigError("--optimizer triton steps torch's AdamW state, which DeepSpeed does not keep (it steps its "
                           "own flat partitions); drop --optimizer triton or add --zero-engine fsdp2")

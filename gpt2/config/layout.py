@@ -159,9 +159,11 @@ def torch_compiles_whole_model(cfg: RunConfig) -> bool:
 
 def whole_mlp_allowed(cfg: RunConfig) -> bool:
     """A fused-kernel backend may run each MLP as one op reading both Linears' weights (`fused_kernels.KernelOps.mlp`):
-    only where the Linears stay whole modules (no TP shards, no ZeRO-3 partitions) and in compiled runs, the only
-    ones where that op beat the separate ones (docs/decisions.md)."""
-    return cfg.parallel.tp_size == 1 and cfg.zero_stage != 3 and cfg.train.compile
+    only where the Linears stay whole modules (no TP shards, no ZeRO-3 partitions), in compiled runs (eager, the op
+    lost to the separate ones) and in per-block graphs: in a whole-model graph cuBLAS and Inductor's fusion ran the
+    MLP faster end to end (docs/decisions.md)."""
+    return (cfg.parallel.tp_size == 1 and cfg.zero_stage != 3 and cfg.train.compile
+            and not torch_compiles_whole_model(cfg))
 
 
 @dataclass(frozen=True)

@@ -342,8 +342,8 @@ class TrainConfig:
     optimizer: Literal["auto", "torch", "triton"] = option(
         "auto", "AdamW's implementation, on the same state: torch = torch's fused AdamW; triton = "
                 "fused_kernels/triton/adamw.py (the clipped update, and without TP or FSDP2 the norm, one launch each "
-                "per parameter group; single, DDP and FSDP2); auto = triton under --fused-kernels triton where the "
-                "engine keeps torch's AdamW state (not DeepSpeed's), else torch", KERNELS)
+                "per parameter group; single, DDP and FSDP2); auto = triton under --fused-kernels triton or cuda "
+                "where the engine keeps torch's AdamW state (not DeepSpeed's), else torch", KERNELS)
     attn: AttnChoice = option(
         "sdpa", "sdpa: PyTorch's SDPA picks its kernel; auto: on CUDA, the fastest SDPA kernel (flash, cuDNN, "
                 "memory-efficient) at this run's shape that matches an fp64 reference, timed once at model build "

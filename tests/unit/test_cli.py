@@ -325,7 +325,9 @@ def test_fsdp2_gathers_bf16_where_it_was_measured_unless_asked(flags: list[str],
     (["--fused-kernels", "triton", "--mode", "baseline"], "triton"),
     (["--fused-kernels", "triton", "--mode", "hybrid", "--zero-engine", "fsdp2"], "triton"),
     (["--fused-kernels", "triton", "--mode", "hybrid"], "torch"),  # DeepSpeed steps its own partitions
-    (["--fused-kernels", "cuda"], "torch"),
+    (["--fused-kernels", "cuda"], "triton"),  # either fused set steps with it
+    (["--use-fused-kernel"], "triton"),
+    (["--fused-kernels", "cuda", "--mode", "hybrid"], "torch"),
     (["--fused-kernels", "triton", "--optimizer", "torch"], "torch"),
     (["--optimizer", "triton"], "triton"),
 ])

@@ -103,14 +103,16 @@ def test_the_model_uses_a_backends_whole_mlp_only_where_its_linears_are_plain_mo
 
 
 @pytest.mark.parametrize(("argv", "allowed"), [
-    (["--compile"], True),
+    (["--compile"], False),  # one whole-model graph: cuBLAS and Inductor's fusion ran the MLP faster
+    (["--compile", "--compile-scope", "blocks"], True),
     ([], False),  # eager: the op measured 0.988x
-    (["--mode", "baseline", "--compile"], True),
+    (["--mode", "baseline", "--compile"], False),
+    (["--mode", "baseline", "--compile", "--compile-scope", "blocks"], True),
     (["--mode", "hybrid", "--zero-stage", "2", "--compile"], True),
     (["--mode", "hybrid", "--zero-stage", "3", "--compile"], False),  # partitioned Linears
     (["--mode", "hybrid", "--tp-size", "2", "--compile"], False),  # sharded Linears
 ])
-def test_the_whole_mlp_op_is_allowed_only_for_whole_linears_in_compiled_runs(argv: list[str], allowed: bool) -> None:
+def test_the_whole_mlp_op_is_allowed_only_for_whole_linears_in_per_block_graphs(argv: list[str], allowed: bool) -> None:
     """One decision (gpt2.config.layout.whole_mlp_allowed) for the start-up check and the model build."""
     from gpt2.config.cli import parse_args
     from gpt2.config.layout import RunLayout, whole_mlp_allowed
@@ -119,6 +121,24 @@ def test_the_whole_mlp_op_is_allowed_only_for_whole_linears_in_compiled_runs(arg
     assert whole_mlp_allowed(cfg) is allowed
     world = 2 if cfg.parallel.tp_size == 2 else 1
     assert RunLayout.resolve(cfg, world_size=world, device="cuda").whole_mlp is allowed
+
+
+@pytest.mark.parametrize("scope, inductor_s", [("model", True), ("blocks", False)])
+def test_the_cuda_set_gives_way_to_inductor_in_a_whole_model_graph(monkeypatch: pytest.MonkeyPatch, scope: str,
+                                                                  inductor_s: bool) -> None:
+    """`--fused-kernels cuda` under torch.compile's whole-model graph runs the reference MLP (cuBLAS + Inductor's
+    bias+GELU, faster there end to end); per-block graphs keep the whole-MLP op (extensions stubbed: no GPU here)."""
+    import fused_kernels.cuda as cuda_backend
+    from fused_kernels import reference
+    from gpt2.config.cli import parse_args
+    from gpt2.runtime.parallelize import kernel_ops
+
+    monkeypatch.setattr(cuda_backend, "load_extension", lambda: None)
+    monkeypatch.setattr(fused_mlp, "hopper", lambda: True)
+    monkeypatch.setattr(fused_mlp, "load_wgmma_extension", lambda: None)
+    ops = kernel_ops(parse_args(["--fused-kernels", "cuda", "--compile", "--compile-scope", scope]))
+    assert (ops.linear is reference.linear) is inductor_s
+    assert (ops.mlp is None) is inductor_s
 
 
 def test_the_op_backward_fills_no_zeros_for_its_saved_outputs(cpu_kernels: None) -> None:
