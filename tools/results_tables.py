@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -231,6 +232,53 @@ def simulated_before_after(rows: Mapping[int, Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# issue 55's end-to-end table: single GPT-2 Large under --compile with each --fused-kernels set, the three rows of one
+# call at one batch (none, triton, cuda); a group is one call's sweep, so its ratios divide rows of that call
+KERNEL_SETS: tuple[tuple[int, int, int], ...] = ((317, 318, 319), (331, 330, 329), (320, 321, 322), (337, 336, 335),
+                                                 (326, 327, 328))
+KERNEL_SET_COLUMNS = ("batch", "row", "`--fused-kernels`", "tok/s", "MFU", "peak GiB", "ratio", "verdict", "call",
+                      "GEMM", "elementwise", "attention", "optimizer", "device busy")
+PROFILE_CATEGORIES = {"GEMM": "gemm", "elementwise": "elementwise/other", "attention": "attention",
+                      "optimizer": "optimizer"}
+
+
+def run_profile(row: Row) -> dict[str, str]:
+    """The profiled steps of a train_sweep row (ms a step by category, device busy share), from its run's
+    profile_breakdown.json beside the row's sweep.csv (the `raw` file); {} for a run without --profile."""
+    lines = [line for line in read_rows(ROOT / row["raw"]) if line["batch_per_gpu"] == row["batch"]
+             and line["fused_kernels"] == row["kernels"]
+             and abs(float(line["tokens_per_s"]) - float(row["tokens_per_s"])) <= 0.5]
+    if len(lines) != 1:
+        raise ValueError(f"row #{row['id']}: {len(lines)} lines of {row['raw']} match its tokens/s, batch and kernels")
+    path = (ROOT / row["raw"]).parent / "runs" / lines[0]["run"] / "profile_breakdown.json"
+    if not path.exists():
+        return {}
+    profile = json.loads(path.read_text())
+    ms = profile["ms_per_step"]
+    return {**{column: f"{ms[key]:.1f} ms" for column, key in PROFILE_CATEGORIES.items()},
+            "device busy": f"{profile['device_busy_pct']:.1f}%"}
+
+
+def kernel_sets(rows: Mapping[int, Row], link_prefix: str = "../") -> str:
+    """KERNEL_SETS: none, triton and cuda at one batch in one call, each against none, with the profiled steps'
+    device time by category where the runs were profiled."""
+    lines = ["| " + " | ".join(KERNEL_SET_COLUMNS) + " |", "|" + "---|" * len(KERNEL_SET_COLUMNS)]
+    for group in KERNEL_SETS:
+        trio = [rows[i] for i in group]
+        if [r["kernels"] for r in trio] != ["none", "triton", "cuda"] or any(
+                r["batch"] != trio[0]["batch"] or r["mode"] != "single" or r["compile"] != "compile" for r in trio):
+            raise ValueError(f"rows {list(group)} are not single --compile none, triton, cuda at one batch")
+        for row in trio:
+            c = cells(row, None)
+            share = "" if row is trio[0] else f"{ratio(row, trio[0]):.3f}× #{trio[0]['id']}"  # refuses two calls
+            c = {**c, "`--fused-kernels`": row["kernels"], "ratio": share,
+                 "verdict": c["verdict"].replace("](../", f"]({link_prefix}"),
+                 **dict.fromkeys(("GEMM", "elementwise", "attention", "optimizer", "device busy"), ""),
+                 **run_profile(row)}
+            lines.append("| " + " | ".join(c[col] for col in KERNEL_SET_COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def by_id(rows: Iterable[Row]) -> dict[int, Row]:
     return {int(r["id"]): r for r in rows}
 
@@ -287,8 +335,8 @@ def pairs(*ids: int, vs: int | None = None) -> list[tuple[int, int | None]]:
 
 TABLES: dict[str, Table] = {
     "headline": Table(
-        [*pairs(191, 190, 192, vs=191), *pairs(153, 154, 155, vs=153), *pairs(289, 290, vs=289), (246, None),
-         *pairs(37, 94, vs=37)],
+        [*pairs(191, 190, 192, vs=191), *pairs(153, 154, 155, vs=153), *pairs(289, 290, vs=289),
+         *pairs(320, 321, 322, vs=320)],
         columns=("row", "configuration", "devices", "batch", "tok/s", "MFU", "peak GiB", "ratio", "verdict")),
     "two-gpus": Table([*pairs(191, 190, 192, vs=191), *pairs(194, 193, vs=194), (200, None), (198, None),
                        (199, None), (195, None), (197, None)]),
@@ -452,8 +500,9 @@ MICRO_TABLES: dict[str, MicroTable] = {
                           ratio="share"),
 }
 PAGES = {ROOT / "README.md": ("headline",), ROOT / "docs" / "results.md": (*(t for t in TABLES if t != "headline"),
-                                                                             "targets", "span", "simulated",
-                                                                             "simulated-cuts", "simulated-before-after",
+                                                                             "kernel-sets", "targets", "span",
+                                                                             "simulated", "simulated-cuts",
+                                                                             "simulated-before-after",
                                                                              *MICRO_TABLES),
          ROOT / "benchmarks" / "results" / "simulated" / "README.md": ("simulated-before-after", "simulated-cuts")}
 BLOCK = "<!-- generated:{0} -->\n(.*?)<!-- end generated:{0} -->"
@@ -473,6 +522,8 @@ def block(name: str, rows: Mapping[int, Row], page: Path, micro: Sequence[Row] =
         return simulated_cuts(rows)
     if name == "simulated-before-after":
         return simulated_before_after(rows)
+    if name == "kernel-sets":
+        return kernel_sets(rows, link_prefix=prefix)
     return render(TABLES[name], rows, link_prefix=prefix)
 
 

@@ -192,3 +192,21 @@ def test_simulated_before_after_shows_each_layout_first_and_newest_with_profiles
     monkeypatch.setattr(rt, "SIMULATED_BEFORE_AFTER", ((304, 311, ""),))  # FSDP2 + TP2 at batch 8 and at 32
     with pytest.raises(ValueError, match="not one simulated layout"):
         rt.simulated_before_after(rows)
+
+
+def test_kernel_sets_show_each_call_s_sets_with_their_profiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 55's table: none, triton, cuda of one call and batch, each against none (three decimals), with the
+    profiled runs' device time by category read from their profile_breakdown.json; a group that is not one
+    call's three sets at one batch is refused."""
+    rows = rt.by_id(read_rows())
+    monkeypatch.setattr(rt, "KERNEL_SETS", ((320, 321, 322), (337, 336, 335)))
+    _, _, none, triton, cuda, unprofiled, *_ = rt.kernel_sets(rows).splitlines()
+    assert "| 32 | 320 | none |" in none and "| 235.6 ms | 89.1 ms | 43.1 ms | 11.2 ms | 98.9% |" in none
+    assert "1.004× #320" in triton and "| 6.9 ms |" in triton and "1.003× #320" in cuda
+    assert unprofiled.endswith("|  |  |  |  |  |")
+    monkeypatch.setattr(rt, "KERNEL_SETS", ((320, 336, 322),))  # triton of another call
+    with pytest.raises(rt.CrossCallRatio):
+        rt.kernel_sets(rows)
+    monkeypatch.setattr(rt, "KERNEL_SETS", ((320, 322, 321),))  # cuda where triton belongs
+    with pytest.raises(ValueError, match="not single --compile none, triton, cuda"):
+        rt.kernel_sets(rows)
