@@ -43,11 +43,14 @@ REFERENCE_OPS = KernelOps(
     lm_cross_entropy=reference.lm_cross_entropy,
 )
 
-# backend name -> factory(whole_mlp): the backend's ops, with its whole-MLP op only if whole_mlp (and built only then)
-_BACKENDS: dict[str, Callable[[bool], KernelOps]] = {"none": lambda whole_mlp: REFERENCE_OPS}
+# backend name -> factory(whole_mlp, elementwise): the backend's ops, with its whole-MLP op only if whole_mlp (and
+# built only then); elementwise False: a backend whose ops give way to Inductor's there (`inductor_fuses_elementwise`)
+# need not build its bias+GELU and add+LayerNorm kernels, which get_ops then replaces
+Factory = Callable[[bool, bool], KernelOps]
+_BACKENDS: dict[str, Factory] = {"none": lambda whole_mlp, elementwise: REFERENCE_OPS}
 
 
-def register_backend(name: str, factory: Callable[[bool], KernelOps]) -> None:
+def register_backend(name: str, factory: Factory) -> None:
     _BACKENDS[name] = factory
 
 
@@ -70,23 +73,23 @@ def get_ops(backend: str, *, inductor_head: bool = False, inductor_elementwise: 
         raise KernelUnavailableError(
             f"fused-kernel backend {backend!r} is not available in this version; "
             f"choose one of {sorted(_BACKENDS)}")
-    ops = _BACKENDS[backend](whole_mlp)
+    ops = _BACKENDS[backend](whole_mlp, not inductor_elementwise)
     assert whole_mlp or ops.mlp is None, f"backend {backend!r} returned a whole-MLP op it was not asked for"
     if inductor_elementwise and ops.inductor_fuses_elementwise:
         ops = replace(ops, linear=reference.linear, add_layernorm=reference.add_layernorm)
     return replace(ops, lm_cross_entropy=reference.lm_cross_entropy) if inductor_head else ops
 
 
-def _lazy_backend(module: str, factory: str) -> Callable[[bool], KernelOps]:
+def _lazy_backend(module: str, factory: str) -> Factory:
     """A factory that imports its backend only when asked for: importing the registry never imports
     Triton or builds CUDA code."""
 
-    def load(whole_mlp: bool) -> KernelOps:
+    def load(whole_mlp: bool, elementwise: bool) -> KernelOps:
         try:
             backend = importlib.import_module(module)
         except ImportError as e:
             raise KernelUnavailableError(f"{module} cannot be imported here ({e}); use --fused-kernels none") from e
-        return getattr(backend, factory)(whole_mlp=whole_mlp)
+        return getattr(backend, factory)(whole_mlp=whole_mlp, elementwise=elementwise)
 
     return load
 

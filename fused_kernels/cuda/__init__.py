@@ -34,11 +34,15 @@ NVCC_FLAGS = [
 ]
 
 
+def check_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise KernelUnavailableError("--fused-kernels cuda needs a CUDA GPU; use --fused-kernels none (or triton)")
+
+
 @functools.cache
 def load_extension() -> ModuleType:
     """Build (or load the cached build of) the bias+GELU extension; KernelUnavailableError on failure."""
-    if not torch.cuda.is_available():
-        raise KernelUnavailableError("--fused-kernels cuda needs a CUDA GPU; use --fused-kernels none (or triton)")
+    check_cuda()
     from torch.utils.cpp_extension import load
 
     try:
@@ -85,11 +89,14 @@ def linear_pair(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor, w_proj:
     return linear(linear(x, w_fc, b_fc, True), w_proj, b_proj, False)
 
 
-def cuda_ops(*, whole_mlp: bool) -> KernelOps:
+def cuda_ops(*, whole_mlp: bool, elementwise: bool) -> KernelOps:
     """The cuda backend's ops; builds the extensions it will use now, so a failure is reported at start-up. Where
     `whole_mlp` allows it and the GPU is a Hopper, the MLP is one op on the wgmma kernel (`fused_kernels.cuda.mlp`);
-    elsewhere its up-projection uses the bias+GELU kernel."""
-    load_extension()
+    elsewhere its up-projection uses the bias+GELU kernel, built only where `elementwise` says it runs (Inductor's
+    replaces it in a whole-model graph)."""
+    check_cuda()
+    if elementwise:
+        load_extension()
     mlp_op = None
     if whole_mlp and mlp.hopper():
         mlp.load_wgmma_extension()

@@ -57,9 +57,9 @@ def _smoke_test(flag: str) -> None:
         raise KernelUnavailableError(f"{flag}: the Triton kernels failed to compile or run: {e}") from e
 
 
-def triton_ops(*, whole_mlp: bool) -> KernelOps:
-    """The triton backend's ops (no whole-MLP op, whatever `whole_mlp` allows); KernelUnavailableError if the
-    kernels cannot run on this machine."""
+def triton_ops(*, whole_mlp: bool, elementwise: bool) -> KernelOps:
+    """The triton backend's ops (no whole-MLP op, whatever `whole_mlp` allows; its kernels compile on first use, so
+    `elementwise` changes nothing here); KernelUnavailableError if the kernels cannot run on this machine."""
     check_available(bias_gelu_fwd_kernel)
     return KernelOps(name="triton", linear=linear, add_layernorm=add_layernorm, lm_cross_entropy=lm_cross_entropy,
                      inductor_fuses_elementwise=True)

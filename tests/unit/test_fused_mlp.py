@@ -88,7 +88,7 @@ def test_the_model_uses_a_backends_whole_mlp_only_where_its_linears_are_plain_mo
 
     import fused_kernels
 
-    monkeypatch.setitem(fused_kernels._BACKENDS, "whole-mlp-test", lambda whole_mlp: KernelOps(
+    monkeypatch.setitem(fused_kernels._BACKENDS, "whole-mlp-test", lambda whole_mlp, elementwise: KernelOps(
         name="whole-mlp-test", linear=REFERENCE_OPS.linear, add_layernorm=REFERENCE_OPS.add_layernorm,
         lm_cross_entropy=REFERENCE_OPS.lm_cross_entropy, mlp=whole if whole_mlp else None))
     assert get_ops("whole-mlp-test", whole_mlp=True).mlp is whole and get_ops("whole-mlp-test").mlp is None
@@ -127,18 +127,22 @@ def test_the_whole_mlp_op_is_allowed_only_for_whole_linears_in_per_block_graphs(
 def test_the_cuda_set_gives_way_to_inductor_in_a_whole_model_graph(monkeypatch: pytest.MonkeyPatch, scope: str,
                                                                   inductor_s: bool) -> None:
     """`--fused-kernels cuda` under torch.compile's whole-model graph runs the reference MLP (cuBLAS + Inductor's
-    bias+GELU, faster there end to end); per-block graphs keep the whole-MLP op (extensions stubbed: no GPU here)."""
+    bias+GELU, faster there end to end) and builds neither extension; per-block graphs keep the whole-MLP op
+    (extensions stubbed: no GPU here)."""
     import fused_kernels.cuda as cuda_backend
     from fused_kernels import reference
     from gpt2.config.cli import parse_args
     from gpt2.runtime.parallelize import kernel_ops
 
-    monkeypatch.setattr(cuda_backend, "load_extension", lambda: None)
+    built = []
+    monkeypatch.setattr(cuda_backend, "check_cuda", lambda: None)
+    monkeypatch.setattr(cuda_backend, "load_extension", lambda: built.append("bias+GELU"))
     monkeypatch.setattr(fused_mlp, "hopper", lambda: True)
-    monkeypatch.setattr(fused_mlp, "load_wgmma_extension", lambda: None)
+    monkeypatch.setattr(fused_mlp, "load_wgmma_extension", lambda: built.append("wgmma"))
     ops = kernel_ops(parse_args(["--fused-kernels", "cuda", "--compile", "--compile-scope", scope]))
     assert (ops.linear is reference.linear) is inductor_s
     assert (ops.mlp is None) is inductor_s
+    assert built == ([] if inductor_s else ["bias+GELU", "wgmma"])  # nothing built that the run does not call
 
 
 def test_the_op_backward_fills_no_zeros_for_its_saved_outputs(cpu_kernels: None) -> None:
