@@ -75,6 +75,9 @@ def get_ops(backend: str, *, inductor_head: bool = False, inductor_elementwise: 
             f"choose one of {sorted(_BACKENDS)}")
     ops = _BACKENDS[backend](whole_mlp, not inductor_elementwise)
     assert whole_mlp or ops.mlp is None, f"backend {backend!r} returned a whole-MLP op it was not asked for"
+    # a backend told its elementwise ops will not run may have skipped building them: they must give way here
+    assert not inductor_elementwise or ops.inductor_fuses_elementwise or ops.linear is reference.linear, (
+        f"backend {backend!r} keeps elementwise ops it was told would not run")
     if inductor_elementwise and ops.inductor_fuses_elementwise:
         ops = replace(ops, linear=reference.linear, add_layernorm=reference.add_layernorm)
     return replace(ops, lm_cross_entropy=reference.lm_cross_entropy) if inductor_head else ops

@@ -62,6 +62,8 @@ def one_device_rows() -> list[Row]:
     for backend in ("triton", "cuda"):
         rows += [Row(backend, ("--fused-kernels", backend)),
                  Row(f"{backend}-compile", ("--fused-kernels", backend, "--compile"))]
+    # the cuda set in per-block graphs: on Hopper the only one-device configuration that runs its whole-MLP op
+    rows.append(Row("cuda-compile-blocks", ("--fused-kernels", "cuda", "--compile", "--compile-scope", "blocks")))
     rows.append(Row("triton-adamw-compile", ("--optimizer", "triton", "--compile")))
     rows += [Row("attn-flash", ("--attn", "flash")), Row("attn-auto", ("--attn", "auto")),
              *(Row(f"attn-{k}", ("--attn", f"sdpa-{k}")) for k in ("cudnn", "efficient")),  # flash: sdpa's pick

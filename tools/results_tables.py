@@ -163,14 +163,19 @@ CUT_COLUMNS = ("cut", "layout (rank 0 of 4)", "rows", "MFU, communication free",
                "step (profiled)", "host op time", "GEMM", "elementwise", "collective calls", "call")
 
 
-def profile_of(row: Row) -> dict[str, str]:
-    """The simulated row's line of its call's table (benchmarks.simulated_ranks' CSV, the `raw` file): its profile
-    breakdown, found by the row's tokens/s (the table rounds it to whole tokens) and batch."""
-    lines = [line for line in read_rows(ROOT / row["raw"]) if line["batch"] == row["batch"]
+def raw_line(row: Row, **same: str) -> Mapping[str, str]:
+    """The row's one line of its raw CSV (the `raw` file): the line whose tokens/s is the row's (rounded there to
+    whole tokens) and whose columns in `same` hold the given values."""
+    lines = [line for line in read_rows(ROOT / row["raw"]) if all(line[k] == v for k, v in same.items())
              and abs(float(line["tokens_per_s"]) - float(row["tokens_per_s"])) <= 0.5]
     if len(lines) != 1:
-        raise ValueError(f"row #{row['id']}: {len(lines)} lines of {row['raw']} match its tokens/s and batch")
+        raise ValueError(f"row #{row['id']}: {len(lines)} lines of {row['raw']} match its tokens/s and {same}")
     return lines[0]
+
+
+def profile_of(row: Row) -> Mapping[str, str]:
+    """The simulated row's line of its call's table (benchmarks.simulated_ranks' CSV): its profile breakdown."""
+    return raw_line(row, batch=row["batch"])
 
 
 def profile_column(profiles: Sequence[Mapping[str, str]], column: str, unit: str = " ms") -> str:
@@ -236,23 +241,20 @@ def simulated_before_after(rows: Mapping[int, Row]) -> str:
 # call at one batch (none, triton, cuda); a group is one call's sweep, so its ratios divide rows of that call
 KERNEL_SETS: tuple[tuple[int, int, int], ...] = ((317, 318, 319), (331, 330, 329), (320, 321, 322), (337, 336, 335),
                                                  (326, 327, 328))
-KERNEL_SET_COLUMNS = ("batch", "row", "`--fused-kernels`", "tok/s", "MFU", "peak GiB", "ratio", "verdict", "call",
-                      "GEMM", "elementwise", "attention", "optimizer", "device busy")
 PROFILE_CATEGORIES = {"GEMM": "gemm", "elementwise": "elementwise/other", "attention": "attention",
                       "optimizer": "optimizer"}
+PROFILE_COLUMNS = (*PROFILE_CATEGORIES, "device busy")
+KERNEL_SET_COLUMNS = ("batch", "row", "`--fused-kernels`", "tok/s", "MFU", "peak GiB", "ratio", "verdict", "call",
+                      *PROFILE_COLUMNS)
 
 
 def run_profile(row: Row) -> dict[str, str]:
     """The profiled steps of a train_sweep row (ms a step by category, device busy share), from its run's
-    profile_breakdown.json beside the row's sweep.csv (the `raw` file); {} for a run without --profile."""
-    lines = [line for line in read_rows(ROOT / row["raw"]) if line["batch_per_gpu"] == row["batch"]
-             and line["fused_kernels"] == row["kernels"]
-             and abs(float(line["tokens_per_s"]) - float(row["tokens_per_s"])) <= 0.5]
-    if len(lines) != 1:
-        raise ValueError(f"row #{row['id']}: {len(lines)} lines of {row['raw']} match its tokens/s, batch and kernels")
-    path = (ROOT / row["raw"]).parent / "runs" / lines[0]["run"] / "profile_breakdown.json"
-    if not path.exists():
-        return {}
+    profile_breakdown.json beside the row's sweep.csv (the `raw` file); blank cells for a run without --profile."""
+    if row["variant"] != "profiled":
+        return dict.fromkeys(PROFILE_COLUMNS, "")
+    line = raw_line(row, batch_per_gpu=row["batch"], fused_kernels=row["kernels"])
+    path = (ROOT / row["raw"]).parent / "runs" / line["run"] / "profile_breakdown.json"
     profile = json.loads(path.read_text())
     ms = profile["ms_per_step"]
     return {**{column: f"{ms[key]:.1f} ms" for column, key in PROFILE_CATEGORIES.items()},
@@ -272,9 +274,7 @@ def kernel_sets(rows: Mapping[int, Row], link_prefix: str = "../") -> str:
             c = cells(row, None)
             share = "" if row is trio[0] else f"{ratio(row, trio[0]):.3f}× #{trio[0]['id']}"  # refuses two calls
             c = {**c, "`--fused-kernels`": row["kernels"], "ratio": share,
-                 "verdict": c["verdict"].replace("](../", f"]({link_prefix}"),
-                 **dict.fromkeys(("GEMM", "elementwise", "attention", "optimizer", "device busy"), ""),
-                 **run_profile(row)}
+                 "verdict": c["verdict"].replace("](../", f"]({link_prefix}"), **run_profile(row)}
             lines.append("| " + " | ".join(c[col] for col in KERNEL_SET_COLUMNS) + " |")
     return "\n".join(lines) + "\n"
 

@@ -255,21 +255,22 @@ def resolve_optimizer(args: argparse.Namespace) -> None:
     DDP, FSDP2), torch's elsewhere; `none` stays PyTorch's own. An explicit `--optimizer triton` under DeepSpeed is
     refused: DeepSpeed steps its own partitions."""
     keeps_torch_state = args.mode != "hybrid" or args.zero_engine == "fsdp2"
-    fused = args.use_fused_kernel or args.fused_kernels != "none"
     if args.optimizer == "auto":
-        args.optimizer = "triton" if fused and keeps_torch_state else "torch"
+        args.optimizer = "triton" if args.fused_kernels != "none" and keeps_torch_state else "torch"
     elif args.optimizer == "triton" and not keeps_torch_state:
         raise ConfigError("--optimizer triton steps torch's AdamW state, which DeepSpeed does not keep (it steps its "
                           "own flat partitions); drop --optimizer triton or add --zero-engine fsdp2")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
+    if args.use_fused_kernel and args.fused_kernels not in ("none", "cuda"):
+        raise ConfigError("--use-fused-kernel means --fused-kernels cuda; drop one of the two flags")
+    if args.use_fused_kernel:
+        args.fused_kernels = "cuda"
     check_zero_engine(args)
     resolve_optimizer(args)
     check_deepcompile(args)
     check_flags_act(args)
-    if args.use_fused_kernel and args.fused_kernels not in ("none", "cuda"):
-        raise ConfigError("--use-fused-kernel means --fused-kernels cuda; drop one of the two flags")
     if args.grad_accum is not None and args.global_batch_size is not None:
         raise ConfigError("--global-batch-size sets the accumulation steps itself; drop --grad-accum "
                           f"{args.grad_accum} or --global-batch-size {args.global_batch_size}")
@@ -292,8 +293,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         TrainConfig, args,
         throughput_warmup_steps=(args.throughput_warmup_steps if args.throughput_warmup_steps is not None else
                                  throughput_warmup_default(deepcompile)),
-        compile_scope=resolve_compile_scope(args.compile_scope or "auto", args.mode, args.tp_size, compiler),
-        fused_kernels="cuda" if args.use_fused_kernel else args.fused_kernels)
+        compile_scope=resolve_compile_scope(args.compile_scope or "auto", args.mode, args.tp_size, compiler))
     model = _section(ModelConfig, args, **{key: value for key, value in MODEL_PRESETS[args.model].items()
                                            if getattr(args, key, None) is None})
     if args.fsdp2_unit_blocks is not None and args.fsdp2_unit_blocks > model.n_layer:

@@ -300,10 +300,10 @@ class RunLayout:
 
     @property
     def triton_adamw(self) -> bool:
-        """`--optimizer triton` (or auto under `--fused-kernels triton`): the update by `fused_kernels.triton.adamw`
-        over torch's AdamW state, and its norm where the engine's norm is a plain one (no TP, no FSDP2), instead of
-        torch's fused AdamW. Single, DDP and FSDP2 only (`gpt2.config.cli.resolve_optimizer`): DeepSpeed steps its
-        own flat partitions."""
+        """`--optimizer triton` (or auto under `--fused-kernels triton` or `cuda`): the update by
+        `fused_kernels.triton.adamw` over torch's AdamW state, and its norm where the engine's norm is a plain one (no
+        TP, no FSDP2), instead of torch's fused AdamW. Single, DDP and FSDP2 only
+        (`gpt2.config.cli.resolve_optimizer`): DeepSpeed steps its own flat partitions."""
         return self.cfg.train.optimizer == "triton"
 
     @property

@@ -31,13 +31,13 @@ def check_backends(cfg: RunConfig) -> None:
 def check_triton_optimizer() -> None:
     """`--optimizer triton`: KernelUnavailableError unless its kernels (`fused_kernels.triton.adamw`) can run here;
     Triton is imported only then."""
+    chosen = "--optimizer triton (what --optimizer auto picks under --fused-kernels triton or cuda)"
     try:
         from fused_kernels.triton import check_available
         from fused_kernels.triton.adamw import adamw_kernel
     except ImportError as e:
-        raise KernelUnavailableError(f"--optimizer triton: Triton cannot be imported here ({e}); use --optimizer "
-                                     "torch") from e
-    check_available(adamw_kernel, "--optimizer triton", "--optimizer torch")
+        raise KernelUnavailableError(f"{chosen}: Triton cannot be imported here ({e}); use --optimizer torch") from e
+    check_available(adamw_kernel, chosen, "--optimizer torch")
 
 
 def build_engine(layout: RunLayout, ctx: DistContext) -> Engine:

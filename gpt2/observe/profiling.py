@@ -36,8 +36,12 @@ CATEGORIES: list[tuple[str, re.Pattern]] = [
     ("communication", re.compile(r"nccl|allreduce|all_gather|reduce_scatter", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn.*mha", re.I)),
     ("gemm", re.compile(r"gemm|matmul|cutlass|xmma|nvjet|sm\d+_.*mma|cublas|aten::(addmm|mm|bmm|linear)$", re.I)),
-    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
+    # the Triton AdamW's norm (sum_squares_kernel) with the update, as torch's foreach norm is
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach|sum_squares", re.I)),
 ]
+# the CUDA runtime and driver calls that launch device work (cudaLaunchKernel, cuLaunchKernel, cudaMemcpyAsync, ...):
+# a kernel carries its launch's correlation id
+LAUNCH_CALL = re.compile(r"^cu(da)?[A-Z]")
 # host-side collective calls: the c10d ops the process calls (the backend's own `nccl:`/`gloo:` work records on
 # its threads are not counted again; NCCL kernels are the device side's communication category)
 COLLECTIVE_CALL_PREFIX = "c10d::"
@@ -135,6 +139,15 @@ def is_kernel(e: FunctionEvent) -> bool:
     return e.device_type == DeviceType.CUDA and not e.is_user_annotation and not e.key.startswith("ProfilerStep")
 
 
+def launched_in_window(events: list[FunctionEvent], kernels: list[FunctionEvent]) -> list[FunctionEvent]:
+    """The kernels whose launch the window recorded. The device runs behind the host, so the trace also holds the
+    tail of the step before the window, launched before it began: counted per step, those would add part of a
+    step. Where no launch matches any kernel (a profiler that records none), every kernel is kept."""
+    launches = {e.id for e in events if e.device_type == DeviceType.CPU and LAUNCH_CALL.match(e.key)}
+    launched = [k for k in kernels if k.id in launches]
+    return launched if launched or not kernels else kernels
+
+
 def busy_us(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals: device time with at least one kernel running (kernels on
     different streams overlap, so their summed durations overstate it)."""
@@ -159,7 +172,8 @@ def summarise(events: list[FunctionEvent], module_hooks: int | None) -> dict:
     steps as ProfilerStep ranges, fewer than ACTIVE_STEPS where the run ended inside the window."""
     step_events = [e for e in events if e.key.startswith("ProfilerStep") and e.device_type == DeviceType.CPU]
     steps = max(len(step_events), 1)
-    kernels = [e for e in events if is_kernel(e)]
+    recorded = [e for e in events if is_kernel(e)]
+    kernels = launched_in_window(events, recorded)
     on_device = bool(kernels)
     # kernels are counted once: CPU ops also carry their kernels' device time, so they are skipped
     counted = kernels if on_device else [e for e in events if not e.key.startswith("ProfilerStep")]
@@ -169,7 +183,8 @@ def summarise(events: list[FunctionEvent], module_hooks: int | None) -> dict:
         totals[categorise(e.key)] = totals.get(categorise(e.key), 0.0) + us
     per_step_ms = {k: v / 1000 / steps for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
     wall_ms = sum(e.time_range.elapsed_us() for e in step_events) / 1000 / steps if step_events else None
-    busy_ms = busy_us([(e.time_range.start, e.time_range.end) for e in kernels]) / 1000 / steps
+    # busy: every kernel the device ran while the window was open, the previous step's tail included
+    busy_ms = busy_us([(e.time_range.start, e.time_range.end) for e in recorded]) / 1000 / steps
     collectives = [e for e in events if e.device_type == DeviceType.CPU and e.key.startswith(COLLECTIVE_CALL_PREFIX)]
     host_ops = [e for e in events if e.device_type == DeviceType.CPU and not e.is_user_annotation
                 and not e.key.startswith("ProfilerStep") and not DEVICE_WAIT.search(e.key)]
@@ -179,10 +194,12 @@ def summarise(events: list[FunctionEvent], module_hooks: int | None) -> dict:
             "device_busy_pct": round(100 * busy_ms / wall_ms, 1) if on_device and wall_ms else None,
             "host_op_ms_per_step": round(sum(e.self_cpu_time_total for e in host_ops) / 1000 / steps, 2),
             "kernels_per_step": round(len(kernels) / steps, 1),
+            "kernels_launched_before_window": len(recorded) - len(kernels),
             "collective_calls_per_step": round(len(collectives) / steps, 1),
             "module_hooks_per_forward_backward": module_hooks,
-            "note": "ms_per_step sums kernel durations per category; kernels on different streams overlap "
-                    "(communication with compute), so the sum can exceed the wall time. device_busy is the union of "
-                    "kernel intervals: wall minus busy is time the device waited for the host. host_op_ms is the "
-                    "host time inside PyTorch ops and runtime calls (all threads; waits for the device and Python "
-                    "between ops not counted)"}
+            "note": "ms_per_step sums the durations of the kernels launched in the profiled steps, per category "
+                    "(kernels_launched_before_window: the previous step's tail, not counted there); kernels on "
+                    "different streams overlap (communication with compute), so the sum can exceed the wall time. "
+                    "device_busy is the union of all kernel intervals recorded: wall minus busy is time the device "
+                    "waited for the host. host_op_ms is the host time inside PyTorch ops and runtime calls (all "
+                    "threads; waits for the device and Python between ops not counted)"}

@@ -123,9 +123,9 @@ def test_the_whole_mlp_op_is_allowed_only_for_whole_linears_in_per_block_graphs(
     assert RunLayout.resolve(cfg, world_size=world, device="cuda").whole_mlp is allowed
 
 
-@pytest.mark.parametrize("scope, inductor_s", [("model", True), ("blocks", False)])
+@pytest.mark.parametrize("scope, whole_model_graph", [("model", True), ("blocks", False)])
 def test_the_cuda_set_gives_way_to_inductor_in_a_whole_model_graph(monkeypatch: pytest.MonkeyPatch, scope: str,
-                                                                  inductor_s: bool) -> None:
+                                                                  whole_model_graph: bool) -> None:
     """`--fused-kernels cuda` under torch.compile's whole-model graph runs the reference MLP (cuBLAS + Inductor's
     bias+GELU, faster there end to end) and builds neither extension; per-block graphs keep the whole-MLP op
     (extensions stubbed: no GPU here)."""
@@ -140,9 +140,9 @@ def test_the_cuda_set_gives_way_to_inductor_in_a_whole_model_graph(monkeypatch: 
     monkeypatch.setattr(fused_mlp, "hopper", lambda: True)
     monkeypatch.setattr(fused_mlp, "load_wgmma_extension", lambda: built.append("wgmma"))
     ops = kernel_ops(parse_args(["--fused-kernels", "cuda", "--compile", "--compile-scope", scope]))
-    assert (ops.linear is reference.linear) is inductor_s
-    assert (ops.mlp is None) is inductor_s
-    assert built == ([] if inductor_s else ["bias+GELU", "wgmma"])  # nothing built that the run does not call
+    assert (ops.linear is reference.linear) is whole_model_graph
+    assert (ops.mlp is None) is whole_model_graph
+    assert built == ([] if whole_model_graph else ["bias+GELU", "wgmma"])  # nothing built that the run does not call
 
 
 def test_the_op_backward_fills_no_zeros_for_its_saved_outputs(cpu_kernels: None) -> None:

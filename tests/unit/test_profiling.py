@@ -9,6 +9,8 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from gpt2.config.schema import PROFILED_STEPS
@@ -60,6 +62,27 @@ def test_summary_counts_collective_calls_per_step(gloo_world):
     assert s["step_wall_ms"] > 0 and s["module_hooks_per_forward_backward"] == 7
     assert 0 < s["host_op_ms_per_step"] < s["step_wall_ms"]
     assert s["time_base"] == "CPU op time"
+
+
+def _event(id_: int, name: str, start: float, end: float, device: bool = False) -> FunctionEvent:
+    return FunctionEvent(id_, name, thread=0, start_us=start, end_us=end, use_device="cuda",
+                         device_type=DeviceType.CUDA if device else DeviceType.CPU)
+
+
+def test_the_summary_counts_only_kernels_launched_in_the_window():
+    """The device runs behind the host: the trace's first kernels belong to the step before the window (their
+    launches fell before it, unrecorded) and must not be counted as the window's."""
+    steps = [_event(1, "ProfilerStep#1", 0, 1000), _event(2, "ProfilerStep#2", 1000, 2000)]
+    launches = [_event(10, "cudaLaunchKernel", 100, 110), _event(11, "cuLaunchKernel", 1100, 1110)]
+    kernels = [_event(9, "adamw_kernel", 0, 300, device=True),  # the previous step's, still running
+               _event(10, "adamw_kernel", 300, 700, device=True),
+               _event(11, "sum_squares_kernel", 1200, 1500, device=True)]
+    s = summarise(steps + launches + kernels, module_hooks=None)
+    assert s["ms_per_step"] == {"optimizer": 0.35}  # the Triton AdamW's norm counts with its update
+    assert s["kernels_per_step"] == 1 and s["kernels_launched_before_window"] == 1
+    assert s["device_busy_ms_per_step"] == 0.5  # busy: whatever ran while the window was open
+    unlinked = summarise(steps + kernels, module_hooks=None)  # no launch records at all: every kernel is kept
+    assert unlinked["ms_per_step"]["optimizer"] == 0.5 and unlinked["kernels_launched_before_window"] == 0
 
 
 def test_step_profiler_writes_the_breakdown(tmp_path):
