@@ -216,7 +216,8 @@ def test_triton_optimizer_without_gpu_or_interpreter_is_a_clear_error():
             "except ConfigError as e:\n    print(e)\n")
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.startswith("--optimizer triton needs a CUDA GPU") and "use --optimizer torch" in out, out
+    assert out.startswith("--optimizer triton (what --optimizer auto picks under --fused-kernels triton or cuda) "
+                          "needs a CUDA GPU") and "use --optimizer torch" in out, out
 
 
 def test_triton_backend_ops():
