@@ -36,6 +36,25 @@ class KernelOps:
     inductor_fuses_elementwise: bool = False
 
 
+# backends with an LM-head cross-entropy of their own (the triton set's chunked op); the others use the reference's
+FUSED_HEAD_BACKENDS = ("triton",)
+# logits the chunked cross-entropy computes at once ([chunk_rows, Vp]): read by the op and by the memory planner
+LM_HEAD_CHUNK_ELEMENTS = 1 << 28
+
+
+def lm_head_chunk_rows(n_rows: int, v_padded: int) -> int:
+    """Rows of the chunked cross-entropy's chunk: at most LM_HEAD_CHUNK_ELEMENTS logits, at least one row."""
+    return max(1, min(n_rows, LM_HEAD_CHUNK_ELEMENTS // v_padded))
+
+
+def fused_head_runs(backend: str, *, inductor_head: bool, whole_model_graph: bool) -> bool:
+    """Whether `backend`'s own LM-head cross-entropy runs rather than the reference one. Where Inductor compiles the
+    head with the rest of the model (`inductor_head`), the backend's op stays only in torch.compile's whole-model
+    graph (`whole_model_graph`), where it ran faster than Inductor's fused head (docs/decisions.md); DeepCompile's
+    graph, where it was never timed, keeps Inductor's."""
+    return backend in FUSED_HEAD_BACKENDS and (not inductor_head or whole_model_graph)
+
+
 REFERENCE_OPS = KernelOps(
     name="none",
     linear=reference.linear,
@@ -58,9 +77,8 @@ def get_ops(backend: str, *, inductor_head: bool = False, inductor_elementwise: 
             whole_mlp: bool = False) -> KernelOps:
     """The ops of `backend` ("none", "triton", "cuda"); raises KernelUnavailableError if unusable.
 
-    inductor_head: Inductor compiles the LM head with the rest of the model (`--compile-scope model`, DeepCompile).
-    It fuses the head's matmul + cross-entropy itself, faster than the chunked kernel (docs/decisions.md), so the
-    reference op is used there.
+    inductor_head: Inductor compiles the LM head with the rest of the model (`--compile-scope model`, DeepCompile):
+    the backend's cross-entropy is kept where `fused_head_runs` says, else the reference one, which Inductor fuses.
 
     inductor_elementwise: torch.compile traces the whole model as one graph (`--compile-scope model`; DeepCompile's
     graph is not measured): the reference bias+GELU and add+LayerNorm are used where the backend says Inductor fuses
@@ -80,7 +98,11 @@ def get_ops(backend: str, *, inductor_head: bool = False, inductor_elementwise: 
         f"backend {backend!r} keeps elementwise ops it was told would not run")
     if inductor_elementwise and ops.inductor_fuses_elementwise:
         ops = replace(ops, linear=reference.linear, add_layernorm=reference.add_layernorm)
-    return replace(ops, lm_cross_entropy=reference.lm_cross_entropy) if inductor_head else ops
+    assert (ops.lm_cross_entropy is not reference.lm_cross_entropy) == (backend in FUSED_HEAD_BACKENDS), (
+        f"backend {backend!r}: FUSED_HEAD_BACKENDS disagrees with its lm_cross_entropy")
+    if fused_head_runs(backend, inductor_head=inductor_head, whole_model_graph=inductor_elementwise):
+        return ops
+    return replace(ops, lm_cross_entropy=reference.lm_cross_entropy)
 
 
 def _lazy_backend(module: str, factory: str) -> Factory:

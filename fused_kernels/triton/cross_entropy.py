@@ -17,12 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_kernels import lm_head_chunk_rows
 from fused_kernels.custom_ops import kernel_op
 
 IGNORE_INDEX = -100  # for the host code; the kernel reads the constexpr below
 IGNORE = tl.constexpr(IGNORE_INDEX)  # compiled kernels may only read constexpr globals (the interpreter reads any)
 INTERPRETING = triton.knobs.runtime.interpret  # read when the kernel below is decorated
-CHUNK_ELEMENTS = 1 << 26  # logits elements per chunk: 128 MiB in bf16; fewer chunks, fewer grad_W updates
 
 
 @triton.jit
@@ -66,10 +66,6 @@ def ce_chunk_kernel(
             x = tl.load(ptr + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
             g = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
             tl.store(ptr + cols, (g * scale).to(logits_ptr.dtype.element_ty), mask=cols < V_PADDED)
-
-
-def _chunk_rows(n_rows: int, v_padded: int) -> int:
-    return max(1, min(n_rows, CHUNK_ELEMENTS // v_padded))
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -157,7 +153,7 @@ def lm_cross_entropy(
     autocast = torch.is_autocast_enabled(device_type)
     compute_dtype = torch.get_autocast_dtype(device_type) if autocast else hidden.dtype
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    rows = chunk_rows or _chunk_rows(hidden.shape[0], weight.shape[0])
+    rows = chunk_rows or lm_head_chunk_rows(hidden.shape[0], weight.shape[0])
     with torch.autocast(device_type, enabled=False):  # the op's matmuls run in compute_dtype
         loss, correct, _, _ = lm_cross_entropy_forward(
             hidden, weight, targets.contiguous(), vocab_size, compute_dtype, need_grad, rows)

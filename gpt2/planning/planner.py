@@ -45,9 +45,9 @@ runs behind each term: docs/decisions.md):
   2 x 2 B x Vp; the head's own graph (per-part scopes) writes the gradient into the saved buffer:
   2 B x Vp. Vocab-parallel (TP): fp32 softmax saved + its fp32 clone as the gradient + the cast to the logits
   dtype: 10 B x Vp / tp.
-  Triton fused CE, where Inductor does not compile the head (a whole-model graph uses Inductor's own loss:
-  `inductor_compiles_head`): one 2^26-logit chunk, the fp32 grad_W accumulator and fp32 grad_h. Plus ln_f's input
-  and output.
+  Triton fused CE, wherever it runs (`fused_kernels.fused_head_runs`; DeepCompile uses Inductor's own loss): one
+  chunk of logits (`fused_kernels.lm_head_chunk_rows`), the fp32 grad_W accumulator and fp32 grad_h. Plus ln_f's
+  input and output.
 - Workspace: two cuBLAS workspaces (32 MiB each: the forward's thread and autograd's backward thread each have a
   handle), DeepSpeed's reduce bucket (ZeRO-3: one per communication dtype, 16-bit and fp32 under torch_autocast)
   and (ZeRO-3) prefetch bucket.
@@ -82,6 +82,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from fused_kernels import fused_head_runs, lm_head_chunk_rows
 from gpt2.config.cli import resolve_compile_scope
 from gpt2.config.deepspeed_file import zero3_defaults
 from gpt2.config.layout import (
@@ -89,6 +90,7 @@ from gpt2.config.layout import (
     check_tp_divides_world,
     inductor_compiles_head,
     sequence_splits,
+    torch_compiles_whole_model,
     tp_divides_model,
 )
 from gpt2.config.schema import MODEL_PRESETS, ConfigError, RunConfig
@@ -116,7 +118,6 @@ CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # torch's cuBLAS workspace on Hopper (CUBLA
 # torch keeps one workspace per (cuBLAS handle, stream) and one handle per thread: the forward's thread and autograd's
 # backward thread each allocate one
 CUBLAS_WORKSPACES = 2
-CE_CHUNK_ELEMENTS = 1 << 26  # fused_kernels.triton.cross_entropy.CHUNK_ELEMENTS (not imported: needs triton)
 DEFAULT_GPU_MEMORY_GIB = 80.0
 
 
@@ -308,8 +309,10 @@ def loss_bytes(layout: RunLayout, tokens: int, e: int) -> float:
     vp, v = cfg.padded_vocab_size, cfg.vocab_size
     if layout.tp_size > 1:
         return tokens * vp / layout.tp_size * (2 * FP32_BYTES + (e if e < FP32_BYTES else 0))
-    if t.fused_kernels == "triton" and not inductor_compiles_head(layout.cfg):  # the chunked LM-head cross-entropy
-        return CE_CHUNK_ELEMENTS * e + FP32_BYTES * vp * cfg.n_embd + FP32_BYTES * tokens * cfg.n_embd
+    if fused_head_runs(t.fused_kernels, inductor_head=inductor_compiles_head(layout.cfg),
+                       whole_model_graph=torch_compiles_whole_model(layout.cfg)):  # the chunked cross-entropy
+        chunk = lm_head_chunk_rows(tokens, vp) * vp  # logits
+        return chunk * e + FP32_BYTES * vp * cfg.n_embd + FP32_BYTES * tokens * cfg.n_embd
     if t.compile:  # the 16-bit logits saved; a whole-model graph writes their gradient to a second buffer, the
         # head's own graph (per-part scopes) into the saved one (a donated buffer: its backward is its last reader)
         return tokens * vp * e * (2 if layout.compile_scope == "model" else 1)

@@ -162,10 +162,11 @@ def test_triton_ops_trace_for_the_gpu(opaque):
     assert proc.stdout.count("ok ") == 9, proc.stdout
 
 
-def test_a_whole_model_graph_keeps_inductor_s_ops_and_the_up_projection_keeps_cublas():
+def test_a_whole_model_graph_keeps_inductor_s_elementwise_ops_and_the_triton_loss():
     """Each kernel is used only where it measured faster (fused_kernels.triton's docstring): the up-projection is
-    cuBLAS + the Triton bias+GELU, and where Inductor compiles the whole model its own cross-entropy, bias+GELU
-    and add+LayerNorm stay."""
+    cuBLAS + the Triton bias+GELU; where torch.compile traces the whole model Inductor's bias+GELU and add+LayerNorm
+    stay but the chunked cross-entropy is kept (faster than Inductor's head there); DeepCompile's graph, where the
+    loss was never timed, keeps Inductor's loss and the backend's elementwise ops."""
     from fused_kernels import reference
 
     ops = get_ops("triton")
@@ -173,9 +174,10 @@ def test_a_whole_model_graph_keeps_inductor_s_ops_and_the_up_projection_keeps_cu
         {reference.lm_cross_entropy, reference.linear, reference.add_layernorm})
     whole = get_ops("triton", inductor_head=True, inductor_elementwise=True)
     assert (whole.lm_cross_entropy, whole.linear, whole.add_layernorm) == (
-        reference.lm_cross_entropy, reference.linear, reference.add_layernorm)
-    deepcompile = get_ops("triton", inductor_head=True)  # one graph too, its elementwise ops not measured: kept
+        ops.lm_cross_entropy, reference.linear, reference.add_layernorm)
+    deepcompile = get_ops("triton", inductor_head=True)
     assert deepcompile.lm_cross_entropy is reference.lm_cross_entropy and deepcompile.linear is ops.linear
+    assert get_ops("none", inductor_head=True, inductor_elementwise=True).lm_cross_entropy is reference.lm_cross_entropy
     x, w, b = torch.randn(4, 8), torch.randn(16, 8), torch.randn(16)
     assert_close(ops.linear(x, w, b, True), reference.linear(x, w, b, True), 1e-5, "up-projection")
 
@@ -193,7 +195,7 @@ def test_triton_launch_repro_measures_every_case():
 @pytest.mark.parametrize("scope, inductor_s", [("model", True), ("blocks", False)])
 def test_the_model_s_ops_follow_the_compile_scope(scope: str, inductor_s: bool) -> None:
     """`gpt2.runtime.parallelize.kernel_ops`: Inductor's bias+GELU and add+LayerNorm in torch.compile's whole-model
-    graph only; per-block graphs keep the set's kernels."""
+    graph only; per-block graphs keep the set's kernels, and both keep its cross-entropy."""
     from fused_kernels import reference
     from gpt2.config.cli import parse_args
     from gpt2.runtime.parallelize import kernel_ops
@@ -201,3 +203,4 @@ def test_the_model_s_ops_follow_the_compile_scope(scope: str, inductor_s: bool) 
     ops = kernel_ops(parse_args(["--fused-kernels", "triton", "--compile", "--compile-scope", scope]))
     assert (ops.add_layernorm is reference.add_layernorm) is inductor_s
     assert (ops.linear is reference.linear) is inductor_s
+    assert ops.lm_cross_entropy is not reference.lm_cross_entropy
