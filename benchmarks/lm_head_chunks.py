@@ -25,7 +25,7 @@ import torch
 
 from benchmarks.kernels import VOCAB, VOCAB_PADDED, device_ms
 from benchmarks.measure import median_ms, peak_alloc_mib, report_table
-from fused_kernels import reference
+from fused_kernels import lm_head_chunk_rows, reference
 from tools.common import device_tag
 
 D_MODEL = 1280  # GPT-2 Large
@@ -48,7 +48,7 @@ def implementations(tokens: int, chunk_exponents: list[int], compile_: bool) -> 
         return lambda h, w, t: lm_cross_entropy(h, w, t, VOCAB, chunk_rows=rows)
 
     for k in chunk_exponents:
-        rows = min(tokens, max(1, (1 << k) // VOCAB_PADDED))
+        rows = lm_head_chunk_rows(tokens, VOCAB_PADDED, 1 << k)
         impls[f"triton 2^{k}"] = (triton(rows), rows)
     impls["triton one-chunk"] = (triton(tokens), tokens)
     return impls

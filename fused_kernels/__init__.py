@@ -42,9 +42,9 @@ FUSED_HEAD_BACKENDS = ("triton",)
 LM_HEAD_CHUNK_ELEMENTS = 1 << 28
 
 
-def lm_head_chunk_rows(n_rows: int, v_padded: int) -> int:
-    """Rows of the chunked cross-entropy's chunk: at most LM_HEAD_CHUNK_ELEMENTS logits, at least one row."""
-    return max(1, min(n_rows, LM_HEAD_CHUNK_ELEMENTS // v_padded))
+def lm_head_chunk_rows(n_rows: int, v_padded: int, elements: int = LM_HEAD_CHUNK_ELEMENTS) -> int:
+    """Rows of the chunked cross-entropy's chunk: at most `elements` logits, at least one row."""
+    return max(1, min(n_rows, elements // v_padded))
 
 
 def fused_head_runs(backend: str, *, inductor_head: bool, whole_model_graph: bool) -> bool:

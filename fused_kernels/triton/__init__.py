@@ -4,8 +4,9 @@ LM cross-entropy.
 Each op is used in training only where it ran faster than what it replaces at GPT-2 Large's training shapes
 (docs/decisions.md): the one-kernel matmul+bias+GELU (`matmul_gelu`, kept for the kernel benchmark) was slower
 than cuBLAS + GELU, so the up-projection is cuBLAS followed by the Triton bias+GELU. Where Inductor compiles the
-whole model, `fused_kernels.get_ops` swaps all three for the reference ops, which Inductor fuses with their
-neighbours (faster end to end there). The set's optimizer, the Triton AdamW (`fused_kernels.triton.adamw`; the
+whole model, `fused_kernels.get_ops` swaps bias+GELU and add+LayerNorm for the reference ops, which Inductor fuses
+with their neighbours (faster end to end there); the chunked cross-entropy stays (faster than Inductor's head).
+The set's optimizer, the Triton AdamW (`fused_kernels.triton.adamw`; the
 cuda set's too), runs outside the graph wherever the engine keeps torch's AdamW state (`--optimizer auto`,
 `gpt2.config.cli.resolve_optimizer`).
 

@@ -145,8 +145,8 @@ def resolve_grad_accum(cfg: RunConfig, dp_size: int) -> int:
 
 def inductor_compiles_head(cfg: RunConfig) -> bool:
     """Whether the whole model is one Inductor graph (`--compile-scope model`, DeepCompile), the LM head's
-    cross-entropy included: there Inductor's own loss replaces --fused-kernels' chunked one (faster there;
-    gpt2.runtime.parallelize.kernel_ops), and the planner counts the compiled loss terms."""
+    cross-entropy included: `fused_kernels.fused_head_runs` decides whether --fused-kernels' chunked loss stays
+    there, and the planner counts the compiled loss terms where it does not."""
     return compile_label(cfg.train.compile, cfg.train.compile_scope, cfg.train.compiler) in ("model", "deepcompile")
 
 
