@@ -67,6 +67,18 @@ def kernels(raw: str, benchmark: str, call: str, commit: str = "") -> Iterator[R
                 yield {**base, "metric": metric, "value": r[column]}
 
 
+def lm_head_chunks(raw: str, call: str, commit: str) -> Iterator[Row]:
+    """benchmarks.lm_head_chunks: the LM head + cross-entropy fwd+bwd per token count, our Triton op by chunk size
+    (`ours-triton 2^k`) against Inductor's head and eager, device ms and peak MiB."""
+    for r in csv_rows(raw):
+        impl = r["impl"].replace("triton ", "ours-triton ")
+        base = {"date": day(r["date"]), "commit": commit, "call": call, "device": r["device"],
+                "benchmark": "lm-head-chunks", "op": "lm_head + cross_entropy fwd+bwd",
+                "implementation": KERNEL_IMPLS.get(impl, impl), "shape": f"[{r['tokens']}, 1280]", "raw": raw}
+        for column, metric in (("ms", "ms"), ("peak_mem_MiB", "MiB")):
+            yield {**base, "metric": metric, "value": r[column]}
+
+
 def kernels_copy(raw: str, benchmark: str, call: str) -> Iterator[Row]:
     """The copy bandwidth benchmarks.kernels measured in the same process (its Markdown's header)."""
     text = (ROOT / raw).read_text()
@@ -235,6 +247,7 @@ SOURCES: tuple[tuple[Callable[..., Iterator[Row]], tuple[Any, ...]], ...] = (
     (kernels, (R + "kernels/h200-2026-12-02-c1/kernels.csv", "liger", "h200-2026-12-02-c1", "0e27a99")),
     (kernels, (R + "kernels/e2e-h200-2026-12-02-e2/ce/kernels.csv", "liger", "h200-2026-12-02-e2", "66c634a")),
     (kernels, (R + "kernels/h200-2026-12-02-g5/kernels.csv", "liger", "h200-2026-12-02-g5", "9111245")),
+    (lm_head_chunks, (R + "kernels/e2e-h200-2026-12-02-i3/study/lm_head_chunks.csv", "h200-2026-12-02-i3", "5ab5d7d")),
 )
 
 

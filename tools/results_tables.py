@@ -239,8 +239,8 @@ def simulated_before_after(rows: Mapping[int, Row]) -> str:
 
 # issue 55's end-to-end table: single GPT-2 Large under --compile with each --fused-kernels set, the three rows of one
 # call at one batch (none, triton, cuda); a group is one call's sweep, so its ratios divide rows of that call
-KERNEL_SETS: tuple[tuple[int, int, int], ...] = ((317, 318, 319), (331, 330, 329), (320, 321, 322), (337, 336, 335),
-                                                 (326, 327, 328))
+KERNEL_SETS: tuple[tuple[int, int, int], ...] = ((317, 318, 319), (331, 330, 329), (341, 342, 343), (320, 321, 322),
+                                                 (337, 336, 335), (344, 345, 346), (326, 327, 328), (350, 351, 352))
 PROFILE_CATEGORIES = {"GEMM": "gemm", "elementwise": "elementwise/other", "attention": "attention",
                       "optimizer": "optimizer"}
 PROFILE_COLUMNS = (*PROFILE_CATEGORIES, "device busy")
@@ -336,7 +336,7 @@ def pairs(*ids: int, vs: int | None = None) -> list[tuple[int, int | None]]:
 TABLES: dict[str, Table] = {
     "headline": Table(
         [*pairs(191, 190, 192, vs=191), *pairs(153, 154, 155, vs=153), *pairs(289, 290, vs=289),
-         *pairs(320, 321, 322, vs=320)],
+         *pairs(344, 345, 346, vs=344)],
         columns=("row", "configuration", "devices", "batch", "tok/s", "MFU", "peak GiB", "ratio", "verdict")),
     "two-gpus": Table([*pairs(191, 190, 192, vs=191), *pairs(194, 193, vs=194), (200, None), (198, None),
                        (199, None), (195, None), (197, None)]),
@@ -471,6 +471,9 @@ MICRO_TABLES: dict[str, MicroTable] = {
                                  where={"metric": ("MiB",)}, base={"implementation": "eager"}, ratio="over"),
     "liger": MicroTable("liger", ("eager", "inductor", "ours-triton", "ours-cuda", "liger", "liger-fp32acc"),
                         where={"metric": ("ms", "MiB")}, base={"implementation": "ours-triton"}, ratio="over"),
+    "lm-head-chunks": MicroTable("lm-head-chunks", ("eager", "inductor", *(f"ours-triton 2^{k}" for k in range(26, 31)),
+                                                    "ours-triton one-chunk"),
+                                 base={"implementation": "inductor"}, ratio="over"),
     "attention": MicroTable("attention", ("sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "sdpa-math"),
                             base={"implementation": "sdpa-cudnn"}, ratio="over", ratio_metrics=("ms", "MiB")),
     "gemm-ladder": MicroTable("gemm", ("cublas", "ours-triton", "ours-cuda-naive", "ours-cuda-smem",
