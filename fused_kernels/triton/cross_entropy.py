@@ -119,6 +119,7 @@ def lm_cross_entropy_forward(
         if need_grad:  # logits now holds dlogits
             torch.mm(logits, w, out=grad_h[s:e])  # [C, d]
             _accumulate(grad_w, logits.t(), h[s:e])  # [Vp, d] += [Vp, C] @ [C, d]
+        del logits  # freed before the next chunk's matmul allocates: one chunk alive at a time, not two
     return loss_rows.sum() * inv_n, correct_rows.sum(dtype=torch.int64), grad_h, grad_w
 
 

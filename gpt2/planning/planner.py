@@ -46,8 +46,9 @@ runs behind each term: docs/decisions.md):
   2 B x Vp. Vocab-parallel (TP): fp32 softmax saved + its fp32 clone as the gradient + the cast to the logits
   dtype: 10 B x Vp / tp.
   Triton fused CE, wherever it runs (`fused_kernels.fused_head_runs`; DeepCompile uses Inductor's own loss): one
-  chunk of logits (`fused_kernels.lm_head_chunk_rows`), the fp32 grad_W accumulator and fp32 grad_h. Plus ln_f's
-  input and output.
+  chunk of logits (`fused_kernels.lm_head_chunk_rows`), the fp32 grad_W accumulator and fp32 grad_h; in a
+  whole-model graph also one 16-bit [tokens, Vp] that no term names: the GPU held it at the forward's peak, after
+  the forward and at every batch measured (docs/decisions.md). Plus ln_f's input and output.
 - Workspace: two cuBLAS workspaces (32 MiB each: the forward's thread and autograd's backward thread each have a
   handle), DeepSpeed's reduce bucket (ZeRO-3: one per communication dtype, 16-bit and fp32 under torch_autocast)
   and (ZeRO-3) prefetch bucket.
@@ -309,10 +310,12 @@ def loss_bytes(layout: RunLayout, tokens: int, e: int) -> float:
     vp, v = cfg.padded_vocab_size, cfg.vocab_size
     if layout.tp_size > 1:
         return tokens * vp / layout.tp_size * (2 * FP32_BYTES + (e if e < FP32_BYTES else 0))
+    whole_graph = torch_compiles_whole_model(layout.cfg)
     if fused_head_runs(t.fused_kernels, inductor_head=inductor_compiles_head(layout.cfg),
-                       whole_model_graph=torch_compiles_whole_model(layout.cfg)):  # the chunked cross-entropy
+                       whole_model_graph=whole_graph):  # the chunked cross-entropy
         chunk = lm_head_chunk_rows(tokens, vp) * vp  # logits
-        return chunk * e + FP32_BYTES * vp * cfg.n_embd + FP32_BYTES * tokens * cfg.n_embd
+        unnamed = tokens * vp * e if whole_graph else 0  # measured, not yet named: see the module docstring
+        return chunk * e + unnamed + FP32_BYTES * vp * cfg.n_embd + FP32_BYTES * tokens * cfg.n_embd
     if t.compile:  # the 16-bit logits saved; a whole-model graph writes their gradient to a second buffer, the
         # head's own graph (per-part scopes) into the saved one (a donated buffer: its backward is its last reader)
         return tokens * vp * e * (2 if layout.compile_scope == "model" else 1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -186,6 +187,27 @@ def test_lm_cross_entropy_scales_incoming_gradient():
     (g,) = torch.autograd.grad(3.0 * loss, [hidden])
     (g_ref,) = torch.autograd.grad(3.0 * reference.lm_cross_entropy(hidden, weight, targets, 300)[0], [hidden])
     assert_close(g, g_ref, 1e-5, "3 * dhidden")
+
+
+def test_lm_cross_entropy_holds_one_chunk_of_logits_at_a_time(monkeypatch):
+    """The chunk loop frees each [C, Vp] chunk before the next one's matmul allocates (two alive at once would
+    double the op's peak, which the memory planner counts as one chunk)."""
+    hidden, weight, targets = _ce_case(37, 24, 300, 384, torch.float32)
+    chunks: list[weakref.ref] = []
+    most_alive = 0
+    matmul = torch.Tensor.__matmul__
+
+    def counting_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        nonlocal most_alive
+        out = matmul(a, b)
+        if out.shape[-1] == weight.shape[0]:  # a logits chunk [C, Vp]
+            chunks.append(weakref.ref(out))
+            most_alive = max(most_alive, sum(ref() is not None for ref in chunks))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", counting_matmul)
+    loss, _ = lm_cross_entropy(hidden, weight, targets, 300, chunk_rows=8)
+    assert len(chunks) == 5 and most_alive == 1, (len(chunks), most_alive)
 
 
 def test_registry_import_does_not_import_triton_or_build_cuda():
