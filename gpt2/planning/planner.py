@@ -47,8 +47,9 @@ runs behind each term: docs/decisions.md):
   dtype: 10 B x Vp / tp.
   Triton fused CE, wherever it runs (`fused_kernels.fused_head_runs`; DeepCompile uses Inductor's own loss): one
   chunk of logits (`fused_kernels.lm_head_chunk_rows`), the fp32 grad_W accumulator and fp32 grad_h; in a
-  whole-model graph also one 16-bit [tokens, Vp] that no term names: the GPU held it at the forward's peak, after
-  the forward and at every batch measured (docs/decisions.md). Plus ln_f's input and output.
+  whole-model graph also one [tokens, Vp] in the activation dtype that no term names: single's measured peaks held
+  about that much more at every batch, in the forward (docs/decisions.md; DDP's graph is planned alike, unmeasured).
+  Plus ln_f's input and output.
 - Workspace: two cuBLAS workspaces (32 MiB each: the forward's thread and autograd's backward thread each have a
   handle), DeepSpeed's reduce bucket (ZeRO-3: one per communication dtype, 16-bit and fp32 under torch_autocast)
   and (ZeRO-3) prefetch bucket.

@@ -443,7 +443,7 @@ SINGLE_RUNS = [  # one H200, GPT-2 Large, --compile (scope model: the whole mode
     "kernels/e2e-h200-2026-12-02-cB/runs/single-none-b8",
     "kernels/e2e-h200-2026-12-02-cC/runs/single-none-b8",
     # the Triton loss in the whole-model graph at batch 8, 32 and 64, measured while its chunk loop still held two
-    # chunks at once (up to 0.5 GiB more than it holds now)
+    # chunks at once (one more than it holds now)
     "kernels/e2e-h200-2026-12-02-i2/sweep-b8/runs/single-triton-b8",
     "kernels/e2e-h200-2026-12-02-i2/sweep-b32/runs/single-triton-b32",
     "kernels/e2e-h200-2026-12-02-i3/sweep-b64/runs/single-triton-b64",
